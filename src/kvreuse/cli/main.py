@@ -1,0 +1,53 @@
+"""The ``kvreuse`` command line: one entry point, subcommands registered by module.
+
+Each module in :data:`COMMAND_MODULES` exposes ``register(subparsers)``, which adds its
+subparser(s) and sets ``func`` (``argparse.Namespace -> int`` exit code) as the default.
+Adding a command is one line here and one module; nothing is dispatched with if/elif.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from kvreuse import __version__
+from kvreuse.errors import KvreuseError
+
+COMMAND_MODULES: tuple[str, ...] = (
+    "kvreuse.cli.demo",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full parser with every registered subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="kvreuse",
+        description="Measure, simulate and route for KV-cache prefix reuse.",
+    )
+    parser.add_argument("--version", action="version", version=f"kvreuse {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module_name in COMMAND_MODULES:
+        importlib.import_module(module_name).register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit code (2 for usage errors, 1 for kvreuse errors)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.print_help()
+        return 2
+    try:
+        code: int = func(args)
+    except KvreuseError as exc:
+        print(f"kvreuse {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

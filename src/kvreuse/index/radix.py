@@ -1,0 +1,453 @@
+"""A token-granular radix tree with SGLang RadixAttention semantics.
+
+Edges are runs of token ids stored as packed :data:`~kvreuse.tokens.TokenBuffer` bytes, so edge
+comparison runs at memcmp speed. Children are keyed by their first token (their first page when
+``page_size > 1``, and matches are rounded down to whole pages). A match or insert that diverges
+inside an edge splits it. Running requests pin their path with :meth:`RadixIndex.lock`; eviction
+removes unreferenced leaves in policy order, and a parent left childless joins the candidates, so
+shared trunks outlive the private tails hanging off them.
+
+Every cache identity (model, adapter, salt, extra keys) has its own root: different identities
+never share a node.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from kvreuse.errors import ConfigError, IndexStateError
+from kvreuse.identity import DEFAULT_IDENTITY, CacheIdentity
+from kvreuse.index.base import Clock
+from kvreuse.index.eviction import EvictionKey, eviction_policy
+from kvreuse.tokens import TOKEN_BYTES, Tokens, as_buffer, common_prefix_tokens, unpack
+
+
+class RadixNode:
+    """One edge of the tree and the node it leads to. Owned by its :class:`RadixIndex`."""
+
+    __slots__ = (
+        "children",
+        "created",
+        "hit_count",
+        "identity",
+        "key",
+        "last_access",
+        "lock_ref",
+        "node_id",
+        "parent",
+        "priority",
+        "removed",
+    )
+
+    def __init__(
+        self,
+        key: bytes,
+        parent: RadixNode | None,
+        identity: CacheIdentity,
+        node_id: int,
+        now: float,
+    ) -> None:
+        self.key = key
+        self.parent = parent
+        self.identity = identity
+        self.node_id = node_id
+        self.children: dict[bytes, RadixNode] = {}
+        self.last_access = now
+        self.created = now
+        self.hit_count = 0
+        self.lock_ref = 0
+        self.priority = 0
+        self.removed = False
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens on the edge into this node."""
+        return len(self.key) // TOKEN_BYTES
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    def token_ids(self) -> list[int]:
+        """The edge's token ids as ints (for display and tests)."""
+        return unpack(self.key)
+
+    def depth_tokens(self) -> int:
+        """Tokens from the root to the end of this node. O(depth)."""
+        total, node = 0, self
+        while node.parent is not None:
+            total += len(node.key)
+            node = node.parent
+        return total // TOKEN_BYTES
+
+    def __repr__(self) -> str:
+        return f"RadixNode(id={self.node_id}, tokens={self.num_tokens}, lock={self.lock_ref})"
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    """Result of :meth:`RadixIndex.match`: ``length`` tokens are cached, ending at ``node``."""
+
+    length: int
+    node: RadixNode
+    identity: CacheIdentity
+
+    @property
+    def handle(self) -> RadixNode:
+        """The node to pass to :meth:`RadixIndex.lock`."""
+        return self.node
+
+
+class RadixIndex:
+    """Radix-tree prefix cache. See the module docstring for semantics.
+
+    ``capacity_tokens`` (optional) bounds the tokens held; an insert that would exceed it first
+    evicts, and stores only what fits when locked KV leaves no room. ``eviction`` names a policy in
+    :data:`~kvreuse.index.eviction.EVICTION_POLICIES`. Time comes from ``now`` arguments, else
+    from the injected ``clock``, else from a logical counter that ticks once per operation.
+    """
+
+    def __init__(
+        self,
+        *,
+        page_size: int = 1,
+        capacity_tokens: int | None = None,
+        eviction: str = "lru",
+        clock: Clock | None = None,
+    ) -> None:
+        if page_size < 1:
+            raise ConfigError(f"page_size must be >= 1, got {page_size}")
+        if capacity_tokens is not None and capacity_tokens < 0:
+            raise ConfigError(f"capacity_tokens must be >= 0 or None, got {capacity_tokens}")
+        self.page_size = page_size
+        self.capacity_tokens = capacity_tokens
+        self.eviction = eviction
+        self._key_of: EvictionKey = eviction_policy(eviction)
+        self._clock = clock
+        self._tick = 0.0
+        self._page_bytes = page_size * TOKEN_BYTES
+        self._roots: dict[CacheIdentity, RadixNode] = {}
+        self._next_id = 0
+        self._num_nodes = 0
+        self._total = 0
+        self._protected = 0
+        self._evicted_total = 0
+        # Lazy heap of (key, node_id, push_seq, node); kvreuse.index.eviction says why lazy is
+        # exact. push_seq keeps duplicate entries of one node from ever comparing the nodes.
+        self._heap: list[tuple[tuple[float, ...], int, int, RadixNode]] = []
+        self._push_seq = 0
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def total_tokens(self) -> int:
+        return self._total
+
+    @property
+    def protected_tokens(self) -> int:
+        return self._protected
+
+    @property
+    def evictable_tokens(self) -> int:
+        return self._total - self._protected
+
+    @property
+    def evicted_tokens_total(self) -> int:
+        """Tokens evicted over the index's life."""
+        return self._evicted_total
+
+    @property
+    def num_nodes(self) -> int:
+        """Non-root nodes."""
+        return self._num_nodes
+
+    def identities(self) -> list[CacheIdentity]:
+        """Identities that have a root."""
+        return list(self._roots)
+
+    def root(self, identity: CacheIdentity | None = None) -> RadixNode:
+        """The root of ``identity``'s tree, created on first use. O(1)."""
+        ident = DEFAULT_IDENTITY if identity is None else identity
+        root = self._roots.get(ident)
+        if root is None:
+            root = RadixNode(b"", None, ident, self._new_id(), 0.0)
+            root.lock_ref = 1  # the root is never evicted
+            self._roots[ident] = root
+        return root
+
+    # ------------------------------------------------------------------ operations
+
+    def match(
+        self, tokens: Tokens, identity: CacheIdentity | None = None, now: float | None = None
+    ) -> Match:
+        """Longest cached prefix of ``tokens`` under ``identity``, rounded down to whole pages.
+
+        Touches every node on the path (access time, hit count) and splits the edge where the
+        match ends inside it, so the returned node ends exactly at the match. O(n) bytes compared
+        plus O(depth) dict lookups, with n the prompt length.
+        """
+        buf = as_buffer(tokens)
+        when = self._now(now)
+        root = self.root(identity)
+        root.last_access = when
+        node, pos = self._walk(root, buf, when, hit=True)
+        return Match(pos // TOKEN_BYTES, node, root.identity)
+
+    def insert(
+        self,
+        tokens: Tokens,
+        identity: CacheIdentity | None = None,
+        now: float | None = None,
+        *,
+        priority: int = 0,
+    ) -> int:
+        """Store ``tokens`` (truncated to whole pages); returns tokens newly stored.
+
+        With ``capacity_tokens`` set, evicts unreferenced leaves first (never the path being
+        extended) and stores only the part that fits. O(n) plus O(log h) per evicted leaf.
+        """
+        buf = as_buffer(tokens)
+        usable = len(buf) - len(buf) % self._page_bytes
+        buf = buf[:usable] if usable != len(buf) else buf
+        when = self._now(now)
+        root = self.root(identity)
+        root.last_access = when
+        node, pos = self._walk(root, buf, when, hit=False, priority=priority)
+        remaining = len(buf) - pos
+        if remaining == 0:
+            return 0
+        if self.capacity_tokens is not None:
+            remaining = self._make_room(node, remaining)
+            if remaining == 0:
+                return 0
+        leaf = RadixNode(buf[pos : pos + remaining], node, root.identity, self._new_id(), when)
+        leaf.priority = priority
+        node.children[leaf.key[: self._page_bytes]] = leaf
+        self._num_nodes += 1
+        stored = remaining // TOKEN_BYTES
+        self._total += stored
+        self._push(leaf)
+        return stored
+
+    def lock(self, node: RadixNode) -> None:
+        """Pin ``node`` and its ancestors so eviction skips them. O(depth)."""
+        if node.removed:
+            raise IndexStateError(f"cannot lock {node!r}: it was evicted; match again first")
+        while node.parent is not None:
+            if node.lock_ref == 0:
+                self._protected += node.num_tokens
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: RadixNode) -> None:
+        """Release one :meth:`lock` of ``node``; leaves whose count reaches 0 become evictable.
+        O(depth)."""
+        if node.removed or (node.parent is not None and node.lock_ref <= 0):
+            raise IndexStateError(f"unlock of {node!r} without a matching lock")
+        while node.parent is not None:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._protected -= node.num_tokens
+                if not node.children:
+                    self._push(node)
+            node = node.parent
+
+    def evict(self, num_tokens: int) -> int:
+        """Remove unreferenced leaves in policy order until ``num_tokens`` are freed or nothing
+        evictable is left; returns tokens freed. Whole leaves go, so it may free more than asked.
+        O(k log h) for k leaves removed and h heap entries."""
+        freed = 0
+        heap = self._heap
+        key_of = self._key_of
+        while freed < num_tokens and heap:
+            stored_key, node_id, _, node = heapq.heappop(heap)
+            if node.removed or node.children or node.lock_ref:
+                continue
+            current = key_of(node)
+            if current != stored_key:
+                self._push_seq += 1
+                heapq.heappush(heap, (current, node_id, self._push_seq, node))
+                continue
+            freed += self._remove_leaf(node)
+        self._evicted_total += freed
+        return freed
+
+    def reset(self) -> None:
+        """Drop everything, locks included (an engine restart, vLLM's AllBlocksCleared)."""
+        for root in self._roots.values():
+            for node in self._iter_subtree(root):
+                node.removed = node is not root
+            root.children.clear()
+        self._heap.clear()
+        self._total = self._protected = self._num_nodes = 0
+
+    # ------------------------------------------------------------------ inspection
+
+    def walk(self, identity: CacheIdentity | None = None) -> Iterator[tuple[int, RadixNode]]:
+        """Yield ``(depth, node)`` in depth-first order under ``identity``'s root (root
+        excluded). O(n)."""
+        root = self._roots.get(DEFAULT_IDENTITY if identity is None else identity)
+        if root is None:
+            return
+        stack = [(1, child) for child in reversed(list(root.children.values()))]
+        while stack:
+            depth, node = stack.pop()
+            yield depth, node
+            stack.extend((depth + 1, c) for c in reversed(list(node.children.values())))
+
+    def check_invariants(self) -> None:
+        """O(n + h) self-check of structure, counters, locks and the eviction heap."""
+        heap_min: dict[int, tuple[float, ...]] = {}
+        for key, node_id, _, node in self._heap:
+            if node_id not in heap_min or key < heap_min[node_id]:
+                heap_min[node_id] = key
+        total = protected = count = 0
+        for identity, root in self._roots.items():
+            assert root.identity == identity, "root filed under the wrong identity"
+            assert root.lock_ref >= 1 and not root.key, "root must be empty and locked"
+            for node in self._iter_subtree(root):
+                child_locks = 0
+                for first, child in node.children.items():
+                    assert child.parent is node, f"{child!r} has the wrong parent"
+                    assert not child.removed, f"{child!r} is removed but still linked"
+                    assert child.key[: self._page_bytes] == first, f"{child!r} filed wrongly"
+                    assert child.identity == identity, f"{child!r} crossed identities"
+                    child_locks += child.lock_ref
+                if node is root:
+                    continue
+                count += 1
+                assert node.key and len(node.key) % self._page_bytes == 0, (
+                    f"{node!r} edge is empty or not whole pages"
+                )
+                assert node.lock_ref >= child_locks, f"{node!r} holds fewer locks than children"
+                total += node.num_tokens
+                if node.lock_ref:
+                    protected += node.num_tokens
+                elif not node.children:
+                    key = heap_min.get(node.node_id)
+                    assert key is not None, f"evictable leaf {node!r} missing from the heap"
+                    assert key <= self._key_of(node), f"heap key of {node!r} is ahead of it"
+        assert total == self._total, f"total_tokens {self._total} != {total}"
+        assert protected == self._protected, f"protected_tokens {self._protected} != {protected}"
+        assert count == self._num_nodes, f"num_nodes {self._num_nodes} != {count}"
+        if self.capacity_tokens is not None:
+            assert self._total <= max(self.capacity_tokens, self._protected), "over capacity"
+
+    # ------------------------------------------------------------------ internals
+
+    def _now(self, now: float | None) -> float:
+        if now is not None:
+            return now
+        if self._clock is not None:
+            return self._clock()
+        self._tick += 1.0
+        return self._tick
+
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    def _walk(
+        self, node: RadixNode, buf: bytes, when: float, *, hit: bool, priority: int = 0
+    ) -> tuple[RadixNode, int]:
+        """Follow ``buf`` down from ``node``; returns the deepest node reached and the byte
+        offset matched, splitting an edge the walk ends inside."""
+        page = self._page_bytes
+        end = len(buf) - len(buf) % page
+        pos = 0
+        children_get = node.children.get
+        while pos < end:
+            child = children_get(buf[pos : pos + page])
+            if child is None:
+                break
+            key = child.key
+            klen = len(key)
+            if buf[pos : pos + klen] == key:
+                pos += klen
+                child.last_access = when
+                child.hit_count += hit
+                if priority > child.priority:
+                    child.priority = priority
+                node = child
+                children_get = node.children.get
+                continue
+            common = common_prefix_tokens(key, buf[pos : pos + klen]) * TOKEN_BYTES
+            common -= common % page
+            node = self._split(child, common)
+            node.last_access = when
+            node.hit_count += hit
+            if priority > node.priority:
+                node.priority = priority
+            pos += common
+            break
+        return node, pos
+
+    def _split(self, child: RadixNode, at: int) -> RadixNode:
+        """Split ``child``'s edge ``at`` bytes in; returns the new upper node. O(edge)."""
+        parent = child.parent
+        assert parent is not None and 0 < at < len(child.key), "split outside the edge"
+        upper = RadixNode(child.key[:at], parent, child.identity, self._new_id(), child.created)
+        upper.last_access = child.last_access
+        upper.hit_count = child.hit_count
+        upper.priority = child.priority
+        upper.lock_ref = child.lock_ref
+        child.key = child.key[at:]
+        child.parent = upper
+        upper.children[child.key[: self._page_bytes]] = child
+        parent.children[upper.key[: self._page_bytes]] = upper
+        self._num_nodes += 1
+        return upper
+
+    def _make_room(self, node: RadixNode, wanted: int) -> int:
+        """Evict so ``wanted`` bytes fit under capacity without evicting ``node``'s path;
+        returns the bytes (whole pages) that fit."""
+        assert self.capacity_tokens is not None
+        capacity = self.capacity_tokens * TOKEN_BYTES
+        overflow = self._total * TOKEN_BYTES + wanted - capacity
+        if overflow > 0:
+            # Pin the path being extended so eviction cannot pull it out from under the insert.
+            self.lock(node)
+            self.evict(-(-overflow // TOKEN_BYTES))
+            self.unlock(node)
+        room = capacity - self._total * TOKEN_BYTES
+        fit = min(wanted, max(room, 0))
+        return fit - fit % self._page_bytes
+
+    def _remove_leaf(self, node: RadixNode) -> int:
+        parent = node.parent
+        assert parent is not None and not node.children and not node.lock_ref, "bad eviction"
+        del parent.children[node.key[: self._page_bytes]]
+        node.removed = True
+        self._num_nodes -= 1
+        tokens = node.num_tokens
+        self._total -= tokens
+        if parent.parent is not None and not parent.children and not parent.lock_ref:
+            self._push(parent)
+        return tokens
+
+    def _push(self, node: RadixNode) -> None:
+        self._push_seq += 1
+        heapq.heappush(self._heap, (self._key_of(node), node.node_id, self._push_seq, node))
+        if len(self._heap) > 4 * self._num_nodes + 64:
+            self._compact_heap()
+
+    def _compact_heap(self) -> None:
+        """Drop stale entries so the lazy heap stays O(nodes). O(h)."""
+        fresh: dict[int, tuple[tuple[float, ...], int, int, RadixNode]] = {}
+        for entry in self._heap:
+            node = entry[3]
+            if node.removed or node.children or node.lock_ref:
+                continue
+            fresh[node.node_id] = (self._key_of(node), node.node_id, entry[2], node)
+        self._heap = list(fresh.values())
+        heapq.heapify(self._heap)
+
+    @staticmethod
+    def _iter_subtree(root: RadixNode) -> Iterator[RadixNode]:
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
