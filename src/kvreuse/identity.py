@@ -18,7 +18,7 @@ class CacheIdentity:
     base model; ``cache_salt``: vLLM's per-request salt (one per trust group, usually per tenant);
     ``tokenizer_revision`` / ``template_revision``: recorded so a change is attributable (token ids
     already differ when these change, but two revisions that produce equal ids must still not be
-    mixed in reports); ``extra_keys``: anything else that changes KV, e.g. multimodal content hashes.
+    mixed in reports); ``extra_keys``: anything else that changes KV, e.g. multimodal hashes.
     """
 
     model: str = ""

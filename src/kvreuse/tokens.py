@@ -24,7 +24,7 @@ MAX_TOKEN_ID = 2**32 - 1
 _TYPECODE = next(code for code in ("I", "L") if array(code).itemsize == TOKEN_BYTES)
 _SWAP = sys.byteorder != "little"
 
-Tokens = Sequence[int] | TokenBuffer | bytes | array
+Tokens = Sequence[int] | TokenBuffer | bytes | array  # type: ignore[type-arg]
 """What index methods accept: plain ints, a packed buffer, or an ``array`` of uint32."""
 
 

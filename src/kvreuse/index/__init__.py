@@ -1,4 +1,4 @@
-"""Prefix-cache indexes: a token-granular radix tree and a vLLM-compatible hash-chain block index."""
+"""Prefix-cache indexes: a token-granular radix tree and a vLLM-compatible hash-chain index."""
 
 from kvreuse.identity import DEFAULT_IDENTITY, CacheIdentity
 from kvreuse.index.base import Clock, PrefixIndex, PrefixMatch

@@ -208,7 +208,7 @@ class RadixIndex:
         With ``capacity_tokens`` set, evicts unreferenced leaves first (never the path being
         extended) and stores only the part that fits. O(n) plus O(log h) per evicted leaf.
         """
-        buf = as_buffer(tokens)
+        buf: bytes = as_buffer(tokens)
         usable = len(buf) - len(buf) % self._page_bytes
         buf = buf[:usable] if usable != len(buf) else buf
         when = self._now(now)
@@ -300,7 +300,7 @@ class RadixIndex:
     def check_invariants(self) -> None:
         """O(n + h) self-check of structure, counters, locks and the eviction heap."""
         heap_min: dict[int, tuple[float, ...]] = {}
-        for key, node_id, _, node in self._heap:
+        for key, node_id, _, _node in self._heap:
             if node_id not in heap_min or key < heap_min[node_id]:
                 heap_min[node_id] = key
         total = protected = count = 0
@@ -326,9 +326,9 @@ class RadixIndex:
                 if node.lock_ref:
                     protected += node.num_tokens
                 elif not node.children:
-                    key = heap_min.get(node.node_id)
-                    assert key is not None, f"evictable leaf {node!r} missing from the heap"
-                    assert key <= self._key_of(node), f"heap key of {node!r} is ahead of it"
+                    heap_key = heap_min.get(node.node_id)
+                    assert heap_key is not None, f"evictable leaf {node!r} missing from the heap"
+                    assert heap_key <= self._key_of(node), f"heap key of {node!r} is ahead of it"
         assert total == self._total, f"total_tokens {self._total} != {total}"
         assert protected == self._protected, f"protected_tokens {self._protected} != {protected}"
         assert count == self._num_nodes, f"num_nodes {self._num_nodes} != {count}"

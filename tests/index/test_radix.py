@@ -1,0 +1,392 @@
+"""Behaviour of the radix-tree prefix index, one behaviour per test."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvreuse.errors import ConfigError, IndexStateError, TokenError
+from kvreuse.identity import CacheIdentity
+from kvreuse.index import RadixIndex
+from kvreuse.testing import ManualClock
+from kvreuse.tokens import pack
+
+
+def checked(index: RadixIndex) -> RadixIndex:
+    index.check_invariants()
+    return index
+
+
+def test_empty_index_matches_nothing() -> None:
+    """A fresh index matches zero tokens."""
+    index = RadixIndex()
+    assert index.match([1, 2, 3]).length == 0
+    checked(index)
+
+
+def test_insert_returns_new_tokens_only() -> None:
+    """Insert reports only tokens it did not already hold."""
+    index = RadixIndex()
+    assert index.insert([1, 2, 3, 4]) == 4
+    assert index.insert([1, 2, 3, 4, 5, 6]) == 2
+    assert index.insert([1, 2]) == 0
+    assert checked(index).total_tokens == 6
+
+
+def test_match_is_token_granular() -> None:
+    """Two prompts sharing 1,003 tokens reuse exactly 1,003 (seed 000)."""
+    index = RadixIndex()
+    shared = list(range(1003))
+    index.insert([*shared, 7, 8, 9])
+    assert index.match([*shared, 5, 5]).length == 1003
+    checked(index)
+
+
+def test_match_requires_first_token() -> None:
+    """A match that differs at token 0 reuses nothing, however much follows."""
+    index = RadixIndex()
+    index.insert(list(range(100)))
+    assert index.match([999, *range(1, 100)]).length == 0
+
+
+def test_match_splits_edge_at_divergence() -> None:
+    """Matching inside an edge splits it so the returned node ends at the match."""
+    index = RadixIndex()
+    index.insert(list(range(10)))
+    hit = index.match([0, 1, 2, 3, 99])
+    assert hit.length == 4
+    assert hit.node.token_ids() == [0, 1, 2, 3]
+    assert hit.node.depth_tokens() == 4
+    assert index.num_nodes == 2
+    checked(index)
+
+
+def test_insert_diverging_inside_edge_branches() -> None:
+    """An insert that diverges inside an edge splits it and adds a sibling branch."""
+    index = RadixIndex()
+    index.insert([1, 2, 3, 4])
+    assert index.insert([1, 2, 9, 9]) == 2
+    lengths = sorted(node.num_tokens for _, node in index.walk())
+    assert lengths == [2, 2, 2]
+    assert index.match([1, 2, 9, 9, 1]).length == 4
+    checked(index)
+
+
+def test_accepts_lists_buffers_and_arrays() -> None:
+    """Lists, packed buffers and arrays of the same ids are interchangeable."""
+    from array import array
+
+    index = RadixIndex()
+    index.insert(pack([5, 6, 7]))
+    assert index.match([5, 6, 7]).length == 3
+    assert index.match(array("I", [5, 6, 8])).length == 2
+
+
+def test_rejects_negative_token_ids() -> None:
+    """Negative token ids are a caller mistake with a clear error."""
+    with pytest.raises(TokenError, match="token ids"):
+        RadixIndex().insert([1, -2])
+
+
+def test_identities_never_share_nodes() -> None:
+    """The same tokens under another salt, adapter or model do not hit (seed 000)."""
+    index = RadixIndex()
+    tokens = list(range(50))
+    index.insert(tokens, CacheIdentity(model="m", cache_salt="tenant-a"))
+    assert index.match(tokens, CacheIdentity(model="m", cache_salt="tenant-a")).length == 50
+    assert index.match(tokens, CacheIdentity(model="m", cache_salt="tenant-b")).length == 0
+    assert index.match(tokens, CacheIdentity(model="m", adapter="lora1")).length == 0
+    assert index.match(tokens, CacheIdentity(model="m2", cache_salt="tenant-a")).length == 0
+    assert index.match(tokens).length == 0
+    checked(index)
+
+
+def test_page_size_rounds_matches_down_to_pages() -> None:
+    """With pages of 4, a 10-token overlap reuses 8 tokens."""
+    index = RadixIndex(page_size=4)
+    index.insert(list(range(12)))
+    assert index.match([*range(10), 99, 99]).length == 8
+    checked(index)
+
+
+def test_page_size_truncates_inserts_to_whole_pages() -> None:
+    """Inserted tokens past the last whole page are not stored."""
+    index = RadixIndex(page_size=4)
+    assert index.insert(list(range(10))) == 8
+    assert index.total_tokens == 8
+    checked(index)
+
+
+def test_page_size_keys_children_by_first_page() -> None:
+    """Prompts sharing the first token but not the first page do not share a node."""
+    index = RadixIndex(page_size=2)
+    index.insert([1, 2, 3, 4])
+    index.insert([1, 9, 3, 4])
+    assert index.match([1, 9, 3, 4]).length == 4
+    assert index.match([1, 2, 3, 5]).length == 2
+    checked(index)
+
+
+def test_evict_removes_least_recently_used_leaf_first() -> None:
+    """LRU: the leaf touched longest ago goes first."""
+    clock = ManualClock()
+    index = RadixIndex(clock=clock)
+    index.insert([1, 1, 1])
+    clock.advance(1)
+    index.insert([2, 2, 2])
+    clock.advance(1)
+    index.match([1, 1, 1])  # now [1,1,1] is more recent than [2,2,2]
+    assert index.evict(1) == 3
+    assert index.match([2, 2, 2]).length == 0
+    assert index.match([1, 1, 1]).length == 3
+    checked(index)
+
+
+def test_exact_eviction_order_lru() -> None:
+    """Evicting one token at a time removes leaves in exact access order."""
+    index = RadixIndex()
+    for t in range(5):
+        index.insert([100 + t, 1, 2], now=float(t))
+    index.match([102, 1, 2], now=10.0)
+    index.match([100, 1, 2], now=11.0)
+    order = []
+    for _ in range(5):
+        before = {n.token_ids()[0] for _, n in index.walk()}
+        index.evict(1)
+        after = {n.token_ids()[0] for _, n in index.walk()}
+        order.extend(before - after)
+        checked(index)
+    assert order == [101, 103, 104, 102, 100]
+
+
+def test_evict_ties_break_on_creation_order() -> None:
+    """Leaves with equal access time are evicted oldest-created first."""
+    index = RadixIndex()
+    for t in (5, 3, 9):
+        index.insert([t], now=1.0)
+    evicted = []
+    for _ in range(3):
+        before = {n.token_ids()[0] for _, n in index.walk()}
+        index.evict(1)
+        evicted.extend(before - {n.token_ids()[0] for _, n in index.walk()})
+    assert evicted == [5, 3, 9]
+
+
+def test_parent_becomes_candidate_after_children_go() -> None:
+    """A shared trunk is evicted only after its leaves, and then joins the candidates."""
+    index = RadixIndex()
+    index.insert([1, 2, 3, 10], now=5.0)
+    index.insert([1, 2, 3, 20], now=6.0)
+    # The trunk [1,2,3] was touched at 6.0 too, but leaves go first regardless.
+    assert index.evict(1) == 1
+    assert index.match([1, 2, 3, 20]).length == 4
+    assert index.evict(2) == 4  # the other leaf, then the trunk
+    assert index.total_tokens == 0
+    checked(index)
+
+
+def test_evict_frees_whole_leaves() -> None:
+    """Eviction never splits a leaf, so it may free more than asked."""
+    index = RadixIndex()
+    index.insert(list(range(100)))
+    assert index.evict(1) == 100
+    assert index.total_tokens == 0
+
+
+def test_evict_returns_zero_when_nothing_evictable() -> None:
+    """With everything locked, evict frees nothing."""
+    index = RadixIndex()
+    index.insert([1, 2, 3])
+    index.lock(index.match([1, 2, 3]).node)
+    assert index.evict(10) == 0
+    assert index.total_tokens == 3
+    checked(index)
+
+
+def test_locked_path_survives_eviction() -> None:
+    """Nodes in use by running requests are never evicted."""
+    index = RadixIndex()
+    index.insert([1, 2, 3, 4], now=0.0)
+    index.insert([9, 9], now=1.0)
+    hit = index.match([1, 2, 3, 4], now=0.5)
+    index.lock(hit.node)
+    assert index.evict(100) == 2
+    assert index.match([1, 2, 3, 4]).length == 4
+    assert index.protected_tokens == 4
+    checked(index)
+
+
+def test_lock_protects_ancestors() -> None:
+    """Locking a deep node pins every node up to the root."""
+    index = RadixIndex()
+    index.insert([1, 2, 3])
+    index.insert([1, 2, 3, 4, 5])
+    index.lock(index.match([1, 2, 3, 4, 5]).node)
+    assert index.protected_tokens == 5
+    assert index.evictable_tokens == 0
+    checked(index)
+
+
+def test_unlock_makes_tokens_evictable_again() -> None:
+    """After unlock the tokens count as evictable and can be evicted."""
+    index = RadixIndex()
+    index.insert([1, 2, 3])
+    node = index.match([1, 2, 3]).node
+    index.lock(node)
+    index.lock(node)
+    index.unlock(node)
+    assert index.protected_tokens == 3
+    index.unlock(node)
+    assert index.evictable_tokens == 3
+    assert index.evict(3) == 3
+    checked(index)
+
+
+def test_unlock_without_lock_is_an_error() -> None:
+    """Unlocking an unlocked node is a caller mistake."""
+    index = RadixIndex()
+    index.insert([1, 2])
+    with pytest.raises(IndexStateError, match="without a matching lock"):
+        index.unlock(index.match([1, 2]).node)
+
+
+def test_lock_of_evicted_node_is_an_error() -> None:
+    """A handle from before an eviction cannot be locked."""
+    index = RadixIndex()
+    index.insert([1, 2])
+    node = index.match([1, 2]).node
+    index.evict(2)
+    with pytest.raises(IndexStateError, match="evicted"):
+        index.lock(node)
+
+
+def test_split_keeps_lock_counts() -> None:
+    """Splitting a locked edge leaves both halves locked."""
+    index = RadixIndex()
+    index.insert([1, 2, 3, 4])
+    full = index.match([1, 2, 3, 4]).node
+    index.lock(full)
+    index.match([1, 2, 9])  # splits the locked edge
+    assert index.protected_tokens == 4
+    checked(index)
+    index.unlock(full)
+    assert index.protected_tokens == 0
+    checked(index)
+
+
+def test_capacity_evicts_on_insert() -> None:
+    """With a capacity, inserting evicts the oldest leaves first."""
+    index = RadixIndex(capacity_tokens=10)
+    index.insert([1] * 6, now=0.0)
+    index.insert([2] * 6, now=1.0)
+    assert index.match([1] * 6).length == 0
+    assert index.match([2] * 6).length == 6
+    assert index.total_tokens == 6
+    checked(index)
+
+
+def test_capacity_never_evicts_the_path_being_extended() -> None:
+    """The prefix an insert extends survives that insert's eviction."""
+    index = RadixIndex(capacity_tokens=8)
+    index.insert([1, 1, 1, 1], now=0.0)
+    index.insert([1, 1, 1, 1, 2, 2, 2, 2, 2], now=1.0)
+    assert index.match([1, 1, 1, 1, 2]).length == 5
+    checked(index)
+
+
+def test_capacity_stores_only_what_fits_beside_locked_kv() -> None:
+    """When locked KV fills the capacity, an insert stores only the part that fits."""
+    index = RadixIndex(capacity_tokens=5)
+    index.insert([1, 2, 3])
+    index.lock(index.match([1, 2, 3]).node)
+    assert index.insert([7, 7, 7, 7]) == 2
+    assert index.total_tokens == 5
+    checked(index)
+
+
+def test_lfu_evicts_least_hit_first() -> None:
+    """LFU keeps the prefix matched most often."""
+    index = RadixIndex(eviction="lfu")
+    index.insert([1, 1], now=0.0)
+    index.insert([2, 2], now=0.0)
+    for t in range(3):
+        index.match([1, 1], now=float(t))
+    index.match([2, 2], now=10.0)
+    index.evict(1)
+    assert index.match([1, 1]).length == 2
+    assert index.match([2, 2]).length == 0
+
+
+def test_fifo_ignores_access() -> None:
+    """FIFO evicts the oldest insertion even if it was used last."""
+    index = RadixIndex(eviction="fifo")
+    index.insert([1, 1], now=0.0)
+    index.insert([2, 2], now=1.0)
+    index.match([1, 1], now=5.0)
+    index.evict(1)
+    assert index.match([1, 1]).length == 0
+
+
+def test_priority_evicts_low_priority_first() -> None:
+    """Priority eviction keeps high-priority prefixes over more recent low-priority ones."""
+    index = RadixIndex(eviction="priority")
+    index.insert([1, 1], now=0.0, priority=5)
+    index.insert([2, 2], now=1.0, priority=0)
+    index.evict(1)
+    assert index.match([1, 1]).length == 2
+    assert index.match([2, 2]).length == 0
+
+
+def test_unknown_eviction_policy_names_choices() -> None:
+    """A wrong policy name lists the valid ones."""
+    with pytest.raises(ConfigError, match="lfu, lru"):
+        RadixIndex(eviction="random")
+
+
+def test_reset_drops_everything() -> None:
+    """Reset empties the index (engine restart)."""
+    index = RadixIndex()
+    index.insert([1, 2, 3])
+    index.lock(index.match([1, 2]).node)
+    index.reset()
+    assert index.total_tokens == 0 and index.protected_tokens == 0
+    assert index.match([1, 2, 3]).length == 0
+    checked(index)
+
+
+def test_default_time_is_logical_not_wall_clock() -> None:
+    """Without now or a clock, time is an operation counter: later operations are newer."""
+    index = RadixIndex()
+    index.insert([1])
+    index.insert([2])
+    index.evict(1)
+    assert index.match([1]).length == 0
+    assert index.match([2]).length == 1
+
+
+def test_injected_clock_supplies_time() -> None:
+    """The injected clock dates accesses when no ``now`` is given."""
+    clock = ManualClock(now=42.0)
+    index = RadixIndex(clock=clock)
+    index.insert([3, 4])
+    assert index.match([3, 4]).node.last_access == 42.0
+
+
+def test_evicted_total_accumulates() -> None:
+    """The index counts every token it ever evicted."""
+    index = RadixIndex()
+    index.insert([1, 2])
+    index.insert([3, 4, 5])
+    index.evict(10)
+    assert index.evicted_tokens_total == 5
+
+
+def test_six_turn_chat_prefills_2400() -> None:
+    """Seed 001's table: 15,900 tokens without cache, 2,400 with the radix tree."""
+    from kvreuse.six_turn import ChatShape, conversation_turns, replay
+
+    turns = conversation_turns(ChatShape())
+    prefilled = replay(RadixIndex(), turns)
+    assert [len(p) // 4 for p, _ in turns] == [1650, 2050, 2450, 2850, 3250, 3650]
+    assert prefilled == [1650, 150, 150, 150, 150, 150]
+    assert sum(len(p) // 4 for p, _ in turns) == 15_900
+    assert sum(prefilled) == 2_400
