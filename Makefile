@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test lint typecheck unit bench clean
+.PHONY: demo test lint typecheck unit bench clean chromium
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,15 +28,32 @@ lint: $(VENV)/.all
 typecheck: $(VENV)/.all
 	$(VENV)/bin/mypy
 
+# The lab's browser test drives Debian's chromium through Python Playwright pointed at this
+# binary; `playwright install` is never run (no browser builds are downloaded). Idempotent: a
+# no-op when the binary exists; on a fresh Debian machine it needs root (or sudo).
+CHROMIUM ?= /usr/bin/chromium
+chromium:
+	@if [ ! -x $(CHROMIUM) ]; then \
+	  SUDO=$$( [ "$$(id -u)" -eq 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium; \
+	fi
+
 # pytest exits 5 when it collects nothing; that is a broken suite here, so say so and fail.
-unit: $(VENV)/.all
-	$(PY) -m pytest -q; rc=$$?; \
+# KVREUSE_REQUIRE_BROWSER makes the browser test fail, not skip, if chromium is missing.
+unit: $(VENV)/.all chromium
+	KVREUSE_REQUIRE_BROWSER=1 $(PY) -m pytest -q; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; fi; exit $$rc
 
 test: lint typecheck unit
 
+# Index speed against SGLang's RadixCache and vLLM's block hashing (docs/performance.md).
+# Fetches the sglang wheel into benchmarks/_peers/ on first use; the vLLM peer runs under
+# $$KVREUSE_VLLM_PYTHON when that interpreter exists. `make bench BENCH_ARGS=--quick` for a smoke run.
+BENCH_ARGS ?= --json artifacts/bench/index_ops.json
 bench: $(VENV)/.all
-	$(PY) benchmarks/index_ops.py
+	mkdir -p artifacts/bench
+	$(PY) benchmarks/index_ops.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -98,9 +98,9 @@ class _StubModule(types.ModuleType):
 def _torch_stub() -> types.ModuleType:
     """The few torch names RadixCache touches on the simulated path."""
     torch = _StubModule("torch")
-    torch.__path__ = []  # type: ignore[attr-defined]
+    torch.__path__ = []
 
-    class device:  # noqa: N801 - mirrors torch.device
+    class device:
         def __init__(self, name: str) -> None:
             self.type = name
 
@@ -127,7 +127,7 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
         module = _StubModule(spec.name)
-        module.__path__ = []  # type: ignore[attr-defined]
+        module.__path__ = []
         if spec.name == "sglang.srt.utils.common":
             module.ceil_align = lambda x, a: -(-x // a) * a  # type: ignore[attr-defined]
         return module
@@ -142,9 +142,12 @@ def ensure_wheel(peers_dir: Path = PEERS_DIR) -> Path:
     found = sorted(peers_dir.glob(pattern))
     if not found:
         peers_dir.mkdir(parents=True, exist_ok=True)
+        # Only the wheel's pure-Python files are read, so pin one platform build: the fetch then
+        # works the same from any interpreter version and machine.
         subprocess.run(
             [sys.executable, "-m", "pip", "download", "-q", f"sglang=={SGLANG_VERSION}",
-             "--no-deps", "-d", str(peers_dir)],
+             "--no-deps", "--only-binary=:all:", "--python-version", "3.11",
+             "--platform", "manylinux_2_34_x86_64", "-d", str(peers_dir)],
             check=True,
         )
         found = sorted(peers_dir.glob(pattern))

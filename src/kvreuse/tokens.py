@@ -29,9 +29,15 @@ Tokens = Sequence[int] | TokenBuffer | bytes | array  # type: ignore[type-arg]
 
 
 def pack(token_ids: Iterable[int]) -> TokenBuffer:
-    """Pack token ids into a :data:`TokenBuffer`. O(n), about 8 ns per token."""
+    """Pack token ids into a :data:`TokenBuffer`. O(n), 5-9 ns per token from a list here."""
     try:
-        packed = array(_TYPECODE, token_ids)
+        if type(token_ids) is list:
+            # fromlist reads list items directly; array(code, list) goes through the generic
+            # sequence protocol per item and is about a third slower.
+            packed = array(_TYPECODE)
+            packed.fromlist(token_ids)
+        else:
+            packed = array(_TYPECODE, token_ids)
     except OverflowError as exc:
         raise TokenError(
             f"token ids must be integers in [0, {MAX_TOKEN_ID}]: {exc}"

@@ -8,7 +8,7 @@ from kvreuse.errors import ConfigError, IndexStateError, TokenError
 from kvreuse.identity import CacheIdentity
 from kvreuse.index import RadixIndex
 from kvreuse.testing import ManualClock
-from kvreuse.tokens import pack
+from kvreuse.tokens import pack, unpack
 
 
 def checked(index: RadixIndex) -> RadixIndex:
@@ -390,3 +390,14 @@ def test_six_turn_chat_prefills_2400() -> None:
     assert prefilled == [1650, 150, 150, 150, 150, 150]
     assert sum(len(p) // 4 for p, _ in turns) == 15_900
     assert sum(prefilled) == 2_400
+
+
+def test_on_evict_sees_each_leaf_with_its_path() -> None:
+    """The eviction callback gets every evicted leaf while its full path is still readable."""
+    seen: list[list[int]] = []
+    index = RadixIndex(on_evict=lambda node: seen.append(unpack(node.path_key())))
+    index.insert([1, 2, 3], now=0.0)
+    index.insert([1, 2, 9], now=1.0)
+    index.evict(100)
+    assert seen == [[1, 2, 3], [1, 2, 9], [1, 2]]
+    checked(index)

@@ -4,7 +4,8 @@ Nothing is downloaded: the weights are drawn from a seeded generator and the tok
 byte-level BPE trained with ``tokenizers`` on a generated corpus. The output directory is what
 ``vllm serve`` and ``kvreuse route --tokenizer`` both read: ``config.json``,
 ``model.safetensors``, ``tokenizer.json`` and ``tokenizer_config.json`` (with a chat template
-whose messages end in a special token, like the templates of real chat models).
+whose messages end in a special token, like the templates of real chat models; see
+:mod:`kvreuse.testing.tiny_tokenizer`).
 
 Run it with the vLLM environment's Python (it needs ``torch`` and ``transformers``)::
 
@@ -18,12 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 from pathlib import Path
 
 RECIPE = {
-    "version": 2,
+    "version": 3,
     "seed": 1234,
     "hidden_size": 256,
     "intermediate_size": 512,
@@ -35,76 +35,23 @@ RECIPE = {
     "corpus_lines": 20_000,
 }
 
-SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
-
-# Every message ends with <|im_end|>, a special token: the gateway memoizes tokenization at
-# these boundaries, exactly as it would with a real chat model's template.
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
 STAMP = "kvreuse-tiny.json"
 
 
-def generated_corpus(seed: int, lines: int) -> list[str]:
-    """Deterministic pseudo-English: a fixed lexicon of made-up words, digits and punctuation,
-    so BPE learns real merges and any test prompt tokenizes into a realistic number of tokens."""
-    rng = random.Random(seed)
-    consonants, vowels = "bcdfghjklmnprstvwz", "aeiou"
-    lexicon = [
-        "".join(
-            rng.choice(consonants) + rng.choice(vowels) for _ in range(rng.randint(1, 4))
-        )
-        for _ in range(3000)
-    ]
-    lexicon += ["the", "a", "of", "to", "and", "is", "user", "assistant", "system", "contract"]
-    corpus = []
-    for _ in range(lines):
-        words = [rng.choice(lexicon) for _ in range(rng.randint(4, 24))]
-        if rng.random() < 0.3:
-            words.append(str(rng.randint(0, 99999)))
-        corpus.append(" ".join(words) + rng.choice([".", "?", "!", ",", ":"]))
-    return corpus
-
-
 def build_tokenizer(out: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
+    # The tokenizer half needs only `tokenizers`; it lives in kvreuse.testing so the gateway's
+    # fast tests build the very same one without torch. This script runs in the vLLM
+    # environment, where kvreuse is not installed, hence the path.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
+    from kvreuse.testing.tiny_tokenizer import build_tokenizer_dir
 
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
+    build_tokenizer_dir(
+        out,
         vocab_size=RECIPE["vocab_size"] - 192,  # headroom: the model's vocab is a round 8192
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+        seed=RECIPE["seed"],
+        corpus_lines=RECIPE["corpus_lines"],
+        max_length=RECIPE["max_position_embeddings"],
     )
-    tok.train_from_iterator(generated_corpus(RECIPE["seed"], RECIPE["corpus_lines"]), trainer)
-    bos_id = tok.token_to_id("<s>")
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos_id)]
-    )
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<s>",
-        eos_token="<|im_end|>",
-        unk_token="<unk>",
-        pad_token="</s>",
-        model_max_length=RECIPE["max_position_embeddings"],
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(str(out))
-    # save_pretrained may keep the template in a side file; tokenizer_config.json must hold it.
-    config_path = out / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["chat_template"] = CHAT_TEMPLATE
-    config_path.write_text(json.dumps(config, indent=2))
-    (out / "chat_template.jinja").unlink(missing_ok=True)
 
 
 def build_model(out: Path) -> None:

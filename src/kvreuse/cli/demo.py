@@ -57,9 +57,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     table = Table(title="Six-turn chat (seed 001): prefill tokens per turn")
     table.add_column("turn", justify="right")
-    table.add_column("prompt tokens (no cache)", justify="right")
-    table.add_column("prefilled, radix index", justify="right")
-    table.add_column(f"prefilled, block index ({shape.block_size}-token blocks)", justify="right")
+    table.add_column("prompt tokens", justify="right")
+    table.add_column("prefilled (radix)", justify="right")
+    table.add_column(f"prefilled (blocks of {shape.block_size})", justify="right")
     for r in result.rows:
         table.add_row(
             str(r.turn), f"{r.prompt_tokens:,}", f"{r.radix_prefilled:,}", f"{r.block_prefilled:,}"

@@ -17,6 +17,17 @@ from kvreuse.errors import KvreuseError
 
 COMMAND_MODULES: tuple[str, ...] = (
     "kvreuse.cli.demo",
+    "kvreuse.cli.engine",
+    "kvreuse.cli.route",
+    "kvreuse.cli.lab",
+    "kvreuse.cli.scenarios",
+    "kvreuse.cli.simulate",
+    "kvreuse.cli.fingerprint",
+    "kvreuse.cli.diff",
+    "kvreuse.cli.audit",
+    "kvreuse.cli.fixtures",
+    "kvreuse.cli.hitrate",
+    "kvreuse.cli.capacity",
 )
 
 

@@ -14,7 +14,7 @@ never share a node.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from kvreuse.errors import ConfigError, IndexStateError
@@ -74,6 +74,15 @@ class RadixNode:
         """The edge's token ids as ints (for display and tests)."""
         return unpack(self.key)
 
+    def path_key(self) -> bytes:
+        """The packed tokens from the root to the end of this node. O(depth + tokens)."""
+        parts: list[bytes] = []
+        node: RadixNode | None = self
+        while node is not None and node.parent is not None:
+            parts.append(node.key)
+            node = node.parent
+        return b"".join(reversed(parts))
+
     def depth_tokens(self) -> int:
         """Tokens from the root to the end of this node. O(depth)."""
         total, node = 0, self
@@ -107,6 +116,8 @@ class RadixIndex:
     evicts, and stores only what fits when locked KV leaves no room. ``eviction`` names a policy in
     :data:`~kvreuse.index.eviction.EVICTION_POLICIES`. Time comes from ``now`` arguments, else
     from the injected ``clock``, else from a logical counter that ticks once per operation.
+    ``on_evict`` (optional) is called with each leaf just before eviction unlinks it, while
+    ``node.path_key()`` still works: KV-event publishers and exact routers hang off it.
     """
 
     def __init__(
@@ -116,6 +127,7 @@ class RadixIndex:
         capacity_tokens: int | None = None,
         eviction: str = "lru",
         clock: Clock | None = None,
+        on_evict: Callable[[RadixNode], None] | None = None,
     ) -> None:
         if page_size < 1:
             raise ConfigError(f"page_size must be >= 1, got {page_size}")
@@ -126,9 +138,12 @@ class RadixIndex:
         self.eviction = eviction
         self._key_of: EvictionKey = eviction_policy(eviction)
         self._clock = clock
+        self._on_evict = on_evict
         self._tick = 0.0
         self._page_bytes = page_size * TOKEN_BYTES
         self._roots: dict[CacheIdentity, RadixNode] = {}
+        # Hashing a CacheIdentity costs ~0.2 µs; most calls pass no identity, so skip the lookup.
+        self._default_root: RadixNode | None = None
         self._next_id = 0
         self._num_nodes = 0
         self._total = 0
@@ -169,12 +184,16 @@ class RadixIndex:
 
     def root(self, identity: CacheIdentity | None = None) -> RadixNode:
         """The root of ``identity``'s tree, created on first use. O(1)."""
+        if identity is None and self._default_root is not None:
+            return self._default_root
         ident = DEFAULT_IDENTITY if identity is None else identity
         root = self._roots.get(ident)
         if root is None:
             root = RadixNode(b"", None, ident, self._new_id(), 0.0)
             root.lock_ref = 1  # the root is never evicted
             self._roots[ident] = root
+        if identity is None:
+            self._default_root = root
         return root
 
     # ------------------------------------------------------------------ operations
@@ -261,8 +280,9 @@ class RadixIndex:
         freed = 0
         heap = self._heap
         key_of = self._key_of
+        heappop = heapq.heappop
         while freed < num_tokens and heap:
-            stored_key, node_id, _, node = heapq.heappop(heap)
+            stored_key, node_id, _, node = heappop(heap)
             if node.removed or node.children or node.lock_ref:
                 continue
             current = key_of(node)
@@ -270,7 +290,21 @@ class RadixIndex:
                 self._push_seq += 1
                 heapq.heappush(heap, (current, node_id, self._push_seq, node))
                 continue
-            freed += self._remove_leaf(node)
+            # Remove the leaf, then keep climbing while its parent is left a childless,
+            # unlocked leaf that sorts before every heap entry: the heap would hand that parent
+            # straight back (stored keys never exceed current ones), so skipping the push and
+            # pop keeps the exact order and halves the heap work on long chains.
+            while True:
+                parent = self._detach_leaf(node)
+                freed += len(node.key) // TOKEN_BYTES
+                if parent.parent is None or parent.children or parent.lock_ref:
+                    break
+                if freed >= num_tokens or (
+                    heap and (heap[0][0], heap[0][1]) <= (key_of(parent), parent.node_id)
+                ):
+                    self._push(parent)
+                    break
+                node = parent
         self._evicted_total += freed
         return freed
 
@@ -415,17 +449,18 @@ class RadixIndex:
         fit = min(wanted, max(room, 0))
         return fit - fit % self._page_bytes
 
-    def _remove_leaf(self, node: RadixNode) -> int:
+    def _detach_leaf(self, node: RadixNode) -> RadixNode:
+        """Unlink an evictable leaf and update the counters; returns its parent, which the
+        caller must push if that left it an evictable leaf. O(1)."""
         parent = node.parent
         assert parent is not None and not node.children and not node.lock_ref, "bad eviction"
+        if self._on_evict is not None:
+            self._on_evict(node)
         del parent.children[node.key[: self._page_bytes]]
         node.removed = True
         self._num_nodes -= 1
-        tokens = node.num_tokens
-        self._total -= tokens
-        if parent.parent is not None and not parent.children and not parent.lock_ref:
-            self._push(parent)
-        return tokens
+        self._total -= len(node.key) // TOKEN_BYTES
+        return parent
 
     def _push(self, node: RadixNode) -> None:
         self._push_seq += 1
@@ -441,7 +476,8 @@ class RadixIndex:
             if node.removed or node.children or node.lock_ref:
                 continue
             fresh[node.node_id] = (self._key_of(node), node.node_id, entry[2], node)
-        self._heap = list(fresh.values())
+        # In place: evict() holds a reference to the list while it may trigger a compaction.
+        self._heap[:] = fresh.values()
         heapq.heapify(self._heap)
 
     @staticmethod

@@ -1,0 +1,62 @@
+"""Routing policies shared by the fleet simulator and the gateway (pure core: no I/O, no clocks).
+
+Contract: :mod:`kvreuse.routing.base`. Policies by name: :data:`POLICIES`, built with
+:func:`build_policy`.
+"""
+
+from kvreuse.routing.affinity import PrefixHash, SessionAffinity
+from kvreuse.routing.base import (
+    CostModel,
+    FleetView,
+    PolicyBase,
+    ReplicaId,
+    ReplicaLoad,
+    RequestView,
+    RoutingDecision,
+    RoutingPolicy,
+    least_loaded,
+)
+from kvreuse.routing.cache_aware import CacheAware, CacheAwareSGLang, Exact
+from kvreuse.routing.cost import CostRouting
+from kvreuse.routing.estimators import ApproxTrees, CacheMirror, block_chain
+from kvreuse.routing.events import KvCleared, KvEvent, KvRemoved, KvStored
+from kvreuse.routing.pinning import TenantPinned
+from kvreuse.routing.registry import DESCRIPTIONS, POLICIES, build_policy, policy_names
+from kvreuse.routing.ring import ConsistentRing, prefix_key, stable_hash
+from kvreuse.routing.simple import LeastLoad, RandomChoice, RoundRobin
+
+__all__ = [
+    "DESCRIPTIONS",
+    "POLICIES",
+    "ApproxTrees",
+    "CacheAware",
+    "CacheAwareSGLang",
+    "CacheMirror",
+    "ConsistentRing",
+    "CostModel",
+    "CostRouting",
+    "Exact",
+    "FleetView",
+    "KvCleared",
+    "KvEvent",
+    "KvRemoved",
+    "KvStored",
+    "LeastLoad",
+    "PolicyBase",
+    "PrefixHash",
+    "RandomChoice",
+    "ReplicaId",
+    "ReplicaLoad",
+    "RequestView",
+    "RoundRobin",
+    "RoutingDecision",
+    "RoutingPolicy",
+    "SessionAffinity",
+    "TenantPinned",
+    "block_chain",
+    "build_policy",
+    "least_loaded",
+    "policy_names",
+    "prefix_key",
+    "stable_hash",
+]

@@ -1,0 +1,33 @@
+"""Fleet simulator: discrete events, replicas with real radix caches, any routing policy."""
+
+from kvreuse.sim.engine import Arrival, Engine, Finish, KvDelivery, LoadSnapshot, PrefillDone
+from kvreuse.sim.fleet import FleetConfig, FleetRun, FleetSimulator
+from kvreuse.sim.replica import SCHEDULERS, Replica, ReplicaConfig
+from kvreuse.sim.requests import RequestRecord, SimRequest
+from kvreuse.sim.summary import RunSummary, percentile, summarize
+from kvreuse.sim.workloads import ChatWorkload, DocumentWorkload, RateStep, Tenant, TokenSpace
+
+__all__ = [
+    "SCHEDULERS",
+    "Arrival",
+    "ChatWorkload",
+    "DocumentWorkload",
+    "Engine",
+    "Finish",
+    "FleetConfig",
+    "FleetRun",
+    "FleetSimulator",
+    "KvDelivery",
+    "LoadSnapshot",
+    "PrefillDone",
+    "RateStep",
+    "Replica",
+    "ReplicaConfig",
+    "RequestRecord",
+    "RunSummary",
+    "SimRequest",
+    "Tenant",
+    "TokenSpace",
+    "percentile",
+    "summarize",
+]

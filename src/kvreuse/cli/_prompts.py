@@ -1,0 +1,179 @@
+"""Shared I/O for the prompt commands: tokenizer and template options, request files, the clock.
+
+Request files: ``.json`` holds one request object or a list of them; ``.jsonl`` one per line
+(logged requests; a line may wrap the body as ``{"body": {...}}`` or ``{"request": {...}}``);
+any other file is a raw text prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from kvreuse.errors import ConfigError, InputFormatError
+from kvreuse.lint.fingerprint import DEFAULT_BLOCK_SIZE, Revisions
+from kvreuse.lint.prompt import Prompt, build_prompt
+from kvreuse.lint.template import ChatTemplate, Clock
+from kvreuse.tokenizers import NAMED_TOKENIZERS, TokenizerBundle, load_tokenizer
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+BUILTIN_TEMPLATES: dict[str, str] = {"chatml": CHATML_TEMPLATE}
+"""Templates usable by name with ``--template`` (for tokenizers that ship none)."""
+
+
+def add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--tokenizer``, ``--template``, ``--template-name``, ``--model-revision``, ``--now``,
+    ``--block-size``."""
+    parser.add_argument(
+        "--tokenizer",
+        required=True,
+        help="a tokenizer directory (tokenizer.json + tokenizer_config.json) or one of: "
+        + ", ".join(NAMED_TOKENIZERS),
+    )
+    parser.add_argument(
+        "--template",
+        help="chat template file (.jinja) overriding the tokenizer's own, or 'chatml'",
+    )
+    parser.add_argument(
+        "--template-name", help="which of the tokenizer's named templates (e.g. tool_use)"
+    )
+    parser.add_argument("--model-revision", default="", help="model revision to record")
+    parser.add_argument(
+        "--now",
+        help="the time strftime_now renders (ISO 8601, e.g. 2025-01-31T09:00:00); "
+        "default: the current time",
+    )
+    parser.add_argument(
+        "--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="cache block size (vLLM: 16)"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class PromptSetup:
+    bundle: TokenizerBundle
+    template: ChatTemplate | None
+    revisions: Revisions
+    template_label: str
+
+
+def clock_from(args: argparse.Namespace) -> Clock:
+    if args.now is None:
+        return datetime.now
+    try:
+        fixed = datetime.fromisoformat(args.now)
+    except ValueError:
+        raise ConfigError(f"--now {args.now!r} is not an ISO 8601 time") from None
+    return lambda: fixed
+
+
+def setup_prompts(args: argparse.Namespace) -> PromptSetup:
+    bundle = load_tokenizer(args.tokenizer)
+    clock = clock_from(args)
+    override: str | None = None
+    label = "template"
+    if args.template is not None:
+        if args.template in BUILTIN_TEMPLATES:
+            override, label = BUILTIN_TEMPLATES[args.template], args.template
+        else:
+            path = Path(args.template)
+            if not path.is_file():
+                raise ConfigError(
+                    f"--template {args.template}: no such file (or use one of "
+                    f"{', '.join(BUILTIN_TEMPLATES)})"
+                )
+            override, label = path.read_text(encoding="utf-8"), str(path)
+    template: ChatTemplate | None = None
+    if override is not None or bundle.templates:
+        template = bundle.chat_template(override=override, name=args.template_name, clock=clock)
+        if override is None:
+            label = f"{bundle.source}: chat_template ({template.name})"
+    revisions = Revisions(
+        tokenizer=bundle.tokenizer.revision,
+        template=template.revision if template is not None else "",
+        model=args.model_revision,
+    )
+    return PromptSetup(bundle, template, revisions, label)
+
+
+def _unwrap(value: object) -> object:
+    if isinstance(value, Mapping) and "messages" not in value and "prompt" not in value:
+        for key in ("body", "request"):
+            if isinstance(value.get(key), Mapping):
+                return value[key]
+    return value
+
+
+def read_requests(path_text: str) -> list[tuple[str, Mapping[str, Any] | str]]:
+    """(label, request or raw text) for every request in a file."""
+    path = Path(path_text)
+    if not path.is_file():
+        raise ConfigError(f"no such file: {path_text}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputFormatError(f"cannot read: {exc}", where=path_text) from None
+    if path.suffix == ".jsonl":
+        out: list[tuple[str, Mapping[str, Any] | str]] = []
+        for number, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            where = f"{path_text}:{number}"
+            try:
+                value = _unwrap(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise InputFormatError(f"not valid JSON: {exc.msg}", where=where) from None
+            if not isinstance(value, Mapping):
+                raise InputFormatError("each line must be a request object", where=where)
+            out.append((where, value))
+        return out
+    if path.suffix == ".json":
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise InputFormatError(
+                f"not valid JSON (line {exc.lineno}): {exc.msg}", where=path_text
+            ) from None
+        items = value if isinstance(value, list) else [value]
+        result: list[tuple[str, Mapping[str, Any] | str]] = []
+        for index, item in enumerate(items):
+            item = _unwrap(item)
+            where = path_text if len(items) == 1 else f"{path_text}[{index}]"
+            if not isinstance(item, Mapping):
+                raise InputFormatError("a request must be a JSON object", where=where)
+            result.append((where, item))
+        return result
+    return [(path_text, text)]
+
+
+def load_prompts(paths: list[str], setup: PromptSetup) -> list[Prompt]:
+    prompts = []
+    for path in paths:
+        for label, request in read_requests(path):
+            prompts.append(
+                build_prompt(
+                    request,
+                    tokenizer=setup.bundle.tokenizer,
+                    template=setup.template,
+                    label=label,
+                )
+            )
+    if not prompts:
+        raise ConfigError("no requests found in the given files")
+    return prompts
+
+
+def write_output(text: str, output: str | None) -> None:
+    if output is None:
+        print(text)
+        return
+    Path(output).write_text(text + "\n", encoding="utf-8")

@@ -1,0 +1,182 @@
+"""``kvreuse capacity``: KV bytes per token, the idle cache budget, and whether the hot working
+set fits one replica, the fleet, or neither."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from kvreuse.capacity.model import GIB, KIB, cache_budget, dtype_bytes, kv_shape_from_config
+from kvreuse.capacity.trace import parse_mooncake, trace_hot_set
+from kvreuse.capacity.workload import (
+    CapacityReport,
+    HotPart,
+    build_report,
+    format_bytes,
+    parse_workload,
+)
+from kvreuse.errors import ConfigError, InputFormatError
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "capacity",
+        help="KV bytes per token, idle cache budget, hot working set vs one replica and fleet",
+        description=(
+            "From a Hugging Face config.json: KV bytes per token. From GPU memory, weights, "
+            "utilisation and the running pin: each replica's idle cache budget. From a workload "
+            "description (--workload) or a Mooncake trace (--trace): the hot working set against "
+            "one replica and the fleet, and a verdict (round robin is fine / route by prefix / "
+            "add replicas)."
+        ),
+    )
+    parser.add_argument("--config", required=True, help="the model's config.json")
+    parser.add_argument("--kv-cache-dtype", help="KV cache dtype if not the model's (e.g. fp8)")
+    memory = parser.add_argument_group("replica memory")
+    memory.add_argument("--kv-pool-gib", type=float, help="KV pool per replica, if known")
+    memory.add_argument("--gpu-memory-gib", type=float, help="memory per GPU")
+    memory.add_argument("--gpus", type=int, default=1, help="GPUs per replica (tensor parallel)")
+    memory.add_argument("--utilisation", type=float, default=0.9, help="gpu_memory_utilization")
+    memory.add_argument("--weights-gib", type=float, help="model weights per replica")
+    memory.add_argument("--params-b", type=float, help="parameters in billions (weights estimate)")
+    memory.add_argument("--overhead-gib", type=float, default=0.0, help="activations, graphs")
+    memory.add_argument("--pinned-gib", type=float, help="KV pinned by running requests")
+    memory.add_argument("--running-requests", type=int, default=0)
+    memory.add_argument("--running-tokens", type=int, default=0, help="tokens per running request")
+    parser.add_argument("--replicas", type=int, help="replicas in the fleet")
+    parser.add_argument("--workload", help="workload description JSON")
+    parser.add_argument("--trace", help="Mooncake-format JSONL trace")
+    parser.add_argument("--window", type=float, default=300.0, help="trace hot-set window (s)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    parser.set_defaults(func=run)
+
+
+def _read_json(path: str) -> Any:
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"no such file: {path}")
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise InputFormatError(
+            f"not valid JSON (line {exc.lineno}): {exc.msg}", where=path
+        ) from None
+
+
+def _weights_gib(args: argparse.Namespace, config: Any) -> float | None:
+    if args.weights_gib is not None:
+        return float(args.weights_gib)
+    if args.params_b is None:
+        return None
+    dtype = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
+    return float(args.params_b * 1e9 * dtype_bytes(str(dtype)) / GIB)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.workload and args.trace:
+        raise ConfigError("give --workload or --trace, not both")
+    config = _read_json(args.config)
+    if not isinstance(config, dict):
+        raise InputFormatError("config.json must be a JSON object", where=args.config)
+    shape = kv_shape_from_config(config, args.kv_cache_dtype, where=args.config)
+    per_token = shape.bytes_per_token
+    budget = cache_budget(
+        bytes_per_token=per_token,
+        kv_pool_gib=args.kv_pool_gib,
+        gpu_memory_gib=args.gpu_memory_gib,
+        gpus=args.gpus,
+        utilisation=args.utilisation,
+        weights_gib=_weights_gib(args, config),
+        overhead_gib=args.overhead_gib,
+        pinned_gib=args.pinned_gib,
+        running_requests=args.running_requests,
+        running_tokens=args.running_tokens,
+    )
+    parts: list[HotPart] = []
+    replicas = args.replicas
+    trace_summary = None
+    if args.workload:
+        parts, described = parse_workload(_read_json(args.workload), args.workload)
+        replicas = replicas or described
+    elif args.trace:
+        path = Path(args.trace)
+        if not path.is_file():
+            raise ConfigError(f"no such file: {args.trace}")
+        with path.open(encoding="utf-8") as lines:
+            hot = trace_hot_set(parse_mooncake(lines, args.trace), args.window)
+        trace_summary = hot.describe()
+        parts = [HotPart("trace hot blocks", hot.max_hot_tokens, hot.max_hot_tokens, trace_summary)]
+    replicas = replicas or 1
+    if replicas <= 0:
+        raise ConfigError(f"--replicas must be positive, got {replicas}")
+    report = build_report(per_token, budget, replicas, parts) if parts else None
+    if args.json:
+        print(json.dumps(_to_json(shape.describe(), per_token, budget, replicas, report), indent=2))
+        return 0
+    print(f"KV per token: {shape.describe()} = {per_token:,} bytes ({per_token / KIB:g} KiB)")
+    print(f"idle cache per replica: {format_bytes(budget.idle_bytes)} ({budget.derivation})")
+    if report is None:
+        print("give --workload or --trace to size the hot working set")
+        return 0
+    for part in report.parts:
+        size = format_bytes(part.high_tokens * per_token)
+        if part.low_tokens != part.high_tokens:
+            size = f"{format_bytes(part.low_tokens * per_token)}-{size}"
+        print(f"{part.name}: {size} ({part.detail})")
+        fit = report.entries_per_replica(part)
+        if fit is not None and part.entry_tokens is not None and part.entries:
+            each = format_bytes(part.entry_tokens * per_token)
+            print(
+                f"  {each} each; {fit} fit one replica's idle cache, {fit * replicas:,} fit the "
+                f"fleet of {replicas}; with prefix affinity each replica owns about "
+                f"{part.entries / replicas:,.0f} hot entries"
+            )
+    print(
+        f"hot set {format_bytes(report.hot_low_bytes)}"
+        + ("" if report.hot_low_bytes == report.hot_high_bytes else
+           f"-{format_bytes(report.hot_high_bytes)}")
+        + f" vs one replica {format_bytes(budget.idle_bytes)}, fleet "
+        f"{format_bytes(report.fleet_idle_bytes)}"
+    )
+    print(f"verdict: {report.verdict.decision}: {report.verdict.reason}")
+    return 0
+
+
+def _to_json(
+    shape: str, per_token: int, budget: Any, replicas: int, report: CapacityReport | None
+) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "kv_bytes_per_token": per_token,
+        "kv_shape": shape,
+        "kv_pool_bytes": budget.pool_bytes,
+        "pinned_bytes": budget.pinned_bytes,
+        "idle_cache_bytes_per_replica": budget.idle_bytes,
+        "replicas": replicas,
+        "budget_derivation": budget.derivation,
+    }
+    if report is not None:
+        out["hot_set"] = [
+            {
+                "name": p.name,
+                "low_tokens": p.low_tokens,
+                "high_tokens": p.high_tokens,
+                "low_bytes": p.low_tokens * per_token,
+                "high_bytes": p.high_tokens * per_token,
+                "detail": p.detail,
+                "entry_tokens": p.entry_tokens,
+                "entries": p.entries,
+                "entries_per_replica": report.entries_per_replica(p),
+            }
+            for p in report.parts
+        ]
+        out["hot_low_bytes"] = report.hot_low_bytes
+        out["hot_high_bytes"] = report.hot_high_bytes
+        out["fleet_idle_bytes"] = report.fleet_idle_bytes
+        out["verdict"] = {
+            "decision": report.verdict.decision,
+            "reason": report.verdict.reason,
+            "replicas_needed": report.verdict.replicas_needed,
+        }
+    return out

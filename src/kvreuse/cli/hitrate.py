@@ -1,0 +1,245 @@
+"""``kvreuse hitrate``: scrape engines' /metrics and show each one's windowed token hit rate.
+
+A live table by default, JSON lines with ``--json``. A step-change alert fires when an
+instance's windowed rate falls more than ``--drop`` points below the previous window; with
+``--fingerprint-file`` (the JSON that ``kvreuse fingerprint`` prints for the deployed template,
+re-read every scrape) an alert says whether the prompt fingerprint changed just before.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kvreuse.errors import ConfigError, InputFormatError
+from kvreuse.hitrate.prometheus import cache_counters, metric_names, parse_exposition
+from kvreuse.hitrate.window import (
+    FingerprintChange,
+    RateReading,
+    StepAlert,
+    StepDetector,
+    WindowedHitRate,
+)
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "hitrate",
+        help="live per-instance token hit rate from vLLM/SGLang /metrics, with step alerts",
+        description=(
+            "Scrape each URL (an engine's /metrics) every --interval seconds and report the "
+            "token hit rate (cached / queried prompt tokens) over --window seconds."
+        ),
+    )
+    parser.add_argument("urls", nargs="+", help="metrics URLs, e.g. http://127.0.0.1:8000/metrics")
+    parser.add_argument("--interval", type=float, default=5.0, help="seconds between scrapes")
+    parser.add_argument("--window", type=float, default=300.0, help="rate window in seconds")
+    parser.add_argument(
+        "--drop", type=float, default=10.0, help="alert when the rate falls this many points"
+    )
+    parser.add_argument(
+        "--min-queried",
+        type=float,
+        default=1.0,
+        help="ignore windows with fewer queried tokens than this (noise)",
+    )
+    parser.add_argument("--model", help="only count series with this model_name label")
+    parser.add_argument("--count", type=int, help="stop after this many scrape rounds")
+    parser.add_argument("--timeout", type=float, default=5.0, help="HTTP timeout per scrape")
+    parser.add_argument("--json", action="store_true", help="print JSON lines, no table")
+    parser.add_argument(
+        "--fingerprint-file",
+        help="file with the deployed prompt fingerprint(s) (kvreuse fingerprint output)",
+    )
+    parser.set_defaults(func=run)
+
+
+def scrape(url: str, timeout: float) -> str:
+    """GET one metrics page. Raises OSError subclasses on network failure."""
+    request = urllib.request.Request(url, headers={"Accept": "text/plain"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        body: bytes = response.read()
+    return body.decode("utf-8", errors="replace")
+
+
+def read_fingerprint(path: Path) -> str | None:
+    """The fingerprints in a ``kvreuse fingerprint`` output file, joined; None if unreadable."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError:
+        return None
+    prints = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError:
+            prints.append(line)
+            continue
+        if isinstance(value, dict) and isinstance(value.get("fingerprint"), str):
+            prints.append(value["fingerprint"])
+    return ",".join(sorted(prints)) or None
+
+
+class Monitor:
+    """All instances' trackers and detectors; one :meth:`round` per scrape interval."""
+
+    def __init__(
+        self,
+        urls: list[str],
+        args: argparse.Namespace,
+        fetch: Callable[[str, float], str] = scrape,
+    ) -> None:
+        self.urls = urls
+        self.args = args
+        self.fetch = fetch
+        self.trackers = {url: WindowedHitRate(url, args.window) for url in urls}
+        self.detectors = {
+            url: StepDetector(args.drop, args.window, args.min_queried) for url in urls
+        }
+        self.fingerprint: str | None = None
+        self.latest: dict[str, RateReading | str] = {}
+        self.alerts: list[StepAlert] = []
+
+    def _check_fingerprint(self, t: float) -> FingerprintChange | None:
+        if self.args.fingerprint_file is None:
+            return None
+        current = read_fingerprint(Path(self.args.fingerprint_file))
+        if current is None or current == self.fingerprint:
+            return None
+        previous, self.fingerprint = self.fingerprint, current
+        if previous is None:
+            return None
+        change = FingerprintChange(t, previous, current)
+        for detector in self.detectors.values():
+            detector.note_fingerprint_change(change)
+        return change
+
+    def round(self, t: float) -> list[dict[str, Any]]:
+        """Scrape every instance once; returns the JSON records of this round."""
+        records: list[dict[str, Any]] = []
+        change = self._check_fingerprint(t)
+        if change is not None:
+            records.append(
+                {"t": t, "event": "fingerprint_change", "old": change.old, "new": change.new}
+            )
+        for url in self.urls:
+            try:
+                samples = parse_exposition(self.fetch(url, self.args.timeout), url)
+            except (OSError, urllib.error.URLError, InputFormatError) as exc:
+                self.latest[url] = f"error: {exc}"
+                records.append({"t": t, "instance": url, "error": str(exc)})
+                continue
+            counters = cache_counters(samples, self.args.model)
+            if counters is None:
+                names = ", ".join(sorted(metric_names(samples))[:8])
+                message = f"no prefix-cache metrics on this page (saw: {names or 'nothing'})"
+                self.latest[url] = message
+                records.append({"t": t, "instance": url, "error": message})
+                continue
+            reading = self.trackers[url].observe(t, counters)
+            self.latest[url] = reading
+            records.append(_reading_json(reading))
+            alert = self.detectors[url].observe(reading)
+            if alert is not None:
+                self.alerts.append(alert)
+                records.append(_alert_json(alert))
+        return records
+
+
+def _reading_json(reading: RateReading) -> dict[str, Any]:
+    return {
+        "t": reading.t,
+        "instance": reading.instance,
+        "source": reading.family,
+        "window_hit_rate": reading.window_rate,
+        "lifetime_hit_rate": reading.lifetime_rate,
+        "window_queried_tokens": reading.window_queries,
+        "window_cached_tokens": reading.window_hits,
+        "window_seconds": reading.covered_seconds,
+        "counter_reset": reading.reset,
+    }
+
+
+def _alert_json(alert: StepAlert) -> dict[str, Any]:
+    change = alert.fingerprint_change
+    return {
+        "t": alert.t,
+        "instance": alert.instance,
+        "alert": "hit_rate_step_drop",
+        "baseline_hit_rate": alert.baseline_rate,
+        "current_hit_rate": alert.current_rate,
+        "drop_points": alert.drop_points,
+        "fingerprint_change": None
+        if change is None
+        else {"t": change.t, "old": change.old, "new": change.new},
+        "message": alert.describe(),
+    }
+
+
+def _table(monitor: Monitor) -> Any:
+    from rich.table import Table
+
+    table = Table(title=f"token hit rate, {monitor.args.window:.0f} s window")
+    for column in ("instance", "source", "window", "lifetime", "queried tok/s", "status"):
+        table.add_column(column, justify="left" if column in ("instance", "status") else "right")
+    for url in monitor.urls:
+        state = monitor.latest.get(url)
+        if not isinstance(state, RateReading):
+            table.add_row(url, "", "", "", "", state or "waiting")
+            continue
+        window = "-" if state.window_rate is None else f"{state.window_rate:.1%}"
+        lifetime = "-" if state.lifetime_rate is None else f"{state.lifetime_rate:.1%}"
+        per_second = (
+            f"{state.window_queries / state.covered_seconds:,.0f}" if state.covered_seconds else "-"
+        )
+        alerts = [a for a in monitor.alerts if a.instance == url]
+        status = f"ALERT: fell {alerts[-1].drop_points:.1f} pts" if alerts else "ok"
+        table.add_row(url, state.family, window, lifetime, per_second, status)
+    return table
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.interval <= 0:
+        raise ConfigError(f"--interval must be positive, got {args.interval}")
+    monitor = Monitor(list(args.urls), args)
+    rounds = 0
+    live = None
+    if not args.json:
+        from rich.live import Live
+
+        live = Live(_table(monitor), refresh_per_second=4, transient=False)
+        live.start()
+    try:
+        while args.count is None or rounds < args.count:
+            started = time.monotonic()
+            records = monitor.round(time.time())
+            rounds += 1
+            if args.json:
+                for record in records:
+                    print(json.dumps(record), flush=True)
+            else:
+                assert live is not None
+                live.update(_table(monitor))
+                for record in records:
+                    if "alert" in record:
+                        live.console.print(f"[bold red]{record['message']}[/]")
+            if args.count is not None and rounds >= args.count:
+                break
+            time.sleep(max(0.0, args.interval - (time.monotonic() - started)))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if live is not None:
+            live.stop()
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,115 @@
+"""``kvreuse route``: the cache-aware OpenAI gateway in front of vLLM (or ``kvreuse engine``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from kvreuse.errors import ConfigError
+
+DESCRIPTION = """\
+An OpenAI-compatible router: each request goes to the upstream where its prefix already lives,
+decided by a policy of kvreuse.routing (the very objects `kvreuse simulate` uses). Streams pass
+through unbuffered; failures before the first byte are retried on the next candidate.
+
+Upstreams: --upstream URL[,name=N][,events=tcp://HOST:PORT][,replay=tcp://HOST:PORT]
+[,bind=true|false][,topic=T][,weight=W], repeatable, or a TOML --config file (see DEVELOPERS.md).
+`events` is the endpoint given to vLLM's --kv-events-config: a tcp://HOST:PORT address makes vLLM
+connect, so the gateway binds it (bind=true, the default); with tcp://*:PORT vLLM binds and the
+gateway must connect (bind=false). With events, the gateway rebuilds each upstream's cache from
+its KV events (exact mode).
+
+Tokens: --tokenizer DIR renders chats with the directory's chat template and tokenizes with HF
+tokenizers, as vLLM does; without it the gateway routes on an approximation (one token per 4
+bytes of UTF-8).
+
+Tenants: --tenants FILE maps API keys (Authorization: Bearer KEY) to tenants; each tenant's
+cache_salt is HMAC-SHA256(secret, tenant), injected upstream; a caller's own cache_salt is
+refused (400) or stripped (--caller-salt strip); an unknown key gets 401.
+"""
+
+
+def register(subparsers: Any) -> None:
+    from kvreuse.routing import DESCRIPTIONS
+
+    parser = subparsers.add_parser(
+        "route",
+        help="cache-aware OpenAI gateway in front of vLLM replicas",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--upstream", action="append", default=[], metavar="URL[,key=value]")
+    parser.add_argument("--config", type=Path, metavar="FILE", help="TOML gateway config")
+    parser.add_argument(
+        "--policy", choices=sorted(DESCRIPTIONS),
+        help="routing policy (default cache_aware): " + "; ".join(
+            f"{name}: {text}" for name, text in DESCRIPTIONS.items()),
+    )
+    parser.add_argument("--policy-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="a policy keyword option, e.g. spill_threshold_s=0.2 (repeatable)")
+    parser.add_argument("--tokenizer", metavar="DIR", help="HF tokenizer directory")
+    parser.add_argument("--tenants", metavar="FILE", help="TOML file: API keys -> tenants")
+    parser.add_argument("--caller-salt", choices=("reject", "strip"),
+                        help="what to do with a caller's cache_salt when tenants are on")
+    parser.add_argument("--retries", type=int, help="other upstreams to try before the first "
+                        "byte (default 2)")
+    parser.add_argument("--health-interval", type=float, help="seconds between probes")
+    parser.add_argument("--eject-after", type=int, help="consecutive failures that eject")
+    parser.add_argument("--readmit-after", type=int, help="consecutive probes that re-admit")
+    parser.add_argument("--metrics-interval", type=float, help="seconds between /metrics scrapes")
+    parser.add_argument("--max-body-bytes", type=int)
+    parser.add_argument("--upstream-api-key", help="Bearer key the upstreams expect")
+    parser.add_argument("--seed", type=int, help="seed of randomized policies")
+    parser.add_argument("--log-level", default="warning")
+    parser.set_defaults(func=run)
+
+
+def _option_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def build_config(args: argparse.Namespace) -> Any:
+    from kvreuse.gateway.config import load_config_file, merge, parse_upstream_flag
+
+    file_config = load_config_file(args.config) if args.config else None
+    options: dict[str, Any] = dict(file_config.policy_options) if file_config else {}
+    for item in args.policy_option:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--policy-option expects KEY=VALUE, got {item!r}")
+        options[key.strip()] = _option_value(value.strip())
+    return merge(
+        file_config,
+        [parse_upstream_flag(text) for text in args.upstream],
+        policy=args.policy,
+        policy_options=options,
+        tokenizer=args.tokenizer,
+        tenants=args.tenants,
+        caller_salt=args.caller_salt,
+        retries=args.retries,
+        health_interval_s=args.health_interval,
+        eject_after=args.eject_after,
+        readmit_after=args.readmit_after,
+        metrics_interval_s=args.metrics_interval,
+        max_body_bytes=args.max_body_bytes,
+        upstream_api_key=args.upstream_api_key,
+        seed=args.seed,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvreuse.gateway.app import Gateway
+
+    gateway = Gateway(build_config(args))
+    uvicorn.run(gateway.app, host=args.host, port=args.port, log_level=args.log_level,
+                access_log=False)
+    return 0

@@ -1,0 +1,185 @@
+"""The HTML report of ``kvreuse simulate --report``: one self-contained page, PNG plots inline.
+
+Plots: token hit rate and p95 TTFT per run; prefill load per replica; hit rate over time (a
+timestamp step shows here); TTFT by prompt-length band; the spill-threshold sweep.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvreuse.errors import ConfigError
+from kvreuse.sim.runner import ScenarioRun, check
+from kvreuse.sim.scenarios import Scenario
+from kvreuse.sim.summary import hit_rate_over_time, load_per_replica, ttft_by_band
+from kvreuse.sim.trace import Bounds
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ConfigError(
+            "--report needs matplotlib: pip install 'kvreuse[report]'"
+        ) from None
+    return plt
+
+
+def _png(fig: Any) -> str:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _labels(rows: Sequence[ScenarioRun]) -> list[str]:
+    return [f"{r.spec.label} x{r.spec.replicas}" for r in rows]
+
+
+def _per_policy(plt: Any, rows: Sequence[ScenarioRun]) -> str:
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
+    labels = _labels(rows)
+    left.barh(labels, [r.summary.token_hit_rate * 100 for r in rows], color="tab:green")
+    left.set_xlabel("token hit rate (%)")
+    right.barh(labels, [r.summary.ttft_p95_s for r in rows], color="tab:orange")
+    right.set_xlabel("p95 TTFT (s)")
+    right.set_yticklabels([])
+    fig.suptitle("hit rate and p95 TTFT per run")
+    return _png(fig)
+
+
+def _load(plt: Any, rows: Sequence[ScenarioRun]) -> str:
+    fig, ax = plt.subplots(figsize=(12, 4))
+    width = 0.8 / max(len(rows), 1)
+    for i, row in enumerate(rows):
+        loads = load_per_replica(row.run)
+        xs = [k + i * width for k in range(len(loads))]
+        ax.bar(xs, loads, width, label=_labels([row])[0])
+    ax.set_xlabel("replica")
+    ax.set_ylabel("prefill GPU-seconds (measured requests)")
+    ax.legend(fontsize=7)
+    ax.set_title("load per replica")
+    return _png(fig)
+
+
+def _over_time(plt: Any, rows: Sequence[ScenarioRun]) -> str:
+    fig, ax = plt.subplots(figsize=(12, 4))
+    for row in rows:
+        points = hit_rate_over_time(row.run, 2.0)
+        ax.plot([p.start_s for p in points], [p.token_hit_rate * 100 for p in points],
+                label=_labels([row])[0])
+    ax.set_xlabel("arrival time (s)")
+    ax.set_ylabel("token hit rate (%)")
+    ax.legend(fontsize=7)
+    ax.set_title("hit rate over time (2 s buckets)")
+    return _png(fig)
+
+
+def _bands(plt: Any, rows: Sequence[ScenarioRun]) -> str:
+    fig, ax = plt.subplots(figsize=(12, 4))
+    for row in rows:
+        points = ttft_by_band(row.run)
+        ax.plot([p.band for p in points], [p.ttft_p95_s for p in points], marker="o",
+                label=_labels([row])[0])
+    ax.set_xlabel("prompt length band (tokens)")
+    ax.set_ylabel("p95 TTFT (s)")
+    ax.legend(fontsize=7)
+    ax.set_title("TTFT by prompt-length band")
+    return _png(fig)
+
+
+def _sweep(plt: Any, rows: Sequence[ScenarioRun]) -> str:
+    fig, left = plt.subplots(figsize=(12, 4))
+    points = []
+    for row in rows:
+        options = dict(row.spec.options)
+        spill = float(options.get("spill_threshold_s", math.inf))
+        points.append((spill, row.summary))
+    finite = [p for p, _ in points if math.isfinite(p)]
+    top = (max(finite) * 2) if finite and max(finite) > 0 else 1.0
+    xs = [p if math.isfinite(p) else top for p, _ in points]
+    names = [f"{p:g}" if math.isfinite(p) else "inf" for p, _ in points]
+    left.plot(range(len(xs)), [s.ttft_p95_s for _, s in points], marker="o", color="tab:orange")
+    left.set_ylabel("p95 TTFT (s)", color="tab:orange")
+    left.set_xticks(range(len(xs)))
+    left.set_xticklabels(names)
+    left.set_xlabel("spill threshold (s)")
+    right = left.twinx()
+    right.plot(range(len(xs)), [s.token_hit_rate * 100 for _, s in points], marker="s",
+               color="tab:green")
+    right.set_ylabel("token hit rate (%)", color="tab:green")
+    left.set_title(f"spill-threshold sweep ({rows[0].spec.policy} x{rows[0].spec.replicas})")
+    return _png(fig)
+
+
+def write_report(
+    path: Path,
+    scenario: Scenario,
+    rows: Sequence[ScenarioRun],
+    bounds: Bounds,
+    sweep: Sequence[ScenarioRun],
+    parameters: dict[str, Any],
+) -> None:
+    """Render and write the page. Raises :class:`ConfigError` without matplotlib."""
+    plt = _pyplot()
+    images = [
+        ("Hit rate and p95 TTFT per policy", _per_policy(plt, rows)),
+        ("Load per replica", _load(plt, rows)),
+        ("Hit rate over time", _over_time(plt, rows)),
+        ("TTFT by prompt-length band", _bands(plt, rows)),
+    ]
+    if sweep:
+        images.append(("Spill-threshold sweep", _sweep(plt, sweep)))
+    plt.close("all")
+    esc = html.escape
+    table_rows = "".join(
+        "<tr>" + "".join(f"<td>{esc(str(v))}</td>" for v in (
+            r.spec.label, r.spec.replicas, f"{r.summary.token_hit_rate:.1%}",
+            f"{r.summary.request_hit_rate:.1%}", f"{r.summary.prefill_gpu_s_per_1k:.1f}",
+            f"{r.summary.ttft_p50_s:.3f}", f"{r.summary.ttft_p95_s:.3f}",
+            f"{r.summary.max_over_mean_load:.2f}", f"{r.summary.evicted_tokens:,}",
+            r.summary.requests,
+        )) + "</tr>"
+        for r in rows
+    )
+    verdicts = "".join(
+        f"<li>{'in range' if v.ok else '<b>OUT OF RANGE</b>'}: {esc(v.expectation.policy)} "
+        f"x{v.expectation.replicas} {esc(v.expectation.variant)} {esc(v.expectation.metric)} = "
+        f"{v.value:.3g} (range {v.expectation.low:g}-{v.expectation.high:g}; "
+        f"{esc(v.expectation.source)})</li>"
+        for v in check(scenario, rows)
+    )
+    params = "".join(
+        f"<tr><td>{esc(p.name)}</td><td>{esc(str(p.value))}</td><td>{esc(p.source)}</td></tr>"
+        for p in scenario.params
+    ) or "".join(
+        f"<tr><td>{esc(k)}</td><td>{esc(str(v))}</td><td></td></tr>" for k, v in parameters.items()
+    )
+    figures = "".join(
+        f"<h2>{esc(title)}</h2><img alt='{esc(title)}' src='data:image/png;base64,{data}'>"
+        for title, data in images
+    )
+    page = f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>kvreuse simulate: {esc(scenario.name)}</title>
+<style>body{{font-family:sans-serif;max-width:1200px;margin:auto}}
+td,th{{border:1px solid #ccc;padding:2px 6px;font-size:13px}}table{{border-collapse:collapse}}
+img{{max-width:100%}}</style></head><body>
+<h1>{esc(scenario.name)}</h1><p>{esc(scenario.summary)}</p>
+<table><tr><th>run</th><th>replicas</th><th>token hit</th><th>request hit</th>
+<th>prefill GPU-s/1k</th><th>TTFT p50 s</th><th>TTFT p95 s</th><th>max/mean load</th>
+<th>evicted tokens</th><th>requests</th></tr>{table_rows}</table>
+<p>Bounds over {bounds.replicas} x {bounds.cache_tokens:,} tokens: infinite cache
+{bounds.infinite_hit_rate:.1%}, pooled LRU {bounds.pooled_lru_hit_rate:.1%}.</p>
+<ul>{verdicts}</ul>{figures}
+<h2>Parameters</h2><table><tr><th>name</th><th>value</th><th>source</th></tr>{params}</table>
+</body></html>
+"""
+    path.write_text(page, encoding="utf-8")

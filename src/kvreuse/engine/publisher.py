@@ -1,0 +1,116 @@
+"""Publish KV events exactly as vLLM's ``ZmqEventPublisher`` does.
+
+One PUB socket sends ``[topic, seq (8 bytes big-endian), msgpack EventBatch]``; the last
+``buffer_steps`` batches are kept for a ROUTER replay socket, which answers a request holding a
+start sequence number with every buffered batch from there, then an end marker (seq ``-1``).
+Endpoint rule, vLLM's: a wildcard (``tcp://*:P``) or ``ipc://``/``inproc://`` endpoint is bound,
+any other is connected to (the subscriber binds it). The replay endpoint is always bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from collections.abc import Sequence
+
+import zmq
+import zmq.asyncio
+
+from kvreuse.gateway.kv_events import END_OF_REPLAY, encode_message, encode_payload
+from kvreuse.index.events import KVCacheEvent
+
+log = logging.getLogger("kvreuse.engine.events")
+
+
+def is_bind_endpoint(endpoint: str) -> bool:
+    """vLLM's ``_is_bind_endpoint``: wildcard and ipc/inproc endpoints are bound."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+class EventPublisher:
+    """PUB plus optional replay ROUTER. Call :meth:`start` inside the event loop."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        shape: str = "map",
+        int_hashes: bool = True,
+        buffer_steps: int = 10_000,
+        dp_rank: int = 0,
+        context: zmq.asyncio.Context | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.topic = topic
+        self.shape = shape
+        self.int_hashes = int_hashes
+        self.dp_rank = dp_rank
+        self.seq = 0
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._ctx = context or zmq.asyncio.Context.instance()
+        self._pub: zmq.asyncio.Socket | None = None
+        self._replay: zmq.asyncio.Socket | None = None
+        self._replay_task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        pub = self._ctx.socket(zmq.PUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.setsockopt(zmq.SNDHWM, 100_000)
+        if is_bind_endpoint(self.endpoint):
+            pub.bind(self.endpoint)
+        else:
+            pub.connect(self.endpoint)
+        self._pub = pub
+        if self.replay_endpoint is not None:
+            replay = self._ctx.socket(zmq.ROUTER)
+            replay.setsockopt(zmq.LINGER, 0)
+            replay.bind(self.replay_endpoint)
+            self._replay = replay
+            self._replay_task = asyncio.get_running_loop().create_task(self._serve_replay())
+
+    async def publish(self, events: Sequence[KVCacheEvent], ts: float) -> None:
+        """Send one batch (nothing when ``events`` is empty). Never blocks on a slow reader:
+        a PUB socket drops at its high-water mark, which the subscriber sees as a gap."""
+        if not events or self._pub is None:
+            return
+        payload = encode_payload(
+            events, ts=ts, dp_rank=self.dp_rank, shape=self.shape, int_hashes=self.int_hashes
+        )
+        seq = self.seq
+        self.seq += 1
+        self._buffer.append((seq, payload))
+        await self._pub.send_multipart(encode_message(self.topic, seq, payload))
+
+    async def _serve_replay(self) -> None:
+        replay = self._replay
+        assert replay is not None
+        while True:
+            try:
+                frames = await replay.recv_multipart()
+            except (asyncio.CancelledError, zmq.ContextTerminated, zmq.ZMQError):
+                return
+            if len(frames) != 3:
+                log.warning("invalid replay request with %d frames", len(frames))
+                continue
+            client, _, start_frame = frames
+            start = int.from_bytes(start_frame, "big")
+            topic = self.topic.encode()
+            for seq, payload in list(self._buffer):
+                if seq >= start:
+                    await replay.send_multipart([client, b"", topic, seq.to_bytes(8, "big"),
+                                                 payload])
+            await replay.send_multipart([client, b"", b"", END_OF_REPLAY, b""])
+
+    def close(self) -> None:
+        if self._replay_task is not None:
+            self._replay_task.cancel()
+        for sock in (self._pub, self._replay):
+            if sock is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    sock.close(linger=0)
+        self._pub = self._replay = None

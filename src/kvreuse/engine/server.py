@@ -1,0 +1,281 @@
+"""The HTTP face of a simulated replica: vLLM's OpenAI endpoints, /metrics, /health.
+
+Responses carry vLLM's shapes (``usage.prompt_tokens_details.cached_tokens`` included);
+streams are Server-Sent Events ending in ``data: [DONE]``. Output is filler text, one token
+per ``time_per_output_token_s``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from kvreuse.engine.publisher import EventPublisher
+from kvreuse.engine.replica import EngineConfig, SimulatedReplica
+from kvreuse.errors import InputFormatError
+from kvreuse.gateway.prompts import HFPromptTokenizer, PromptTokenizer, approximate_tokens
+from kvreuse.gateway.validation import (
+    ENDPOINT_KINDS,
+    ParsedRequest,
+    RequestError,
+    parse_json_body,
+    parse_request,
+)
+from kvreuse.identity import CacheIdentity
+from kvreuse.tokens import TokenBuffer, pack, unpack
+
+FILLER = "lorem ipsum dolor sit amet, consectetur adipiscing elit, sed do eiusmod tempor. "
+DEFAULT_MAX_TOKENS = 16
+
+
+class _VllmMetrics:
+    """A Prometheus collector reading the replica's counters at scrape time."""
+
+    def __init__(self, replica: SimulatedReplica) -> None:
+        self._replica = replica
+
+    def collect(self) -> list[Metric]:
+        replica = self._replica
+        labels = ["engine", "model_name"]
+        values = ["0", replica.config.model]
+        counters = replica.counters
+        out: list[Metric] = []
+        for name, doc, value in (
+            ("vllm:prefix_cache_queries", "Prefix cache queries, in tokens", counters.queries),
+            ("vllm:prefix_cache_hits", "Prefix cache hits, in tokens", counters.hits),
+            ("vllm:prompt_tokens", "Prefill tokens processed", counters.prompt_tokens),
+            ("vllm:generation_tokens", "Generation tokens processed", counters.generation_tokens),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=labels)
+            counter.add_metric(values, value)
+            out.append(counter)
+        for name, doc, gauge_value in (
+            ("vllm:num_requests_running", "Requests in model execution", replica.running),
+            ("vllm:num_requests_waiting", "Requests waiting to be processed", replica.waiting),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage, 1 means 100 percent", replica.kv_usage),
+        ):
+            gauge = GaugeMetricFamily(name, doc, labels=labels)
+            gauge.add_metric(values, float(gauge_value))
+            out.append(gauge)
+        return out
+
+
+class EngineApp:
+    """Request handling for one replica; :attr:`app` is the ASGI application."""
+
+    def __init__(
+        self,
+        replica: SimulatedReplica,
+        tokenizer: PromptTokenizer,
+        publisher: EventPublisher | None = None,
+    ) -> None:
+        self.replica = replica
+        self.tokenizer = tokenizer
+        self.publisher = publisher
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_VllmMetrics(replica))
+        self._piece: Callable[[int], str]
+        if isinstance(tokenizer, HFPromptTokenizer):
+            self._filler = unpack(tokenizer.encode(FILLER))
+            hf = tokenizer
+            self._piece = lambda token_id: hf.decode([token_id])
+        else:
+            self._filler = unpack(approximate_tokens(FILLER))
+            self._piece = _approx_piece
+        self.app = Starlette(
+            routes=[
+                Route("/v1/completions", self.generate, methods=["POST"]),
+                Route("/v1/chat/completions", self.generate, methods=["POST"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/health", self.health, methods=["GET"]),
+                Route("/metrics", self.metrics, methods=["GET"]),
+                Route("/reset_prefix_cache", self.reset_prefix_cache, methods=["POST"]),
+            ],
+            lifespan=self._lifespan,
+        )
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        # ZeroMQ asyncio sockets belong to the loop that serves requests: open them there.
+        if self.publisher is not None:
+            self.publisher.start()
+        try:
+            yield
+        finally:
+            if self.publisher is not None:
+                self.publisher.close()
+
+    async def health(self, request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(generate_latest(self.registry), media_type="text/plain; version=0.0.4")
+
+    async def models(self, request: Request) -> Response:
+        model = self.replica.config.model
+        return JSONResponse({"object": "list", "data": [{
+            "id": model, "object": "model", "created": int(time.time()), "owned_by": "kvreuse",
+            "root": model, "max_model_len": self.replica.config.max_model_len,
+        }]})
+
+    async def reset_prefix_cache(self, request: Request) -> Response:
+        if await self.replica.reset_prefix_cache():
+            return Response(status_code=200)
+        return JSONResponse({"error": {"message": "requests are running"}}, status_code=400)
+
+    def _tokens(self, parsed: ParsedRequest) -> TokenBuffer:
+        if parsed.kind == "completion":
+            if isinstance(parsed.prompt, list):
+                return pack(parsed.prompt)
+            assert isinstance(parsed.prompt, str)
+            return self.tokenizer.completion(parsed.prompt)
+        return self.tokenizer.chat(
+            parsed.messages,
+            tools=parsed.tools,
+            add_generation_prompt=parsed.add_generation_prompt,
+            continue_final_message=parsed.continue_final_message,
+            template_kwargs=parsed.template_kwargs,
+        )
+
+    async def generate(self, request: Request) -> Response:
+        kind = ENDPOINT_KINDS[request.url.path]
+        try:
+            parsed = parse_request(kind, parse_json_body(await request.body()))
+            if parsed.model != self.replica.config.model:
+                raise RequestError(
+                    f"the model {parsed.model!r} does not exist; this engine serves "
+                    f"{self.replica.config.model!r}", "model", 404
+                )
+            if kind == "completion" and isinstance(parsed.body.get("prompt"), list) and len(
+                parsed.body["prompt"]) > 1 and not isinstance(parsed.body["prompt"][0], int):
+                raise RequestError("the simulated engine serves one prompt per request", "prompt")
+            tokens = self._tokens(parsed)
+        except RequestError as exc:
+            return JSONResponse(exc.body(), status_code=exc.status)
+        except InputFormatError as exc:
+            error = RequestError(str(exc), exc.where)
+            return JSONResponse(error.body(), status_code=400)
+        identity = CacheIdentity(cache_salt=parsed.cache_salt)
+        max_tokens = parsed.max_tokens or DEFAULT_MAX_TOKENS
+        request_id = self.replica.new_request_id()
+        try:
+            prefilled = await self.replica.prefill(request_id, tokens, identity, max_tokens)
+        except InputFormatError as exc:
+            error = RequestError(str(exc), exc.where)
+            return JSONResponse(error.body(), status_code=400)
+        completion_id = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
+        usage = {
+            "prompt_tokens": prefilled.prompt_tokens,
+            "total_tokens": prefilled.prompt_tokens + max_tokens,
+            "completion_tokens": max_tokens,
+            "prompt_tokens_details": {"cached_tokens": prefilled.cached_tokens},
+        }
+        if parsed.stream:
+            return StreamingResponse(
+                self._stream(parsed, completion_id, request_id, tokens, max_tokens, usage),
+                media_type="text/event-stream",
+            )
+        output: list[int] = []
+        try:
+            async for token_id in self.replica.decode(max_tokens, self._filler):
+                output.append(token_id)
+        except BaseException:
+            await self.replica.abort(request_id)
+            raise
+        await self.replica.finish(request_id, tokens, output)
+        text = "".join(self._piece(t) for t in output)
+        return JSONResponse(self._whole(parsed, completion_id, text, usage))
+
+    def _whole(
+        self, parsed: ParsedRequest, completion_id: str, text: str, usage: dict[str, Any]
+    ) -> dict[str, Any]:
+        base = {"id": completion_id, "created": int(time.time()), "model": parsed.model}
+        if parsed.kind == "completion":
+            choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None,
+                                      "finish_reason": "length", "stop_reason": None}
+            return {**base, "object": "text_completion", "choices": [choice], "usage": usage}
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "logprobs": None, "finish_reason": "length", "stop_reason": None}
+        return {**base, "object": "chat.completion", "choices": [choice], "usage": usage}
+
+    async def _stream(
+        self,
+        parsed: ParsedRequest,
+        completion_id: str,
+        request_id: str,
+        tokens: TokenBuffer,
+        max_tokens: int,
+        usage: dict[str, Any],
+    ) -> AsyncIterator[bytes]:
+        chat = parsed.kind == "chat"
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        created = int(time.time())
+
+        def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+            data = {"id": completion_id, "object": obj, "created": created,
+                    "model": parsed.model, "choices": choices, **extra}
+            return b"data: " + json.dumps(data).encode() + b"\n\n"
+
+        output: list[int] = []
+        try:
+            if chat:
+                yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}])
+            async for token_id in self.replica.decode(max_tokens, self._filler):
+                output.append(token_id)
+                last = len(output) == max_tokens
+                piece = self._piece(token_id)
+                finish = "length" if last else None
+                if chat:
+                    choice = {"index": 0, "delta": {"content": piece}, "logprobs": None,
+                              "finish_reason": finish}
+                else:
+                    choice = {"index": 0, "text": piece, "logprobs": None,
+                              "finish_reason": finish}
+                yield chunk([choice])
+        except BaseException:
+            await self.replica.abort(request_id)
+            raise
+        await self.replica.finish(request_id, tokens, output)
+        if parsed.include_usage:
+            yield chunk([], usage=usage)
+        yield b"data: [DONE]\n\n"
+
+
+def _approx_piece(token_id: int) -> str:
+    return token_id.to_bytes(4, "little").rstrip(b"\0").decode("utf-8", errors="replace")
+
+
+def build_engine(
+    config: EngineConfig,
+    tokenizer: PromptTokenizer,
+    *,
+    events_endpoint: str | None = None,
+    replay_endpoint: str | None = None,
+    topic: str = "",
+    shape: str = "map",
+    int_hashes: bool = True,
+) -> EngineApp:
+    """A replica wired to its event publisher (when ``events_endpoint`` is given)."""
+    publisher = None
+    if events_endpoint is not None:
+        publisher = EventPublisher(
+            events_endpoint,
+            replay_endpoint=replay_endpoint,
+            topic=topic,
+            shape=shape,
+            int_hashes=int_hashes,
+        )
+    replica = SimulatedReplica(config, on_events=None if publisher is None else publisher.publish)
+    return EngineApp(replica, tokenizer, publisher)

@@ -1,0 +1,184 @@
+"""Gateway configuration: upstreams from ``--upstream`` flags or a TOML file, and the knobs.
+
+A flag is ``URL[,key=value...]`` with keys ``name``, ``events``, ``replay``, ``bind``,
+``topic`` and ``weight``; a TOML file has the same keys per ``[[upstreams]]`` table and the
+gateway options in ``[gateway]``::
+
+    [gateway]
+    policy = "exact"
+    tokenizer = "build/tiny-llama"
+    tenants = "tenants.toml"
+
+    [gateway.policy_options]
+    spill_threshold_s = 0.2
+
+    [[upstreams]]
+    url = "http://127.0.0.1:8001"
+    events = "tcp://127.0.0.1:5557"    # vLLM --kv-events-config endpoint; the gateway binds it
+    replay = "tcp://127.0.0.1:5558"    # vLLM replay_endpoint (vLLM binds it)
+    weight = 1.0
+
+``weight`` scales the load the policies see (load / weight): an upstream of weight 2 is taken
+to drain its queue twice as fast.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from kvreuse.errors import ConfigError
+
+CALLER_SALT_MODES = ("reject", "strip")
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamConfig:
+    """One engine behind the gateway."""
+
+    url: str
+    name: str = ""
+    events: str | None = None
+    replay: str | None = None
+    bind: bool = True
+    topic: str = ""
+    weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ConfigError(f"upstream url must be http(s)://HOST:PORT, got {self.url!r}")
+        if self.weight <= 0:
+            raise ConfigError(f"upstream {self.url}: weight must be > 0, got {self.weight}")
+        for key in ("events", "replay"):
+            value = getattr(self, key)
+            if value is not None and "://" not in value:
+                raise ConfigError(f"upstream {self.url}: {key} must be a ZeroMQ endpoint like "
+                                  f"tcp://127.0.0.1:5557, got {value!r}")
+        if not self.name:
+            object.__setattr__(self, "name", self.url.rstrip("/"))
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    """Everything ``kvreuse route`` needs besides the listening address."""
+
+    upstreams: tuple[UpstreamConfig, ...]
+    policy: str = "cache_aware"
+    policy_options: dict[str, Any] = field(default_factory=dict)
+    tokenizer: str | None = None
+    tenants: str | None = None
+    caller_salt: str | None = None  # overrides the tenants file's caller_salt when set
+    max_body_bytes: int = 8 * 1024 * 1024
+    health_interval_s: float = 2.0
+    eject_after: int = 3
+    readmit_after: int = 2
+    metrics_interval_s: float = 5.0
+    retries: int = 2
+    connect_timeout_s: float = 2.0
+    read_timeout_s: float = 600.0
+    upstream_api_key: str | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.upstreams:
+            raise ConfigError("no upstreams: pass --upstream URL (repeatable) or --config FILE")
+        names = [u.name for u in self.upstreams]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"upstream names must be unique, got {names}")
+        if self.caller_salt is not None and self.caller_salt not in CALLER_SALT_MODES:
+            raise ConfigError(
+                f"caller_salt must be one of {CALLER_SALT_MODES}, got {self.caller_salt!r}"
+            )
+        for name in ("max_body_bytes", "eject_after", "readmit_after"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.retries < 0:
+            raise ConfigError(f"retries must be >= 0, got {self.retries}")
+        for name in ("health_interval_s", "metrics_interval_s", "connect_timeout_s",
+                     "read_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+_UPSTREAM_KEYS = {f.name: f.type for f in fields(UpstreamConfig)}
+_GATEWAY_KEYS = {f.name for f in fields(GatewayConfig)} - {"upstreams"}
+
+
+def _coerce_upstream(raw: dict[str, Any], where: str) -> UpstreamConfig:
+    unknown = sorted(set(raw) - set(_UPSTREAM_KEYS))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; "
+                          f"known: {', '.join(_UPSTREAM_KEYS)}")
+    if "url" not in raw:
+        raise ConfigError(f"{where}: 'url' is required")
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key == "weight":
+            try:
+                values[key] = float(value)
+            except (TypeError, ValueError):
+                raise ConfigError(f"{where}: weight must be a number, got {value!r}") from None
+        elif key == "bind":
+            if isinstance(value, str):
+                if value.lower() not in ("true", "false", "1", "0"):
+                    raise ConfigError(f"{where}: bind must be true or false, got {value!r}")
+                value = value.lower() in ("true", "1")
+            values[key] = bool(value)
+        else:
+            if not isinstance(value, str):
+                raise ConfigError(f"{where}: {key} must be a string, got {value!r}")
+            values[key] = value
+    return UpstreamConfig(**values)
+
+
+def parse_upstream_flag(text: str) -> UpstreamConfig:
+    """``URL[,key=value...]`` from ``--upstream``."""
+    url, *options = [part.strip() for part in text.split(",")]
+    raw: dict[str, Any] = {"url": url}
+    for option in options:
+        key, sep, value = option.partition("=")
+        if not sep:
+            raise ConfigError(f"--upstream {text!r}: expected key=value, got {option!r}")
+        raw[key.strip()] = value.strip()
+    return _coerce_upstream(raw, f"--upstream {text!r}")
+
+
+def load_config_file(path: Path) -> GatewayConfig:
+    """Read a TOML gateway file (see the module docstring)."""
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    unknown = sorted(set(data) - {"gateway", "upstreams"})
+    if unknown:
+        raise ConfigError(f"{path}: unknown table(s) {', '.join(unknown)}")
+    raw_upstreams = data.get("upstreams", [])
+    if not isinstance(raw_upstreams, list):
+        raise ConfigError(f"{path}: upstreams must be an array of tables ([[upstreams]])")
+    upstreams = tuple(
+        _coerce_upstream(dict(u), f"{path}: upstreams[{i}]") for i, u in enumerate(raw_upstreams)
+    )
+    gateway = data.get("gateway", {})
+    bad = sorted(set(gateway) - _GATEWAY_KEYS)
+    if bad:
+        raise ConfigError(f"{path}: [gateway] has unknown key(s) {', '.join(bad)}; "
+                          f"known: {', '.join(sorted(_GATEWAY_KEYS))}")
+    try:
+        return GatewayConfig(upstreams=upstreams, **gateway)
+    except TypeError as exc:
+        raise ConfigError(f"{path}: [gateway]: {exc}") from None
+
+
+def merge(config: GatewayConfig | None, upstreams: list[UpstreamConfig], **overrides: Any
+          ) -> GatewayConfig:
+    """Flags win over the file; flag upstreams are added to the file's."""
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if config is None:
+        return GatewayConfig(upstreams=tuple(upstreams), **given)
+    return replace(config, upstreams=config.upstreams + tuple(upstreams), **given)

@@ -1,0 +1,257 @@
+"""One upstream's prefix cache, rebuilt from the KV events it publishes.
+
+Blocks are placed by their token ids and their parent link, never by the hash values themselves:
+a hash only names a block so that later events (a child's parent, a removal) can find it. The
+index therefore does not depend on vLLM's hash algorithm or its NONE_HASH seed, and the gateway
+can match a prompt's token ids directly, with vLLM's hit rules (stop at the first missing block,
+at most ``num_tokens - 1`` tokens, whole blocks).
+
+The tree mirrors vLLM's cache exactly, holes included: vLLM may evict a block while a child of it
+stays cached (the child is then unreachable until the parent is recomputed under the same hash),
+so a removed block with cached descendants stays in the tree, marked absent, and a match stops
+there. Namespaces: the first block's extra keys carry the ``cache_salt`` (and the LoRA name),
+so each (salt, adapter) pair has its own root, exactly as :class:`CacheIdentity` keys the
+gateway's requests.
+
+Copies: when two running requests compute the same block, vLLM caches both copies under one
+hash, publishes ``BlockStored`` twice and ``BlockRemoved`` once per evicted copy, and the hash
+stays a hit while any copy remains; the index therefore counts copies per hash. (vLLM's opt-in
+``kv_cache_report_mode="full"`` re-publishes *hits* as ``BlockStored`` without a new copy; with
+it the counts run high until ``AllBlocksCleared``.)
+
+Each applied event is also translated into the path-based events of :mod:`kvreuse.routing.events`
+(full token paths), which is what the routing policies consume.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from kvreuse.identity import DEFAULT_IDENTITY, CacheIdentity
+from kvreuse.index.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from kvreuse.index.hashing import BlockHash
+from kvreuse.routing.events import KvCleared, KvEvent, KvRemoved, KvStored
+from kvreuse.tokens import TOKEN_BYTES, TokenBuffer, pack
+
+CACHED_MEDIA = ("GPU",)
+"""Events about other media (a CPU or disk offload tier) do not change what prefix caching hits."""
+
+
+class _Block:
+    __slots__ = ("children", "end", "hashes", "identity", "key", "parent")
+
+    def __init__(
+        self, key: bytes, parent: _Block | None, end: int, identity: CacheIdentity
+    ) -> None:
+        self.key = key
+        self.identity = identity
+        self.parent = parent
+        self.end = end  # tokens from the first prompt token to the end of this block
+        self.children: dict[bytes, _Block] = {}
+        self.hashes: dict[BlockHash, int] = {}  # hash -> cached copies
+
+    @property
+    def present(self) -> bool:
+        return bool(self.hashes)
+
+
+@dataclass(frozen=True, slots=True)
+class Applied:
+    """What one event did: routing events to forward, and what could not be placed."""
+
+    routing_events: tuple[KvEvent, ...] = ()
+    orphan_blocks: int = 0
+    unknown_removals: int = 0
+    ignored: bool = False
+
+
+def salt_of(extra_keys: tuple[object, ...] | None, lora_name: str | None) -> str | None:
+    """The cache salt in a first block's untagged event extra keys: vLLM lists the LoRA name
+    first (when set), ``(mm_id, offset)`` pairs, then the salt, then prompt-embeds digests."""
+    if not extra_keys:
+        return None
+    strings = [key for key in extra_keys if isinstance(key, str)]
+    if lora_name is not None and strings and strings[0] == lora_name:
+        strings = strings[1:]
+    return strings[0] if strings else None
+
+
+class EventIndex:
+    """The cache contents of upstream ``replica`` as its events describe them."""
+
+    def __init__(self, replica: str) -> None:
+        self.replica = replica
+        self.block_size = 0  # learned from the first BlockStored
+        self._roots: dict[CacheIdentity, _Block] = {}
+        self._by_hash: dict[BlockHash, _Block] = {}
+        self._present_tokens = 0
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens in blocks the upstream holds. O(1)."""
+        return self._present_tokens
+
+    @property
+    def num_blocks(self) -> int:
+        """Distinct block hashes the upstream holds. O(1)."""
+        return len(self._by_hash)
+
+    def match(self, tokens: TokenBuffer, identity: CacheIdentity = DEFAULT_IDENTITY) -> int:
+        """Tokens of ``tokens`` the upstream would serve from cache, by vLLM's rules. O(n/B)
+        dict lookups on B-token slices (memcmp speed)."""
+        size = self.block_size
+        root = self._roots.get(identity)
+        if root is None or size == 0:
+            return 0
+        step = size * TOKEN_BYTES
+        max_blocks = max(len(tokens) // TOKEN_BYTES - 1, 0) // size
+        node, matched = root, 0
+        while matched < max_blocks:
+            child = node.children.get(tokens[matched * step : (matched + 1) * step])
+            if child is None or not child.hashes:
+                break
+            node, matched = child, matched + 1
+        return matched * size
+
+    def identities(self) -> list[CacheIdentity]:
+        return list(self._roots)
+
+    # ------------------------------------------------------------------ updates
+
+    def apply(self, event: KVCacheEvent, now: float = 0.0) -> Applied:
+        """Fold one event in. O(tokens of the event + depth of its parent)."""
+        if isinstance(event, AllBlocksCleared):
+            self.reset()
+            return Applied((KvCleared(self.replica, now),))
+        if event.medium not in CACHED_MEDIA:
+            return Applied(ignored=True)
+        if isinstance(event, BlockStored):
+            return self._stored(event, now)
+        assert isinstance(event, BlockRemoved), f"unknown event {event!r}"
+        return self._removed(event, now)
+
+    def reset(self) -> None:
+        """Forget everything (AllBlocksCleared, or a sequence gap that cannot be replayed)."""
+        self._roots.clear()
+        self._by_hash.clear()
+        self._present_tokens = 0
+
+    def _stored(self, event: BlockStored, now: float) -> Applied:
+        hashes = event.block_hashes
+        if event.parent_block_hash is None:
+            first_keys = event.extra_keys[0] if event.extra_keys else None
+            identity = CacheIdentity(
+                adapter=event.lora_name, cache_salt=salt_of(first_keys, event.lora_name)
+            )
+            parent = self._roots.get(identity)
+            if parent is None:
+                parent = self._roots[identity] = _Block(b"", None, 0, identity)
+        else:
+            found = self._by_hash.get(event.parent_block_hash)
+            if found is None:
+                return Applied(orphan_blocks=len(hashes))
+            parent = found
+        size = len(event.token_ids) // len(hashes)
+        self.block_size = event.block_size
+        packed = pack(event.token_ids)
+        step = size * TOKEN_BYTES
+        node = parent
+        for i, block_hash in enumerate(hashes):
+            key = packed[i * step : (i + 1) * step]
+            child = node.children.get(key)
+            if child is None:
+                child = node.children[key] = _Block(key, node, node.end + size, node.identity)
+            if not child.hashes:
+                self._present_tokens += size
+            previous = self._by_hash.get(block_hash)
+            if previous is not None and previous is not child:
+                # One hash for other tokens: a collision or a publisher bug; newest wins.
+                self._drop_hash(previous, block_hash, all_copies=True)
+            child.hashes[block_hash] = child.hashes.get(block_hash, 0) + 1
+            self._by_hash[block_hash] = child
+            node = child
+        return Applied((KvStored(self.replica, self._path(node), self._identity(node), now),))
+
+    def _removed(self, event: BlockRemoved, now: float) -> Applied:
+        out: list[KvEvent] = []
+        unknown = 0
+        for block_hash in event.block_hashes:
+            block = self._by_hash.get(block_hash)
+            if block is None:
+                unknown += 1
+                continue
+            path, identity = self._path(block), self._identity(block)
+            self._drop_hash(block, block_hash)
+            if not block.hashes:
+                keep = block.end - self._size(block)
+                out.append(KvRemoved(self.replica, path, keep, identity, now))
+        return Applied(tuple(out), unknown_removals=unknown)
+
+    def _drop_hash(self, block: _Block, block_hash: BlockHash, *, all_copies: bool = False) -> None:
+        copies = block.hashes[block_hash] - 1
+        if copies and not all_copies:
+            block.hashes[block_hash] = copies
+            return
+        del self._by_hash[block_hash]
+        del block.hashes[block_hash]
+        if block.hashes:
+            return
+        self._present_tokens -= self._size(block)
+        # Prune absent leaves upward; an absent block with cached children stays as a hole.
+        node: _Block | None = block
+        while node is not None and node.parent is not None and not node.hashes:
+            if node.children:
+                break
+            del node.parent.children[node.key]
+            node = node.parent
+
+    # ------------------------------------------------------------------ helpers
+
+    @staticmethod
+    def _size(block: _Block) -> int:
+        return len(block.key) // TOKEN_BYTES
+
+    @staticmethod
+    def _path(block: _Block) -> TokenBuffer:
+        keys = []
+        node: _Block | None = block
+        while node is not None and node.parent is not None:
+            keys.append(node.key)
+            node = node.parent
+        return TokenBuffer(b"".join(reversed(keys)))
+
+    @staticmethod
+    def _identity(block: _Block) -> CacheIdentity:
+        return block.identity
+
+    def walk(self) -> Iterator[tuple[CacheIdentity, int, bool]]:
+        """``(identity, end, present)`` for every block, depth first (tests, debugging). O(n)."""
+        for identity, root in self._roots.items():
+            stack = list(root.children.values())
+            while stack:
+                node = stack.pop()
+                yield identity, node.end, node.present
+                stack.extend(node.children.values())
+
+    def check_invariants(self) -> None:
+        """O(n): hash map and tree agree, token totals add up, no absent leaf lingers."""
+        present = 0
+        seen = 0
+        for root in self._roots.values():
+            stack = list(root.children.values())
+            while stack:
+                node = stack.pop()
+                assert node.parent is not None and node.parent.children.get(node.key) is node, (
+                    "block filed under the wrong parent"
+                )
+                assert node.present or node.children, "absent leaf was not pruned"
+                for block_hash in node.hashes:
+                    assert self._by_hash.get(block_hash) is node, "hash map disagrees with tree"
+                seen += len(node.hashes)
+                present += self._size(node) if node.present else 0
+                stack.extend(node.children.values())
+        assert seen == len(self._by_hash), f"{len(self._by_hash)} hashes, {seen} in the tree"
+        assert present == self._present_tokens, f"cached_tokens {self._present_tokens} != {present}"

@@ -1,0 +1,281 @@
+"""Prompt token ids as the engine will see them, fast enough to route on.
+
+Two implementations of :class:`PromptTokenizer`:
+
+* :class:`HFPromptTokenizer` (``--tokenizer DIR``): renders chats with the directory's chat
+  template (jinja2 sandbox, transformers' semantics, via :mod:`kvreuse.tokenizers`) and tokenizes
+  with Hugging Face ``tokenizers``, as vLLM does: completions with ``add_special_tokens=True``
+  (the post-processor's BOS), chats with ``add_special_tokens=False`` (the template emits BOS).
+  Tokenization is memoized at special-token boundaries: ``tokenizers`` itself first splits text
+  at its non-normalized added tokens and encodes each piece on its own, so encoding the pieces
+  separately gives the same ids, and a chat whose history was seen costs about one new message.
+* :class:`TextApproximation` (no tokenizer): **one pseudo-token per 4 bytes of UTF-8**, the
+  token id being those 4 bytes read as a little-endian uint32 (the last one zero-padded). It
+  keeps the two properties routing needs: equal text prefixes give equal token prefixes (all but
+  the last partial token), and lengths are close to BPE's ~4 characters per token for English.
+  Chats are flattened as ``<|role|>\\n{content}\\n`` per message, plus ``<|assistant|>\\n`` when
+  a generation prompt is asked for. ``kvreuse engine`` without a tokenizer uses the very same
+  function, so a gateway in front of it predicts cached tokens exactly.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from kvreuse.errors import ConfigError, InputFormatError
+from kvreuse.lint.tokenizer import special_pattern
+from kvreuse.tokens import TOKEN_BYTES, TokenBuffer, pack
+
+Messages = Sequence[Mapping[str, Any]]
+
+
+class PromptTokenizer(Protocol):
+    """Turns a request's prompt into the token ids the engine will prefill."""
+
+    name: str
+
+    def completion(self, prompt: str) -> TokenBuffer:
+        """Called per /v1/completions request with a text prompt. O(len(prompt))."""
+        ...
+
+    def chat(
+        self,
+        messages: Messages,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> TokenBuffer:
+        """Called per /v1/chat/completions request. With memoization, O(new text)."""
+        ...
+
+
+def message_text(content: object, where: str) -> str:
+    """A message's ``content`` as the template sees it: a string, or text parts joined by
+    newlines (vLLM's string content format). Non-text parts contribute nothing."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for index, part in enumerate(content):
+            if not isinstance(part, Mapping):
+                raise InputFormatError("a content part must be an object", f"{where}[{index}]")
+            if part.get("type") == "text":
+                text = part.get("text")
+                if not isinstance(text, str):
+                    raise InputFormatError("a text part needs a string 'text'",
+                                           f"{where}[{index}].text")
+                texts.append(text)
+        return "\n".join(texts)
+    raise InputFormatError("content must be a string or an array of parts", where)
+
+
+def normalized_messages(messages: Messages) -> list[dict[str, Any]]:
+    """Messages with string content, everything else passed to the template unchanged."""
+    out = []
+    for index, message in enumerate(messages):
+        copy = dict(message)
+        copy["content"] = message_text(message.get("content"), f"messages[{index}].content")
+        out.append(copy)
+    return out
+
+
+def approximate_tokens(text: str) -> TokenBuffer:
+    """The documented approximation: one token per 4 UTF-8 bytes. O(len(text))."""
+    raw = text.encode("utf-8")
+    pad = -len(raw) % TOKEN_BYTES
+    return TokenBuffer(raw + b"\0" * pad if pad else raw)
+
+
+class TextApproximation:
+    """Routing without a tokenizer; see the module docstring."""
+
+    name = "approx-4-bytes"
+
+    def completion(self, prompt: str) -> TokenBuffer:
+        return approximate_tokens(prompt)
+
+    def chat(
+        self,
+        messages: Messages,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> TokenBuffer:
+        parts = []
+        if tools:
+            parts.append("<|tools|>\n" + json.dumps(list(tools), sort_keys=True) + "\n")
+        for message in normalized_messages(messages):
+            parts.append(f"<|{message.get('role', '')}|>\n{message['content']}\n")
+        if continue_final_message and parts:
+            parts[-1] = parts[-1][:-1]
+        elif add_generation_prompt:
+            parts.append("<|assistant|>\n")
+        return approximate_tokens("".join(parts))
+
+
+class HFPromptTokenizer:
+    """A Hugging Face tokenizer directory; see the module docstring."""
+
+    def __init__(self, directory: str | Path, *, memo_entries: int = 65_536) -> None:
+        from tokenizers import Tokenizer
+
+        from kvreuse.tokenizers import load_tokenizer
+
+        path = Path(directory)
+        bundle = load_tokenizer(path)
+        self.name = bundle.tokenizer.name
+        self.revision = bundle.tokenizer.revision
+        self._bundle = bundle
+        self._template = bundle.chat_template() if bundle.templates else None
+        try:
+            self._backend = Tokenizer.from_file(str(path / "tokenizer.json"))
+        except Exception as exc:  # the Rust library raises a bare Exception
+            raise ConfigError(f"cannot load {path / 'tokenizer.json'}: {exc}") from None
+        added = self._backend.get_added_tokens_decoder().values()
+        splitters = [a.content for a in added if not a.normalized]
+        # Boundaries are exact only for plain tokens; a stripping or single-word added token
+        # changes where tokenizers splits, so memoization is then off (still correct, slower).
+        self.memoized = not any(
+            a.lstrip or a.rstrip or a.single_word for a in added if not a.normalized
+        )
+        self._pattern = special_pattern(splitters) if self.memoized else None
+        probe = "\x00probe\x00"
+        with_specials = self._backend.encode(probe, add_special_tokens=True).ids
+        plain = self._backend.encode(probe, add_special_tokens=False).ids
+        at = _find(with_specials, plain)
+        self._prefix = pack(with_specials[:at])
+        self._suffix = pack(with_specials[at + len(plain) :])
+        self._memo: OrderedDict[str, bytes] = OrderedDict()
+        self._memo_entries = memo_entries
+        self.memo_hits = 0
+        self.memo_misses = 0
+        if self._pattern is not None and splitters and not self._pieces_agree(splitters):
+            # e.g. a Metaspace pre-tokenizer with prepend_scheme="first" treats the start of
+            # the whole text differently from the start of a piece: no memo then.
+            self.memoized = False
+            self._pattern = None
+
+    def _pieces_agree(self, splitters: list[str]) -> bool:
+        """Whether piecewise encoding reproduces whole-text encoding on a probe chat."""
+        special = splitters[-1]
+        probe = f"{special}system\n Be brief.{special} user\nHi  there{special}\n x{special}"
+        whole = self._backend.encode(probe, add_special_tokens=False).ids
+        ok = pack(whole) == self.encode(probe)
+        self._memo.clear()
+        self.memo_hits = self.memo_misses = 0
+        return ok
+
+    def encode(self, text: str) -> TokenBuffer:
+        """Ids of ``text`` without post-processing (``add_special_tokens=False``)."""
+        pattern = self._pattern
+        if pattern is None:
+            return pack(self._backend.encode(text, add_special_tokens=False).ids)
+        pieces: list[bytes] = []
+        memo = self._memo
+        start = 0
+        for match in pattern.finditer(text):
+            if match.start() > start:
+                pieces.append(self._piece(text[start : match.start()]))
+            pieces.append(self._piece(match.group()))
+            start = match.end()
+        if start < len(text):
+            pieces.append(self._piece(text[start:]))
+        if len(memo) > self._memo_entries:
+            for _ in range(len(memo) - self._memo_entries):
+                memo.popitem(last=False)
+        return TokenBuffer(b"".join(pieces))
+
+    def _piece(self, piece: str) -> bytes:
+        found = self._memo.get(piece)
+        if found is not None:
+            self.memo_hits += 1
+            self._memo.move_to_end(piece)
+            return found
+        self.memo_misses += 1
+        ids = pack(self._backend.encode(piece, add_special_tokens=False).ids)
+        self._memo[piece] = ids
+        return ids
+
+    def completion(self, prompt: str) -> TokenBuffer:
+        return TokenBuffer(self._prefix + self.encode(prompt) + self._suffix)
+
+    def render(
+        self,
+        messages: Messages,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        """The prompt text vLLM renders for a chat request."""
+        if self._template is None:
+            raise ConfigError(
+                f"tokenizer {self.name} has no chat_template in tokenizer_config.json; "
+                "chat requests cannot be rendered"
+            )
+        plain = normalized_messages(messages)
+        text = self._template.render(
+            plain,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
+            **dict(template_kwargs or {}),
+        )
+        if continue_final_message and plain:
+            # transformers: cut the rendering right after the final message's (stripped) text.
+            final = str(plain[-1]["content"]).strip()
+            at = text.rfind(final)
+            if at < 0:
+                raise InputFormatError(
+                    "continue_final_message: the final message does not appear in the rendering",
+                    "continue_final_message",
+                )
+            text = text[: at + len(final)]
+        return text
+
+    def chat(
+        self,
+        messages: Messages,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> TokenBuffer:
+        return self.encode(
+            self.render(
+                messages,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                template_kwargs=template_kwargs,
+            )
+        )
+
+    def decode(self, ids: Sequence[int]) -> str:
+        text: str = self._backend.decode(list(ids), skip_special_tokens=True)
+        return text
+
+
+def _find(haystack: Sequence[int], needle: Sequence[int]) -> int:
+    for start in range(len(haystack) - len(needle) + 1):
+        if list(haystack[start : start + len(needle)]) == list(needle):
+            return start
+    raise ConfigError("cannot locate the post-processor's special tokens around a probe text")
+
+
+def load_prompt_tokenizer(directory: str | Path | None) -> PromptTokenizer:
+    """``--tokenizer DIR`` or, without one, the text approximation."""
+    if directory is None:
+        return TextApproximation()
+    return HFPromptTokenizer(directory)

@@ -1,0 +1,121 @@
+"""Tenants: API keys to tenant names, and the cache salt each tenant gets.
+
+The salt is ``HMAC-SHA256(secret, tenant)`` in hex: 64 characters of ``[0-9a-f]``, inside vLLM's
+rules (at most 128 characters, no ``@ / \\`` or NUL), unpredictable without the secret (seed 004:
+"do not use a guessable tenant name as the secret"), stable across gateway restarts and
+replicas of the gateway that share the secret. Callers never choose a salt: a body that carries
+``cache_salt`` is refused (400) or has it stripped (``caller_salt = "strip"``), so nobody can
+pick another tenant's salt.
+
+File format (TOML)::
+
+    secret_env = "KVREUSE_SALT_SECRET"   # or: secret = "..." (at least 16 characters)
+    caller_salt = "reject"                # or "strip"
+
+    [keys]
+    "sk-acme-1" = "acme"
+    "sk-acme-2" = "acme"
+    "sk-globex" = "globex"
+
+    [tenants.globex]
+    upstreams = ["r1"]                    # optional: only these upstreams serve this tenant
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvreuse.errors import ConfigError
+
+MIN_SECRET_CHARS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    """An authenticated caller's tenant and what it implies."""
+
+    name: str
+    cache_salt: str
+    upstreams: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Tenants:
+    """The loaded tenants file."""
+
+    keys: Mapping[str, str]
+    secret: bytes
+    caller_salt: str = "reject"
+    upstreams: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def salt(self, tenant: str) -> str:
+        """``HMAC-SHA256(secret, tenant)`` as hex. O(1)."""
+        return hmac.new(self.secret, tenant.encode("utf-8"), hashlib.sha256).hexdigest()
+
+    def authenticate(self, authorization: str | None) -> Tenant | None:
+        """The tenant of an ``Authorization: Bearer KEY`` header, or None when unknown.
+        Keys are compared in constant time so timing does not reveal a key's prefix."""
+        if not authorization:
+            return None
+        scheme, _, key = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            return None
+        key = key.strip()
+        found: str | None = None
+        for candidate, tenant in self.keys.items():
+            if hmac.compare_digest(candidate.encode(), key.encode()):
+                found = tenant
+        if found is None:
+            return None
+        return Tenant(found, self.salt(found), self.upstreams.get(found))
+
+
+def load_tenants(path: Path, environ: Mapping[str, str] | None = None) -> Tenants:
+    """Read a tenants file; errors name the key to fix."""
+    env = os.environ if environ is None else environ
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"cannot read tenants file {path}: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    unknown = sorted(set(data) - {"secret", "secret_env", "caller_salt", "keys", "tenants"})
+    if unknown:
+        raise ConfigError(f"{path}: unknown key(s) {', '.join(unknown)}")
+    secret = data.get("secret")
+    if "secret_env" in data:
+        name = data["secret_env"]
+        if not isinstance(name, str) or name not in env:
+            raise ConfigError(f"{path}: secret_env names {name!r}, which is not set")
+        secret = env[name]
+    if not isinstance(secret, str) or len(secret) < MIN_SECRET_CHARS:
+        raise ConfigError(
+            f"{path}: give 'secret' or 'secret_env' with at least {MIN_SECRET_CHARS} characters"
+        )
+    keys = data.get("keys", {})
+    if not isinstance(keys, dict) or not keys:
+        raise ConfigError(f"{path}: [keys] must map API keys to tenant names")
+    for key, tenant in keys.items():
+        if not isinstance(tenant, str) or not tenant:
+            raise ConfigError(f"{path}: keys.{key!r} must be a tenant name (string)")
+    caller_salt = data.get("caller_salt", "reject")
+    if caller_salt not in ("reject", "strip"):
+        raise ConfigError(f"{path}: caller_salt must be 'reject' or 'strip', got {caller_salt!r}")
+    pins: dict[str, tuple[str, ...]] = {}
+    tenants = data.get("tenants", {})
+    if not isinstance(tenants, dict):
+        raise ConfigError(f"{path}: [tenants.NAME] tables expected")
+    for tenant, options in tenants.items():
+        allowed = options.get("upstreams") if isinstance(options, dict) else None
+        if not isinstance(allowed, list) or not allowed or not all(
+            isinstance(u, str) for u in allowed
+        ):
+            raise ConfigError(f"{path}: tenants.{tenant}.upstreams must be a list of names")
+        pins[tenant] = tuple(allowed)
+    return Tenants(dict(keys), secret.encode("utf-8"), caller_salt, pins)

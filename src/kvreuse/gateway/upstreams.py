@@ -1,0 +1,166 @@
+"""Upstream state: health (ejection and re-admission), load, and what their /metrics say.
+
+Health: a failed probe or a failed proxied request counts against an upstream; after
+``eject_after`` consecutive failures it is ejected (no new requests), and after
+``readmit_after`` consecutive successful probes of ``GET /health`` it is re-admitted.
+
+Load, as :class:`~kvreuse.routing.ReplicaLoad` for the policies: ``in_flight`` is every request
+the gateway has open there; ``queued_requests`` and ``queued_prefill_tokens`` count requests sent
+that have not produced a first byte yet (their predicted uncached prompt tokens). A scrape of
+the upstream's ``/metrics`` refines this: when ``vllm:num_requests_waiting`` says more requests
+wait than this gateway sent (other clients, other gateways), the difference is added with this
+gateway's mean uncached prompt size. Loads are divided by the upstream's weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvreuse.gateway.config import UpstreamConfig
+from kvreuse.routing import ReplicaLoad
+
+ENGINE_METRICS = (
+    "vllm:num_requests_waiting",
+    "vllm:num_requests_running",
+    "vllm:kv_cache_usage_perc",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+)
+
+
+def parse_prometheus(text: str, names: tuple[str, ...] = ENGINE_METRICS) -> dict[str, float]:
+    """Sum each wanted metric over its label sets from a Prometheus text exposition. O(lines)."""
+    wanted = set(names)
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        name_end = len(line)
+        for stop in ("{", " "):
+            at = line.find(stop)
+            if 0 <= at < name_end:
+                name_end = at
+        name = line[:name_end]
+        if name not in wanted:
+            continue
+        # name{labels} value [timestamp]; label values may contain spaces, so cut after "}".
+        rest = line[line.rindex("}") + 1 :] if "}" in line else line[name_end:]
+        try:
+            value = float(rest.split()[0])
+        except (ValueError, IndexError):
+            continue
+        out[name] = out.get(name, 0.0) + value
+    return out
+
+
+@dataclass(slots=True)
+class EngineSnapshot:
+    """The last scrape of an upstream's /metrics (absent metrics stay None)."""
+
+    waiting: float | None = None
+    running: float | None = None
+    kv_usage: float | None = None
+    queries_total: float | None = None
+    hits_total: float | None = None
+
+
+class UpstreamState:
+    """Mutable state of one upstream; owned by the gateway's event loop."""
+
+    def __init__(self, config: UpstreamConfig, *, eject_after: int, readmit_after: int) -> None:
+        self.config = config
+        self.name = config.name
+        self.eject_after = eject_after
+        self.readmit_after = readmit_after
+        self.healthy = True
+        self.failures = 0  # consecutive
+        self.successes = 0  # consecutive probe successes while ejected
+        self.ejections = 0
+        self.in_flight = 0
+        self.queued_requests = 0
+        self.queued_prefill_tokens = 0
+        self.sent_uncached_tokens = 0
+        self.sent_requests = 0
+        self.engine = EngineSnapshot()
+        self.engine_baseline: EngineSnapshot | None = None
+
+    # ------------------------------------------------------------------ health
+
+    def record_failure(self) -> bool:
+        """A probe or a request failed; returns True when this ejects the upstream."""
+        self.failures += 1
+        self.successes = 0
+        if self.healthy and self.failures >= self.eject_after:
+            self.healthy = False
+            self.ejections += 1
+            return True
+        return False
+
+    def record_success(self, *, probe: bool) -> bool:
+        """A probe or a request succeeded; returns True when this re-admits the upstream."""
+        self.failures = 0
+        if self.healthy:
+            return False
+        if probe:
+            self.successes += 1
+            if self.successes >= self.readmit_after:
+                self.healthy = True
+                self.successes = 0
+                return True
+        return False
+
+    # ------------------------------------------------------------------ load
+
+    def request_sent(self, uncached_tokens: int) -> None:
+        self.in_flight += 1
+        self.queued_requests += 1
+        self.queued_prefill_tokens += uncached_tokens
+        self.sent_uncached_tokens += uncached_tokens
+        self.sent_requests += 1
+
+    def first_byte(self, uncached_tokens: int) -> None:
+        self.queued_requests -= 1
+        self.queued_prefill_tokens -= uncached_tokens
+
+    def request_done(self) -> None:
+        self.in_flight -= 1
+        assert self.in_flight >= 0, f"{self.name}: in_flight went negative"
+
+    def load(self) -> ReplicaLoad:
+        """The load policies see (see the module docstring). O(1)."""
+        queued = self.queued_requests
+        tokens = self.queued_prefill_tokens
+        waiting = self.engine.waiting
+        if waiting is not None and waiting > queued:
+            mean = self.sent_uncached_tokens / self.sent_requests if self.sent_requests else 0
+            tokens += int((waiting - queued) * mean)
+            queued = int(waiting)
+        weight = self.config.weight
+        return ReplicaLoad(
+            self.name,
+            queued_prefill_tokens=int(tokens / weight),
+            queued_requests=int(queued / weight),
+            in_flight=int(self.in_flight / weight),
+        )
+
+    def update_engine(self, scraped: dict[str, float]) -> None:
+        """Store a scrape; the first one becomes the baseline for counter deltas."""
+        self.engine = EngineSnapshot(
+            waiting=scraped.get("vllm:num_requests_waiting"),
+            running=scraped.get("vllm:num_requests_running"),
+            kv_usage=scraped.get("vllm:kv_cache_usage_perc"),
+            queries_total=scraped.get("vllm:prefix_cache_queries_total"),
+            hits_total=scraped.get("vllm:prefix_cache_hits_total"),
+        )
+        if self.engine_baseline is None:
+            self.engine_baseline = self.engine
+
+    def engine_hit_rate(self) -> float | None:
+        """Token hit rate from the engine's own counters since the first scrape."""
+        base, now = self.engine_baseline, self.engine
+        if base is None or now.queries_total is None or base.queries_total is None:
+            return None
+        queries = now.queries_total - base.queries_total
+        if queries <= 0 or now.hits_total is None or base.hits_total is None:
+            return None
+        return (now.hits_total - base.hits_total) / queries

@@ -1,0 +1,192 @@
+"""Parse and check OpenAI request bodies; every refusal names the field to fix.
+
+Used by ``kvreuse route`` (before anything is forwarded) and by ``kvreuse engine``. Only what
+routing and the simulated engine read is checked; every other field passes through untouched.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvreuse.errors import InputFormatError
+
+MAX_CACHE_SALT_CHARS = 128
+FORBIDDEN_SALT_CHARS = frozenset("@/\\\0")
+ENDPOINT_KINDS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
+
+
+class RequestError(InputFormatError):
+    """A request the caller must fix; ``status`` is the HTTP status to answer with."""
+
+    def __init__(self, message: str, param: str | None, status: int = 400) -> None:
+        self.param = param
+        self.status = status
+        super().__init__(message)
+        self.where = param
+
+    def body(self) -> dict[str, Any]:
+        """OpenAI's error shape, as vLLM answers."""
+        kind = {401: "AuthenticationError", 404: "NotFoundError", 413: "RequestTooLargeError"}
+        return {
+            "error": {
+                "message": str(self),
+                "type": kind.get(self.status, "BadRequestError"),
+                "param": self.param,
+                "code": self.status,
+            }
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    """The fields of a completions or chat body that routing reads; ``body`` is the whole."""
+
+    kind: str
+    model: str
+    body: dict[str, Any]
+    stream: bool = False
+    include_usage: bool = False
+    max_tokens: int | None = None
+    prompt: str | list[int] | None = None
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    cache_salt: str | None = None
+    session_id: str | None = None
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object, or a :class:`RequestError` saying what is wrong."""
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RequestError(f"the body is not valid JSON: {exc}", "body") from None
+    if not isinstance(body, dict):
+        raise RequestError("the body must be a JSON object", "body")
+    return body
+
+
+def check_cache_salt(value: object) -> str | None:
+    """vLLM's rules: a non-empty string of at most 128 chars without ``@ / \\`` or NUL."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise RequestError("cache_salt must be a non-empty string", "cache_salt")
+    if len(value) > MAX_CACHE_SALT_CHARS or any(c in FORBIDDEN_SALT_CHARS for c in value):
+        raise RequestError(
+            "cache_salt must be at most 128 characters and must not contain '@', '/', '\\' "
+            "or NUL", "cache_salt"
+        )
+    return value
+
+
+def _typed(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...], what: str) -> Any:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+        raise RequestError(f"{name} must be {what}, got {type(value).__name__}", name)
+    return value
+
+
+def _positive_int(body: Mapping[str, Any], name: str) -> int | None:
+    value = _typed(body, name, int, "an integer")
+    if value is not None and value < 1:
+        raise RequestError(f"{name} must be >= 1, got {value}", name)
+    return value if value is None else int(value)
+
+
+def _prompt(body: Mapping[str, Any]) -> str | list[int]:
+    """The completion prompt to route on: a string or token ids; a batch routes on its first."""
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise RequestError("prompt is required", "prompt")
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt:
+        first = prompt[0]
+        if isinstance(first, str):
+            if not all(isinstance(p, str) for p in prompt):
+                raise RequestError("a prompt batch must hold only strings", "prompt")
+            return first
+        if isinstance(first, int) and not isinstance(first, bool):
+            return _token_ids(prompt, "prompt")
+        if isinstance(first, list):
+            for index, item in enumerate(prompt):
+                _token_ids(item, f"prompt[{index}]")
+            return _token_ids(first, "prompt[0]")
+    raise RequestError(
+        "prompt must be a string, an array of strings, token ids or arrays of token ids",
+        "prompt",
+    )
+
+
+def _token_ids(value: object, where: str) -> list[int]:
+    if not isinstance(value, list) or not value or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in value
+    ):
+        raise RequestError("token ids must be a non-empty array of non-negative integers", where)
+    return value
+
+
+def _messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    messages = body.get("messages")
+    if messages is None:
+        raise RequestError("messages is required", "messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty array", "messages")
+    for index, message in enumerate(messages):
+        where = f"messages[{index}]"
+        if not isinstance(message, dict):
+            raise RequestError("a message must be an object", where)
+        if not isinstance(message.get("role"), str):
+            raise RequestError("a message needs a string 'role'", f"{where}.role")
+        content = message.get("content")
+        if content is not None and not isinstance(content, str | list):
+            raise RequestError("content must be a string or an array of parts",
+                               f"{where}.content")
+    return messages
+
+
+def parse_request(kind: str, body: dict[str, Any]) -> ParsedRequest:
+    """Check ``body`` for a ``kind`` (``completion`` or ``chat``) request."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise RequestError("model is required and must be a non-empty string", "model")
+    stream = _typed(body, "stream", bool, "a boolean") or False
+    options = _typed(body, "stream_options", dict, "an object") or {}
+    include_usage = bool(options.get("include_usage", False))
+    max_tokens = _positive_int(body, "max_tokens")
+    salt = check_cache_salt(body.get("cache_salt"))
+    user = body.get("user")
+    session = user if isinstance(user, str) else None
+    if kind == "completion":
+        return ParsedRequest(
+            kind, model, body, stream, include_usage, max_tokens, prompt=_prompt(body),
+            cache_salt=salt, session_id=session,
+        )
+    if kind != "chat":
+        raise RequestError(f"unknown request kind {kind!r}", None, 404)
+    max_completion = _positive_int(body, "max_completion_tokens")
+    tools = _typed(body, "tools", list, "an array")
+    add_generation = _typed(body, "add_generation_prompt", bool, "a boolean")
+    continue_final = _typed(body, "continue_final_message", bool, "a boolean") or False
+    if continue_final and add_generation:
+        raise RequestError(
+            "continue_final_message and add_generation_prompt cannot both be true",
+            "continue_final_message",
+        )
+    kwargs = _typed(body, "chat_template_kwargs", dict, "an object") or {}
+    return ParsedRequest(
+        kind, model, body, stream, include_usage,
+        max_completion if max_completion is not None else max_tokens,
+        messages=_messages(body), tools=tools,
+        add_generation_prompt=True if add_generation is None else add_generation,
+        continue_final_message=continue_final, template_kwargs=kwargs,
+        cache_salt=salt, session_id=session,
+    )

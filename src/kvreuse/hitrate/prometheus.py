@@ -1,0 +1,168 @@
+"""Prometheus text exposition parsing and the prefix-cache counters engines expose.
+
+The token hit rate is cached prompt tokens over queried prompt tokens, from counters (seed 000):
+
+* vLLM (V1): ``vllm:prefix_cache_hits`` / ``vllm:prefix_cache_queries``, exposed by
+  prometheus_client as ``..._total`` (plus ``..._created``); per ``engine`` and ``model_name``.
+* vLLM, older releases: ``vllm:gpu_prefix_cache_hits`` / ``vllm:gpu_prefix_cache_queries``;
+  the oldest expose only a gauge, ``vllm:gpu_prefix_cache_hit_rate``.
+* SGLang: ``sglang:cached_tokens_total`` (per ``cache_source``) / ``sglang:prompt_tokens_total``;
+  older ones only the gauge ``sglang:cache_hit_rate``.
+
+Some exporters rewrite ``:`` to ``_``; names are matched in that normalised form. Counters are
+summed over every label set (engines, cache sources), optionally filtered to one model.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from kvreuse.errors import InputFormatError
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One exposition line: metric name, labels, value."""
+
+    name: str
+    labels: tuple[tuple[str, str], ...]
+    value: float
+
+    def label(self, key: str) -> str | None:
+        return next((v for k, v in self.labels if k == key), None)
+
+
+_SAMPLE = re.compile(
+    r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)"
+    r"(?:\{(?P<labels>.*)\})?"
+    r"\s+(?P<value>\S+)(?:\s+\S+)?\s*$"
+)
+_LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')
+_UNESCAPE = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
+
+
+def _unescape(value: str) -> str:
+    return re.sub(r"\\[\\\"n]", lambda m: _UNESCAPE[m.group()], value)
+
+
+def _parse_value(text: str, where: str) -> float:
+    lowered = text.lower()
+    if lowered in ("nan", "+inf", "-inf", "inf"):
+        return float(lowered.replace("+", ""))
+    try:
+        return float(text)
+    except ValueError:
+        raise InputFormatError(f"sample value {text!r} is not a number", where=where) from None
+
+
+def parse_exposition(text: str, source: str = "metrics") -> list[Sample]:
+    """Parse Prometheus text format (and OpenMetrics' ``# EOF``). O(size of the page)."""
+    samples: list[Sample] = []
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        where = f"{source}: line {number}"
+        match = _SAMPLE.match(line)
+        if match is None:
+            raise InputFormatError(f"not a metric sample: {line[:80]!r}", where=where)
+        labels: list[tuple[str, str]] = []
+        body = match.group("labels") or ""
+        position = 0
+        while position < len(body):
+            label = _LABEL.match(body, position)
+            if label is None:
+                raise InputFormatError(f"bad labels in {line[:80]!r}", where=where)
+            labels.append((label.group(1), _unescape(label.group(2))))
+            position = label.end()
+        samples.append(
+            Sample(match.group("name"), tuple(labels), _parse_value(match.group("value"), where))
+        )
+    return samples
+
+
+def normalise(name: str) -> str:
+    return name.replace(":", "_")
+
+
+@dataclass(frozen=True, slots=True)
+class CounterFamily:
+    """A pair of counters whose ratio is the token hit rate, by base name (no ``_total``)."""
+
+    engine: str
+    hits: str
+    queries: str
+
+
+COUNTER_FAMILIES: dict[str, CounterFamily] = {
+    "vllm": CounterFamily("vllm", "vllm:prefix_cache_hits", "vllm:prefix_cache_queries"),
+    "vllm-gpu": CounterFamily(
+        "vllm", "vllm:gpu_prefix_cache_hits", "vllm:gpu_prefix_cache_queries"
+    ),
+    "sglang": CounterFamily("sglang", "sglang:cached_tokens", "sglang:prompt_tokens"),
+}
+"""Counter pairs in order of preference."""
+
+GAUGE_HIT_RATES: dict[str, str] = {
+    "vllm-gauge": "vllm:gpu_prefix_cache_hit_rate",
+    "sglang-gauge": "sglang:cache_hit_rate",
+}
+"""Engines that expose only a precomputed rate (no window arithmetic possible)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CacheCounters:
+    """What one scrape says about prefix caching: cumulative hit and query tokens from a
+    counter family, or only an engine-computed gauge."""
+
+    family: str
+    hits: float | None
+    queries: float | None
+    gauge_rate: float | None = None
+
+
+def _sum(samples: Iterable[Sample], base: str, model: str | None) -> float | None:
+    """Sum a counter over label sets; ``name_total`` preferred over the bare name."""
+    wanted = normalise(base)
+    by_name: dict[str, float] = {}
+    for sample in samples:
+        name = normalise(sample.name)
+        if name not in (wanted, wanted + "_total"):
+            continue
+        if model is not None and sample.label("model_name") not in (None, model):
+            continue
+        if math.isnan(sample.value):
+            continue
+        by_name[name] = by_name.get(name, 0.0) + sample.value
+    if wanted + "_total" in by_name:
+        return by_name[wanted + "_total"]
+    return by_name.get(wanted)
+
+
+def cache_counters(samples: list[Sample], model: str | None = None) -> CacheCounters | None:
+    """The first counter family present in ``samples``; else a gauge; else ``None``."""
+    for key, family in COUNTER_FAMILIES.items():
+        hits, queries = _sum(samples, family.hits, model), _sum(samples, family.queries, model)
+        if hits is not None and queries is not None:
+            return CacheCounters(key, hits, queries)
+    for key, name in GAUGE_HIT_RATES.items():
+        values = [
+            s.value
+            for s in samples
+            if normalise(s.name) == normalise(name)
+            and (model is None or s.label("model_name") in (None, model))
+        ]
+        if values:
+            return CacheCounters(key, None, None, gauge_rate=sum(values) / len(values))
+    return None
+
+
+def metric_names(samples: Iterable[Sample]) -> Mapping[str, int]:
+    """Metric names on a page with their sample counts (for 'no prefix-cache metrics' errors)."""
+    counts: dict[str, int] = {}
+    for sample in samples:
+        counts[sample.name] = counts.get(sample.name, 0) + 1
+    return counts

@@ -1,0 +1,175 @@
+"""What audit rules see, what they report, and the measurements they share.
+
+Every rule gets the same :class:`AuditInput`: the rendered, tokenized samples (fixtures for one
+template, or logged requests), the template, the tokenizer and two clocks. The *stable part* of a
+chat prompt is everything before the content of its last user message; a rule prices a finding
+in the stable tokens it stops the cache from reusing.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from enum import IntEnum
+from typing import Any, Protocol
+
+from kvreuse.errors import ConfigError
+from kvreuse.lint.paths import common_prefix_chars
+from kvreuse.lint.prompt import Prompt
+from kvreuse.lint.template import ChatTemplate, Clock
+from kvreuse.lint.tokenizer import Tokenizer
+
+
+class Severity(IntEnum):
+    """Finding severities, ordered; names match SARIF levels."""
+
+    NOTE = 1
+    WARNING = 2
+    ERROR = 3
+
+    @classmethod
+    def parse(cls, name: str) -> Severity:
+        try:
+            return cls[name.upper()]
+        except KeyError:
+            raise ConfigError(
+                f"unknown severity {name!r}; use one of {', '.join(s.name.lower() for s in cls)}"
+            ) from None
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """One problem: which rule, how bad, where, what it costs in tokens, and the fix."""
+
+    rule_id: str
+    rule_name: str
+    severity: Severity
+    sample: str
+    location: str
+    message: str
+    fix: str
+    tokens_cost: int
+    token_index: int | None = None
+    char_offset: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "rule": self.rule_id,
+            "name": self.rule_name,
+            "severity": self.severity.label,
+            "sample": self.sample,
+            "location": self.location,
+            "token_index": self.token_index,
+            "char_offset": self.char_offset,
+            "tokens_cost": self.tokens_cost,
+            "message": self.message,
+            "fix": self.fix,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class AuditInput:
+    """Everything a rule may look at. ``clocks`` are two instants more than a day apart (with
+    different hours, minutes and seconds) used to see whether rendering depends on the time."""
+
+    prompts: tuple[Prompt, ...]
+    tokenizer: Tokenizer
+    template: ChatTemplate | None = None
+    clocks: tuple[Clock, Clock] | None = None
+    block_size: int = 16
+    template_label: str = "template"
+
+
+class AuditRule(Protocol):
+    """An audit rule. ``check`` is called once per audit with all samples and returns its
+    findings (possibly none); it must not mutate the input."""
+
+    id: str
+    name: str
+    summary: str
+
+    def check(self, audit: AuditInput) -> list[Finding]: ...
+
+
+def fixed_clocks() -> tuple[Clock, Clock]:
+    """Two deterministic instants (a day, an hour, a minute and a second apart)."""
+    first = datetime(2024, 7, 26, 9, 15, 30)
+    second = datetime(2024, 7, 27, 10, 16, 31)
+    return (lambda: first), (lambda: second)
+
+
+def token_at(prompt: Prompt, char_offset: int) -> int:
+    """Index of the token that contains ``char_offset``. O(log n)."""
+    starts = prompt.encoded.starts
+    if not starts:
+        return 0
+    return max(0, bisect.bisect_right(starts, char_offset) - 1)
+
+
+def last_user_text(request: Mapping[str, Any] | None) -> str | None:
+    """The text of the last user message (joining text parts), or None."""
+    if request is None:
+        return None
+    messages = request.get("messages")
+    if not isinstance(messages, list):
+        return None
+    for message in reversed(messages):
+        if isinstance(message, Mapping) and message.get("role") == "user":
+            content = message.get("content")
+            if isinstance(content, str):
+                return content
+            if isinstance(content, list):
+                parts = [p.get("text") for p in content if isinstance(p, Mapping)]
+                texts = [p for p in parts if isinstance(p, str) and p]
+                return texts[0] if texts else None
+            return None
+    return None
+
+
+def stable_end_char(prompt: Prompt, others: Sequence[Prompt] = ()) -> int:
+    """Where the variable tail begins, in characters.
+
+    Chat prompts: the start of the last user message's content. Raw prompts: the text all
+    samples share (the whole text when there is only one sample).
+    """
+    user_text = last_user_text(prompt.request)
+    if user_text:
+        at = prompt.text.rfind(user_text)
+        if at != -1:
+            return at
+    if prompt.request is None:
+        peers = [other for other in others if other is not prompt]
+        if peers:
+            return min(common_prefix_chars(prompt.text, other.text) for other in peers)
+    return len(prompt.text)
+
+
+def stable_end_token(prompt: Prompt, others: Sequence[Prompt] = ()) -> int:
+    """:func:`stable_end_char` as a token index (the token holding that character)."""
+    char = stable_end_char(prompt, others)
+    if char >= len(prompt.text):
+        return len(prompt)
+    return token_at(prompt, char)
+
+
+def cost_from(prompt: Prompt, token_index: int, others: Sequence[Prompt] = ()) -> int:
+    """Stable tokens from ``token_index`` to the end of the stable part: what a volatile value
+    at ``token_index`` stops every later request from reusing."""
+    return max(0, stable_end_token(prompt, others) - token_index)
+
+
+def location(prompt: Prompt, field: str | None) -> str:
+    """``label: field`` or ``label: line L, column C`` for raw prompts."""
+    return f"{prompt.label}: {field}" if field else prompt.label
+
+
+def pairs(prompts: Sequence[Prompt]) -> list[tuple[Prompt, Prompt]]:
+    """Sample pairs worth comparing: each sample against the next (O(n) pairs, not O(n^2))."""
+    return list(itertools.pairwise(prompts))

@@ -1,0 +1,176 @@
+"""Cache-aware routing: send a request where its longest cached prefix is, unless load says no.
+
+Two load rules, chosen with ``balance``:
+
+``"sglang"`` — SGLang router's rule (sgl-router ``policies/cache_aware.rs``), fleet-wide: if
+``max_load - min_load > balance_abs_threshold`` **and** ``max_load > min_load ×
+balance_rel_threshold`` over every eligible replica (load = in-flight requests), *every* request
+goes to the least loaded replica, affinity is off for everyone until the imbalance clears.
+Otherwise the replica with the longest match is chosen when ``match / prompt > cache_threshold``,
+else the replica with the smallest tree. Defaults are those of ``sglang_router``'s ``RouterArgs``
+(py_src/sglang_router/router_args.py): ``cache_threshold=0.3``, ``balance_abs_threshold=64``,
+``balance_rel_threshold=1.5``, ``eviction_interval_secs=120``, ``max_tree_size=2**26``. (The Rust
+``CacheAwareConfig::default`` differs — 0.5, 32, 1.0001, 60 s, 2**24 — and is what you get
+when embedding the library without the launcher.)
+
+``"bounded"`` (ours, the default) — per request: take the longest match (ties to the shorter
+predicted TTFT); if its ratio is at most ``cache_threshold`` go to the least loaded replica; if
+the chosen replica's predicted TTFT (queue delay + overhead + uncached / rate) exceeds the
+fastest replica's by more than ``spill_threshold_s`` (seed 001: "cache-aware on three replicas
+and a 200 ms spill threshold"), spill to the best match among replicas within the threshold.
+Counting the request's own uncached prefill means a replica holding a long history is worth a
+longer queue than one holding only the system prompt. One hot replica thus sheds only the
+requests it cannot serve in time, and affinity stays on for every other request in the fleet.
+
+The cache estimate is the router's own approximate trees (``cache_aware``) or the replicas' KV
+events (``exact``); see :mod:`kvreuse.routing.estimators`.
+"""
+
+from __future__ import annotations
+
+from kvreuse.errors import ConfigError
+from kvreuse.routing.base import (
+    CostModel,
+    FleetView,
+    PolicyBase,
+    ReplicaId,
+    RequestView,
+    RoutingDecision,
+    least_loaded,
+)
+from kvreuse.routing.estimators import ApproxTrees, CacheMirror
+from kvreuse.routing.events import KvEvent
+
+BALANCE_RULES = ("bounded", "sglang")
+
+
+class CacheAware(PolicyBase):
+    """See the module docstring. ``estimator`` is ``"approx"`` or ``"exact"``."""
+
+    name = "cache_aware"
+
+    def __init__(
+        self,
+        *,
+        estimator: str = "approx",
+        balance: str = "bounded",
+        cache_threshold: float = 0.3,
+        spill_threshold_s: float = 0.2,
+        balance_abs_threshold: int = 64,
+        balance_rel_threshold: float = 1.5,
+        eviction_interval_s: float = 120.0,
+        max_tree_tokens: int = 2**26,
+        tree_capacity_tokens: int | None = None,
+        block_size: int = 16,
+        cost: CostModel | None = None,
+    ) -> None:
+        if balance not in BALANCE_RULES:
+            raise ConfigError(f"balance must be one of {BALANCE_RULES}, got {balance!r}")
+        if not 0.0 <= cache_threshold <= 1.0:
+            raise ConfigError(f"cache_threshold must be in [0, 1], got {cache_threshold}")
+        if spill_threshold_s < 0:
+            raise ConfigError(f"spill_threshold_s must be >= 0, got {spill_threshold_s}")
+        if balance_rel_threshold < 1.0:
+            raise ConfigError(f"balance_rel_threshold must be >= 1, got {balance_rel_threshold}")
+        self.balance = balance
+        self.cache_threshold = cache_threshold
+        self.spill_threshold_s = spill_threshold_s
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold
+        self.cost = cost or CostModel()
+        self.trees: ApproxTrees | None = None
+        self.mirror: CacheMirror | None = None
+        if estimator == "approx":
+            self.trees = ApproxTrees(
+                eviction_interval_s=eviction_interval_s,
+                max_tree_tokens=max_tree_tokens,
+                capacity_tokens=tree_capacity_tokens,
+            )
+        elif estimator == "exact":
+            self.mirror = CacheMirror(block_size)
+            self.uses_kv_events = True
+        else:
+            raise ConfigError(f"estimator must be 'approx' or 'exact', got {estimator!r}")
+
+    def predict(self, request: RequestView, fleet: FleetView) -> dict[ReplicaId, int]:
+        ids = [r.replica_id for r in fleet.replicas]
+        if self.trees is not None:
+            return self.trees.predict(request, ids, fleet.now)
+        assert self.mirror is not None
+        return self.mirror.predict(request, ids, fleet.now)
+
+    def route(self, request: RequestView, fleet: FleetView) -> RoutingDecision | None:
+        if not fleet.replicas:
+            return None
+        if self.balance == "sglang":
+            return self._route_sglang(request, fleet)
+        return self._route_bounded(request, fleet)
+
+    def _route_bounded(self, request: RequestView, fleet: FleetView) -> RoutingDecision:
+        matched = self.predict(request, fleet)
+        cost = self.cost
+        prompt = request.prompt_tokens
+        ttft = {
+            r.replica_id: cost.queue_delay_s(r) + cost.prefill_s(prompt - matched[r.replica_id])
+            for r in fleet.replicas
+        }
+        order = [r.replica_id for r in fleet.replicas]
+        best = min(order, key=lambda rid: (-matched[rid], ttft[rid]))
+        fastest = min(order, key=lambda rid: ttft[rid])
+        if matched[best] / max(prompt, 1) <= self.cache_threshold:
+            least = least_loaded(fleet, cost).replica_id
+            return RoutingDecision(least, "miss_least_load", matched[least])
+        limit = ttft[fastest] + self.spill_threshold_s
+        if ttft[best] <= limit:
+            return RoutingDecision(best, "affinity", matched[best])
+        within = [rid for rid in order if ttft[rid] <= limit]
+        spill = min(within, key=lambda rid: (-matched[rid], ttft[rid]))
+        return RoutingDecision(spill, "spill", matched[spill])
+
+    def _route_sglang(self, request: RequestView, fleet: FleetView) -> RoutingDecision:
+        loads = [r.in_flight for r in fleet.replicas]
+        high, low = max(loads), min(loads)
+        matched = self.predict(request, fleet)
+        if high - low > self.balance_abs_threshold and high > low * self.balance_rel_threshold:
+            target = min(fleet.replicas, key=lambda r: r.in_flight).replica_id
+            return RoutingDecision(target, "imbalance", matched[target])
+        order = [r.replica_id for r in fleet.replicas]
+        best = min(order, key=lambda rid: -matched[rid])
+        if request.prompt_tokens and matched[best] / request.prompt_tokens > self.cache_threshold:
+            return RoutingDecision(best, "affinity", matched[best])
+        if self.trees is not None:
+            trees = self.trees
+            smallest = min(order, key=trees.tree_tokens)
+        else:
+            assert self.mirror is not None
+            mirror = self.mirror
+            smallest = min(order, key=mirror.cached_blocks)
+        return RoutingDecision(smallest, "miss_smallest_tree", matched[smallest])
+
+    def on_routed(self, request: RequestView, decision: RoutingDecision, now: float) -> None:
+        if self.trees is not None:
+            self.trees.record(request, decision.replica, now)
+
+    def on_kv_event(self, event: KvEvent) -> None:
+        if self.mirror is not None:
+            self.mirror.apply(event)
+
+
+class CacheAwareSGLang(CacheAware):
+    """SGLang router's fleet-wide imbalance rule with its launcher defaults."""
+
+    name = "cache_aware_sglang"
+
+    def __init__(self, **options: object) -> None:
+        options.setdefault("balance", "sglang")
+        super().__init__(**options)  # type: ignore[arg-type]
+
+
+class Exact(CacheAware):
+    """Cache-aware routing on true replica contents from KV events (bounded rule)."""
+
+    name = "exact"
+
+    def __init__(self, **options: object) -> None:
+        options.setdefault("estimator", "exact")
+        super().__init__(**options)  # type: ignore[arg-type]

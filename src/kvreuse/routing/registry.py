@@ -1,0 +1,94 @@
+"""Policies by name. The simulator's ``--policy`` and the gateway's ``--policy`` read this dict."""
+
+from __future__ import annotations
+
+import inspect
+import random
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from kvreuse.errors import ConfigError
+from kvreuse.routing.affinity import PrefixHash, SessionAffinity
+from kvreuse.routing.base import CostModel, ReplicaId, RoutingPolicy
+from kvreuse.routing.cache_aware import CacheAware, CacheAwareSGLang, Exact
+from kvreuse.routing.cost import CostRouting
+from kvreuse.routing.pinning import TenantPinned
+from kvreuse.routing.simple import LeastLoad, RandomChoice, RoundRobin
+
+PolicyFactory = Callable[..., RoutingPolicy]
+
+POLICIES: dict[str, PolicyFactory] = {
+    "round_robin": RoundRobin,
+    "random": RandomChoice,
+    "least_load": LeastLoad,
+    "session_affinity": SessionAffinity,
+    "prefix_hash": PrefixHash,
+    "cache_aware": CacheAware,
+    "cache_aware_sglang": CacheAwareSGLang,
+    "exact": Exact,
+    "cost": CostRouting,
+}
+
+DESCRIPTIONS: dict[str, str] = {
+    "round_robin": "cycle through replicas, cache-blind",
+    "random": "uniform random with a seeded rng, cache-blind",
+    "least_load": "smallest predicted queue delay, cache-blind",
+    "session_affinity": "session id on a consistent ring (virtual nodes)",
+    "prefix_hash": "first K tokens on a consistent ring, bounded-load spill (seed 000)",
+    "cache_aware": "router's approximate trees, longest match, per-request 200 ms spill bound",
+    "cache_aware_sglang": "SGLang router rule: fleet-wide abs/rel imbalance fallback",
+    "exact": "true replica contents from KV events (lagged), longest match, spill bound",
+    "cost": "minimum predicted TTFT = queue delay + overhead + uncached / rate",
+}
+
+
+def policy_names() -> list[str]:
+    return list(POLICIES)
+
+
+def build_policy(
+    name: str,
+    *,
+    rng: random.Random | None = None,
+    cost: CostModel | None = None,
+    pins: Mapping[str, Iterable[ReplicaId]] | None = None,
+    **options: Any,
+) -> RoutingPolicy:
+    """A fresh policy instance. ``rng`` goes to policies that draw, ``cost`` to those that
+    predict time, ``pins`` wraps the result in :class:`TenantPinned`; other ``options`` are the
+    policy's own keyword arguments. Unknown names or options raise :class:`ConfigError`."""
+    factory = POLICIES.get(name)
+    if factory is None:
+        raise ConfigError(f"unknown policy {name!r}; choose one of: {', '.join(POLICIES)}")
+    accepted = _accepted_options(factory)
+    if rng is not None and "rng" in accepted:
+        options["rng"] = rng
+    if cost is not None and "cost" in accepted:
+        options["cost"] = cost
+    unknown = sorted(set(options) - accepted)
+    if unknown:
+        raise ConfigError(
+            f"policy {name!r} has no option(s) {', '.join(unknown)}; "
+            f"it accepts: {', '.join(sorted(accepted)) or 'none'}"
+        )
+    policy = factory(**options)
+    return TenantPinned(policy, pins) if pins else policy
+
+
+def _accepted_options(factory: PolicyFactory) -> set[str]:
+    """Keyword options the factory takes, following ``**options`` up to the base class."""
+    cls: Any = factory
+    accepted: set[str] = set()
+    for klass in getattr(cls, "__mro__", (cls,)):
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        params = inspect.signature(init).parameters
+        accepted |= {
+            p.name
+            for p in params.values()
+            if p.name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+        }
+        if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            return accepted
+    return accepted

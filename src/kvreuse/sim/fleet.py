@@ -1,0 +1,216 @@
+"""A fleet: a router (any :mod:`kvreuse.routing` policy) in front of N :class:`Replica` s.
+
+Requests arrive at their workload times (open loop: arrivals do not depend on the policy, so
+every policy sees the very same traffic). On arrival the router is given a
+:class:`~kvreuse.routing.base.FleetView`; with ``load_lag_s > 0`` that view is a snapshot
+refreshed every ``load_lag_s`` seconds (a scrape interval), otherwise it is current. With
+``kv_event_lag_s`` set and a policy that ``uses_kv_events``, replicas publish
+:class:`~kvreuse.routing.events.KvStored` / :class:`~kvreuse.routing.events.KvRemoved`
+events that reach ``policy.on_kv_event`` that many seconds later (the ``exact`` policy's only
+source of truth).
+
+Seeded and deterministic: the workload carries all randomness, policies get a seeded rng, and the
+engine's tie rule (see :mod:`kvreuse.sim.engine`) fixes the order of simultaneous events.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvreuse.errors import ConfigError
+from kvreuse.routing.base import FleetView, RequestView, RoutingPolicy
+from kvreuse.routing.events import KvEvent
+from kvreuse.sim.engine import (
+    Arrival,
+    Engine,
+    Finish,
+    KvDelivery,
+    LoadSnapshot,
+    PrefillDone,
+)
+from kvreuse.sim.replica import Job, Replica, ReplicaConfig
+from kvreuse.sim.requests import RequestRecord, SimRequest
+
+
+@dataclass(frozen=True, slots=True)
+class FleetConfig:
+    """How many replicas, each configured alike, and the router's information delays."""
+
+    replicas: int = 3
+    replica: ReplicaConfig = field(default_factory=ReplicaConfig)
+    load_lag_s: float = 0.0
+    kv_event_lag_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ConfigError(f"replicas must be >= 1, got {self.replicas}")
+        if self.load_lag_s < 0:
+            raise ConfigError(f"load_lag_s must be >= 0, got {self.load_lag_s}")
+        if self.kv_event_lag_s is not None and self.kv_event_lag_s < 0:
+            raise ConfigError(f"kv_event_lag_s must be >= 0 or None, got {self.kv_event_lag_s}")
+
+
+@dataclass(frozen=True, slots=True)
+class FleetRun:
+    """Everything a run produced: one record per request plus per-replica totals."""
+
+    policy: str
+    config: FleetConfig
+    records: tuple[RequestRecord, ...]
+    evicted_tokens: tuple[int, ...]
+    prefill_busy_s: tuple[float, ...]
+    requests_per_replica: tuple[int, ...]
+    blocked_admissions: tuple[int, ...]
+    events_processed: int
+    end_time_s: float
+
+
+class FleetSimulator:
+    """Runs one workload through one policy. Use a fresh policy instance per run."""
+
+    def __init__(self, config: FleetConfig, policy: RoutingPolicy) -> None:
+        self.config = config
+        self.policy = policy
+        self.engine = Engine()
+        lag = config.kv_event_lag_s
+        wanted = getattr(policy, "uses_kv_events", True)
+        sink = self._publish if lag is not None and wanted else None
+        self.replicas = [
+            Replica(i, config.replica, self.engine, self._first_token, self._finished, sink)
+            for i in range(config.replicas)
+        ]
+        self._by_id = {r.replica_id: r for r in self.replicas}
+        self._views: dict[int, RequestView] = {}
+        self._decisions: dict[int, tuple[str, int]] = {}
+        self._ttft: dict[int, float] = {}
+        self._records: list[RequestRecord] = []
+        self._snapshot: FleetView | None = None
+
+    # ------------------------------------------------------------------ running
+
+    def run(
+        self,
+        requests: Sequence[SimRequest],
+        progress: Callable[[int], None] | None = None,
+        progress_every: int = 1000,
+    ) -> FleetRun:
+        """Simulate ``requests`` (sorted by arrival) to completion. ``progress(n)`` is called
+        every ``progress_every`` finished requests."""
+        if any(b.arrival_s < a.arrival_s for a, b in itertools.pairwise(requests)):
+            raise ConfigError("requests must be sorted by arrival_s")
+        self._requests = requests
+        self._progress = progress
+        self._progress_every = max(progress_every, 1)
+        engine = self.engine
+        if requests:
+            engine.schedule(requests[0].arrival_s, Arrival(0))
+        handlers: dict[type, Callable[[Any], None]] = {
+            Arrival: self._on_arrival,
+            PrefillDone: self._on_prefill_done,
+            Finish: self._on_finish,
+            KvDelivery: self._on_kv_delivery,
+            LoadSnapshot: self._on_snapshot,
+        }
+        engine.run(handlers)
+        assert len(self._records) == len(requests), "a request never finished"
+        self._records.sort(key=lambda r: r.request_id)
+        return FleetRun(
+            policy=self.policy.name,
+            config=self.config,
+            records=tuple(self._records),
+            evicted_tokens=tuple(r.evicted_tokens for r in self.replicas),
+            prefill_busy_s=tuple(r.prefill_busy_s for r in self.replicas),
+            requests_per_replica=tuple(r.requests_served for r in self.replicas),
+            blocked_admissions=tuple(r.blocked_admissions for r in self.replicas),
+            events_processed=engine.processed,
+            end_time_s=engine.now,
+        )
+
+    def fleet_view(self, now: float) -> FleetView:
+        lag = self.config.load_lag_s
+        if lag > 0:
+            if self._snapshot is None:
+                self._snapshot = FleetView(tuple(r.load() for r in self.replicas), now)
+                self.engine.schedule(now + lag, LoadSnapshot())
+            return FleetView(self._snapshot.replicas, now)
+        return FleetView(tuple(r.load() for r in self.replicas), now)
+
+    # ------------------------------------------------------------------ handlers
+
+    def _on_arrival(self, event: Arrival) -> None:
+        now = self.engine.now
+        index = event.index
+        request = self._requests[index]
+        if index + 1 < len(self._requests):
+            self.engine.schedule(self._requests[index + 1].arrival_s, Arrival(index + 1))
+        view = RequestView(
+            str(request.request_id),
+            request.tokens,
+            request.prompt_len,
+            request.identity,
+            request.tenant,
+            request.session_id,
+        )
+        decision = self.policy.route(view, self.fleet_view(now))
+        if decision is None:
+            raise ConfigError("the policy found no eligible replica; check tenant pins")
+        replica = self._by_id.get(decision.replica)
+        assert replica is not None, f"policy chose unknown replica {decision.replica!r}"
+        self.policy.on_routed(view, decision, now)
+        self._views[request.request_id] = view
+        replica.enqueue(Job(request, decision.branch, decision.predicted_cached_tokens), now)
+
+    def _on_prefill_done(self, event: PrefillDone) -> None:
+        self.replicas[event.replica].prefill_done(event.job, self.engine.now)
+
+    def _on_finish(self, event: Finish) -> None:
+        self.replicas[event.replica].finish(event.job, self.engine.now)
+
+    def _on_kv_delivery(self, event: KvDelivery) -> None:
+        self.policy.on_kv_event(event.event)
+
+    def _on_snapshot(self, event: LoadSnapshot) -> None:
+        now = self.engine.now
+        self._snapshot = FleetView(tuple(r.load() for r in self.replicas), now)
+        if self.engine_has_work():
+            self.engine.schedule(now + self.config.load_lag_s, LoadSnapshot())
+        else:
+            self._snapshot = None
+
+    def engine_has_work(self) -> bool:
+        return len(self.engine) > 0
+
+    # ------------------------------------------------------------------ callbacks
+
+    def _publish(self, event: KvEvent) -> None:
+        lag = self.config.kv_event_lag_s
+        assert lag is not None
+        self.engine.schedule(self.engine.now + lag, KvDelivery(event))
+
+    def _first_token(self, job: Job, replica: int, now: float) -> None:
+        self._ttft[job.request.request_id] = now - job.request.arrival_s
+
+    def _finished(self, job: Job, replica: int, now: float) -> None:
+        request = job.request
+        view = self._views.pop(request.request_id)
+        self.policy.on_finished(view, self.replicas[replica].replica_id, now)
+        self._records.append(
+            RequestRecord(
+                request.request_id,
+                replica,
+                request.arrival_s,
+                request.prompt_len,
+                job.cached,
+                self._ttft.pop(request.request_id),
+                now - request.arrival_s,
+                job.branch,
+                job.predicted,
+                request.tenant,
+                request.measured,
+            )
+        )
+        if self._progress is not None and len(self._records) % self._progress_every == 0:
+            self._progress(len(self._records))

@@ -1,0 +1,51 @@
+"""Simulated requests and what happened to each."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvreuse.identity import DEFAULT_IDENTITY, CacheIdentity
+from kvreuse.tokens import TokenBuffer
+
+
+@dataclass(frozen=True, slots=True)
+class SimRequest:
+    """One request of a workload, its token ids packed once.
+
+    ``output`` is the answer's token ids when the workload knows them (multi-turn chats reuse
+    them in the next prompt); ``None`` means only ``output_len`` is known (traces) and only the
+    prompt is inserted into the cache at finish. ``measured`` is false during warm-up: such
+    requests load the fleet and warm caches but are left out of the metrics.
+    """
+
+    request_id: int
+    arrival_s: float
+    tokens: TokenBuffer
+    prompt_len: int
+    output_len: int
+    output: TokenBuffer | None = None
+    identity: CacheIdentity = DEFAULT_IDENTITY
+    tenant: str | None = None
+    session_id: str | None = None
+    measured: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """The outcome of one request. Times in simulated seconds."""
+
+    request_id: int
+    replica: int
+    arrival_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    ttft_s: float
+    e2e_s: float
+    branch: str
+    predicted_cached_tokens: int
+    tenant: str | None
+    measured: bool
+
+    @property
+    def prefilled_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens

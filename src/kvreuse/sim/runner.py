@@ -1,0 +1,102 @@
+"""Running a scenario's comparison: same traffic per variant, a fresh seeded policy per run."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from kvreuse.errors import ConfigError
+from kvreuse.routing import build_policy
+from kvreuse.sim.fleet import FleetConfig, FleetRun, FleetSimulator
+from kvreuse.sim.requests import SimRequest
+from kvreuse.sim.scenarios import Expectation, RunSpec, Scenario
+from kvreuse.sim.summary import RunSummary, summarize
+
+ProgressHook = Callable[[str, int, int], None]
+"""``progress(label, finished_requests, total_requests)``."""
+
+
+@dataclass(frozen=True, slots=True)
+class ScenarioRun:
+    """One row of a comparison."""
+
+    spec: RunSpec
+    run: FleetRun
+    summary: RunSummary
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """An expectation checked against a run."""
+
+    expectation: Expectation
+    value: float
+    ok: bool
+
+
+def metric_value(summary: RunSummary, metric: str) -> float:
+    """A summary field by name, plus ``prefilled_tokens``."""
+    if metric == "prefilled_tokens":
+        return float(summary.prompt_tokens - summary.cached_tokens)
+    value = getattr(summary, metric, None)
+    if not isinstance(value, int | float):
+        raise ConfigError(f"unknown metric {metric!r}")
+    return float(value)
+
+
+def run_spec(
+    scenario: Scenario,
+    spec: RunSpec,
+    requests: Sequence[SimRequest],
+    seed: int,
+    progress: ProgressHook | None = None,
+    fleet: FleetConfig | None = None,
+) -> ScenarioRun:
+    """Simulate one :class:`RunSpec` on ``requests``."""
+    options: dict[str, Any] = dict(scenario.policy_options.get(spec.policy, {}))
+    options.update(dict(spec.options))
+    policy = build_policy(spec.policy, rng=random.Random(seed), **options)
+    config = fleet or scenario.fleet(spec.replicas, spec.variant)
+    if config.replicas != spec.replicas:
+        config = replace(config, replicas=spec.replicas)
+    hook = None
+    if progress is not None:
+        total = len(requests)
+
+        def hook(done: int) -> None:
+            progress(spec.label, done, total)
+
+    run = FleetSimulator(config, policy).run(requests, hook, max(len(requests) // 50, 1))
+    return ScenarioRun(spec, run, summarize(run, spec.label))
+
+
+def run_scenario(
+    scenario: Scenario,
+    seed: int = 0,
+    specs: Sequence[RunSpec] | None = None,
+    scale: float = 1.0,
+    progress: ProgressHook | None = None,
+) -> list[ScenarioRun]:
+    """Run ``specs`` (default: the scenario's own). Traffic is generated once per variant."""
+    chosen = list(specs) if specs is not None else list(scenario.runs)
+    traffic: dict[str, list[SimRequest]] = {}
+    out = []
+    for spec in chosen:
+        if spec.variant not in traffic:
+            traffic[spec.variant] = scenario.requests(seed, spec.variant, scale)
+        out.append(run_spec(scenario, spec, traffic[spec.variant], seed, progress))
+    return out
+
+
+def check(scenario: Scenario, runs: Sequence[ScenarioRun]) -> list[Verdict]:
+    """Each expectation whose run is present, with its measured value."""
+    verdicts = []
+    for expectation in scenario.expectations:
+        for row in runs:
+            if expectation.matches(row.spec):
+                value = metric_value(row.summary, expectation.metric)
+                ok = expectation.low <= value <= expectation.high
+                verdicts.append(Verdict(expectation, value, ok))
+    return verdicts

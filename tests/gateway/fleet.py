@@ -1,0 +1,68 @@
+"""Helpers for the gateway tests: simulated engines and gateways on real sockets."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvreuse.engine.replica import EngineConfig
+from kvreuse.engine.server import EngineApp, build_engine
+from kvreuse.gateway.app import Gateway
+from kvreuse.gateway.config import UpstreamConfig
+from kvreuse.gateway.prompts import TextApproximation
+from kvreuse.testing.servers import ServerThread, free_port
+
+
+@dataclass
+class Engine:
+    """A running simulated replica and the upstream entry that reaches it."""
+
+    server: ServerThread
+    engine: EngineApp
+    upstream: UpstreamConfig
+
+
+def start_engine(name: str, *, model: str = "sim", events: bool = True, shape: str = "map",
+                 **overrides: object) -> Engine:
+    settings: dict[str, object] = {"model": model, "block_size": 4, "num_blocks": 4096,
+                                   "prefill_tokens_per_s": 1e6, "overhead_s": 0.0,
+                                   "time_per_output_token_s": 0.001}
+    settings.update(overrides)
+    endpoint = f"tcp://127.0.0.1:{free_port()}" if events else None
+    engine = build_engine(EngineConfig(**settings), TextApproximation(),  # type: ignore[arg-type]
+                          events_endpoint=endpoint, topic="kv-events", shape=shape)
+    server = ServerThread(engine.app).start()
+    upstream = UpstreamConfig(server.url, name=name, events=endpoint, topic="kv-events")
+    return Engine(server, engine, upstream)
+
+
+@dataclass
+class RunningGateway:
+    server: ServerThread
+    gateway: Gateway
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def events_settled(self, timeout_s: float = 5.0) -> None:
+        """Wait until every upstream's published batches have reached the gateway."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if all(self._caught_up(name) for name in self.gateway.router.indexes):
+                return
+            time.sleep(0.01)
+        raise AssertionError("KV events did not reach the gateway")
+
+    def _caught_up(self, name: str) -> bool:
+        publisher = self._publishers.get(name)
+        if publisher is None:
+            return True
+        next_seq, seq_at_start = publisher
+        if next_seq() == seq_at_start:
+            return True  # nothing published since this gateway started
+        subscriber = next(s for s in self.gateway.subscribers if s.replica == name)
+        return subscriber.tracker.last_seq == next_seq() - 1
+
+    _publishers: dict[str, tuple[Callable[[], int], int]] = field(default_factory=dict)

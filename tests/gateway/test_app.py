@@ -1,0 +1,368 @@
+"""``kvreuse route`` end to end, in front of ``kvreuse engine`` replicas on real sockets."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from kvreuse.gateway.config import UpstreamConfig
+from kvreuse.gateway.prompts import HFPromptTokenizer
+from kvreuse.identity import CacheIdentity
+from kvreuse.testing.servers import ServerThread, free_port
+from kvreuse.testing.tiny_tokenizer import corpus_words
+
+from .fleet import Engine, RunningGateway, start_engine
+
+Factory = Callable[..., RunningGateway]
+WORDS = corpus_words()
+
+
+def unique_text(words: int = 60) -> str:
+    tag = uuid.uuid4().hex
+    return tag + " " + " ".join(WORDS[hash(tag + str(i)) % len(WORDS)] for i in range(words))
+
+
+def completion(gateway: RunningGateway, prompt: str, **extra: Any) -> httpx.Response:
+    body = {"model": "sim", "prompt": prompt, "max_tokens": 3, **extra}
+    return httpx.post(gateway.url + "/v1/completions", json=body, timeout=10)
+
+
+def chat(gateway: RunningGateway, messages: list[dict[str, str]], **extra: Any) -> httpx.Response:
+    body = {"model": "sim", "messages": messages, "max_tokens": 4, **extra}
+    return httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=10,
+                      headers=extra.pop("headers", None))
+
+
+def sse_events(text: str) -> list[str]:
+    return [line[6:] for line in text.split("\n") if line.startswith("data: ")]
+
+
+# ---------------------------------------------------------------------------------- pass-through
+
+
+def test_completion_passes_through_with_routing_headers(engines: list[Engine],
+                                                         gateway_factory: Factory) -> None:
+    """A completion comes back as the engine wrote it, naming the upstream that served it."""
+    gateway = gateway_factory(engines, policy="round_robin")
+    response = completion(gateway, "hello gateway")
+    assert response.status_code == 200
+    body = response.json()
+    assert body["object"] == "text_completion" and body["usage"]["prompt_tokens"] == 4
+    assert response.headers["x-kvreuse-upstream"] in ("e0", "e1")
+
+
+def test_streams_are_forwarded_unbuffered(engines: list[Engine], gateway_factory: Factory) -> None:
+    """The first SSE chunk reaches the client long before the stream ends."""
+    slow = start_engine("slow", time_per_output_token_s=0.05)
+    try:
+        gateway = gateway_factory([slow])
+        body = {"model": "sim", "prompt": "tick tock", "max_tokens": 8, "stream": True}
+        started = time.monotonic()
+        first_at = None
+        chunks = []
+        with httpx.stream("POST", gateway.url + "/v1/completions", json=body, timeout=10) as r:
+            for chunk in r.iter_raw():
+                first_at = first_at or time.monotonic()
+                chunks.append(chunk)
+        ended = time.monotonic()
+        assert first_at is not None and first_at - started < (ended - started) / 2
+        events = sse_events(b"".join(chunks).decode())
+        assert events[-1] == "[DONE]" and len(events) == 9
+    finally:
+        slow.server.stop()
+
+
+def test_chat_streamed_and_whole_pass_through(engines: list[Engine],
+                                              gateway_factory: Factory) -> None:
+    """Chat completions pass through both ways; the usage chunk arrives when asked for."""
+    gateway = gateway_factory(engines)
+    messages = [{"role": "user", "content": "hello there"}]
+    whole = chat(gateway, messages)
+    assert whole.json()["choices"][0]["message"]["role"] == "assistant"
+    streamed = chat(gateway, messages, stream=True, stream_options={"include_usage": True})
+    events = sse_events(streamed.text)
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["usage"]["prompt_tokens"] == whole.json()["usage"][
+        "prompt_tokens"]
+
+
+def test_models_is_the_union_of_upstreams(gateway_factory: Factory) -> None:
+    """GET /v1/models lists every model any admitted upstream serves, once."""
+    a, b = start_engine("a", model="m-a", events=False), start_engine("b", model="m-b",
+                                                                      events=False)
+    try:
+        gateway = gateway_factory([a, b])
+        ids = sorted(m["id"] for m in httpx.get(gateway.url + "/v1/models").json()["data"])
+        assert ids == ["m-a", "m-b"]
+    finally:
+        a.server.stop()
+        b.server.stop()
+
+
+# ---------------------------------------------------------------------------------- routing
+
+
+@pytest.mark.parametrize("policy", ["cache_aware", "exact", "prefix_hash", "session_affinity"])
+def test_a_conversation_stays_on_the_replica_holding_its_history(
+    engines: list[Engine], gateway_factory: Factory, policy: str
+) -> None:
+    """Each turn of a chat goes where the previous turns are cached, and hits there."""
+    # prefix_hash keys on the first k tokens: k must fit inside the first turn's prompt.
+    options = {"exact": {"block_size": 4}, "prefix_hash": {"k": 64}}.get(policy, {})
+    gateway = gateway_factory(engines, policy=policy, policy_options=options)
+    messages = [{"role": "system", "content": unique_text(80)}]
+    served, cached = [], []
+    for turn in range(4):
+        messages.append({"role": "user", "content": f"question {turn} " + unique_text(10)})
+        response = chat(gateway, messages, user="conversation-1")
+        served.append(response.headers["x-kvreuse-upstream"])
+        cached.append(response.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+        messages.append({"role": "assistant",
+                         "content": response.json()["choices"][0]["message"]["content"]})
+        gateway.events_settled()
+    assert len(set(served)) == 1, served
+    assert cached[0] == 0 and all(c > 0 for c in cached[1:]), cached
+
+
+def test_exact_mode_predicts_what_the_engine_reports(engines: list[Engine],
+                                                     gateway_factory: Factory) -> None:
+    """In exact mode the predicted cached tokens equal the engine's cached_tokens."""
+    gateway = gateway_factory(engines, policy="exact", policy_options={"block_size": 4})
+    shared = unique_text(50)
+    pairs = []
+    for i in range(6):
+        response = completion(gateway, shared + f" variant {i % 3} " + unique_text(5))
+        pairs.append((int(response.headers["x-kvreuse-predicted-cached-tokens"]),
+                      response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]))
+        gateway.events_settled()
+    assert all(predicted == real for predicted, real in pairs), pairs
+    assert sum(real for _, real in pairs) > 0
+
+
+def test_kv_event_index_namespaces_by_salt(engines: list[Engine],
+                                           gateway_factory: Factory) -> None:
+    """A caller's cache_salt (no tenants file) namespaces the routing index too."""
+    gateway = gateway_factory(engines[:1], policy="exact", policy_options={"block_size": 4})
+    prompt = unique_text(40)
+    completion(gateway, prompt, cache_salt="team-x")
+    gateway.events_settled()
+    again = completion(gateway, prompt, cache_salt="team-x")
+    other = completion(gateway, prompt, cache_salt="team-y")
+    assert int(again.headers["x-kvreuse-predicted-cached-tokens"]) > 0
+    assert int(other.headers["x-kvreuse-predicted-cached-tokens"]) == 0
+    assert other.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_hf_tokenizer_mode_predicts_exactly(tokenizer_dir: Path, gateway_factory: Factory) -> None:
+    """With --tokenizer, the gateway's chat tokens are the engine's: predictions are exact."""
+    from kvreuse.engine.replica import EngineConfig
+    from kvreuse.engine.server import build_engine
+    from kvreuse.gateway.prompts import HFPromptTokenizer as Hf
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    app = build_engine(EngineConfig(model="sim", block_size=4), Hf(tokenizer_dir),
+                       events_endpoint=endpoint)
+    with ServerThread(app.app) as server:
+        engine = Engine(server, app, UpstreamConfig(server.url, name="hf", events=endpoint))
+        gateway = gateway_factory([engine], policy="exact", policy_options={"block_size": 4},
+                                  prompt_tokenizer=HFPromptTokenizer(tokenizer_dir))
+        messages = [{"role": "system", "content": unique_text(30)},
+                    {"role": "user", "content": "hi"}]
+        chat(gateway, messages)
+        gateway.events_settled()
+        messages[-1]["content"] = "hello again"
+        response = chat(gateway, messages)
+        predicted = int(response.headers["x-kvreuse-predicted-cached-tokens"])
+        assert predicted > 0
+        assert predicted == response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+# ---------------------------------------------------------------------------------- tenants
+
+
+def write_tenants(tmp_path: Path, caller_salt: str = "reject") -> Path:
+    path = tmp_path / "tenants.toml"
+    path.write_text(f'secret = "a-long-enough-secret"\ncaller_salt = "{caller_salt}"\n'
+                    '[keys]\n"key-a" = "alpha"\n"key-b" = "beta"\n')
+    return path
+
+
+def test_tenants_unknown_key_401_caller_salt_400(engines: list[Engine], tmp_path: Path,
+                                                gateway_factory: Factory) -> None:
+    """Without a known key: 401; with a caller-chosen salt: 400 naming cache_salt."""
+    gateway = gateway_factory(engines, tenants=str(write_tenants(tmp_path)))
+    body = {"model": "sim", "prompt": "x"}
+    assert httpx.post(gateway.url + "/v1/completions", json=body).status_code == 401
+    bad = httpx.post(gateway.url + "/v1/completions", json=body,
+                     headers={"authorization": "Bearer nope"})
+    assert bad.status_code == 401 and bad.json()["error"]["param"] == "authorization"
+    salted = httpx.post(gateway.url + "/v1/completions", json={**body, "cache_salt": "mine"},
+                        headers={"authorization": "Bearer key-a"})
+    assert salted.status_code == 400 and salted.json()["error"]["param"] == "cache_salt"
+
+
+def test_tenant_salts_isolate_and_strip_mode_drops_caller_salts(
+    engines: list[Engine], tmp_path: Path, gateway_factory: Factory
+) -> None:
+    """Tenant B gets no hit on tenant A's prefix; A does; a stripped salt changes nothing."""
+    gateway = gateway_factory(engines[:1], policy="exact", policy_options={"block_size": 4},
+                              tenants=str(write_tenants(tmp_path, "strip")))
+    prompt = unique_text(40)
+
+    def as_tenant(key: str, **extra: Any) -> int:
+        response = httpx.post(gateway.url + "/v1/completions",
+                              json={"model": "sim", "prompt": prompt, "max_tokens": 2, **extra},
+                              headers={"authorization": f"Bearer {key}"})
+        gateway.events_settled()
+        cached: int = response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        return cached
+
+    assert as_tenant("key-a") == 0
+    assert as_tenant("key-b") == 0
+    assert as_tenant("key-a", cache_salt="beta-guess") > 0
+    tenants = gateway.gateway.tenants
+    assert tenants is not None
+    expected = CacheIdentity(cache_salt=tenants.salt("alpha"))
+    assert expected in gateway.gateway.router.indexes["e0"].identities()
+
+
+# ---------------------------------------------------------------------------------- failures
+
+
+def flaky_app(state: dict[str, Any]) -> Starlette:
+    """An upstream whose behaviour a test switches: healthy, 500s, or a broken stream."""
+
+    async def health(request: Request) -> Response:
+        return Response(status_code=500 if state.get("sick") else 200)
+
+    async def generate(request: Request) -> Response:
+        state["calls"] = state.get("calls", 0) + 1
+        if state.get("mode") == "500":
+            return JSONResponse({"error": "boom"}, status_code=500)
+
+        async def broken() -> AsyncIterator[bytes]:
+            yield b'data: {"choices": [{"text": "partial"}]}\n\n'
+            raise RuntimeError("engine crashed mid-stream")
+
+        return StreamingResponse(broken(), media_type="text/event-stream")
+
+    return Starlette(routes=[Route("/health", health), Route("/v1/completions", generate,
+                                                              methods=["POST"])])
+
+
+def test_connection_failure_is_retried_and_ejects(engines: list[Engine],
+                                                  gateway_factory: Factory) -> None:
+    """A dead upstream's requests are retried on the next candidate; it is then ejected."""
+    dead = UpstreamConfig(f"http://127.0.0.1:{free_port()}", name="dead")
+    gateway = gateway_factory([dead, engines[0]], policy="round_robin", eject_after=2,
+                              health_interval_s=30.0)
+    statuses = [completion(gateway, f"retry me {i}") for i in range(4)]
+    assert all(r.status_code == 200 and r.headers["x-kvreuse-upstream"] == "e0"
+               for r in statuses)
+    metrics = httpx.get(gateway.url + "/metrics").text
+    assert 'kvreuse_gateway_retries_total{upstream="e0"}' in metrics
+    assert 'kvreuse_gateway_upstream_healthy{upstream="dead"} 0.0' in metrics
+
+
+def test_5xx_before_first_byte_is_retried(engines: list[Engine],
+                                          gateway_factory: Factory) -> None:
+    """An upstream answering 500 is skipped for the next candidate."""
+    state: dict[str, Any] = {"mode": "500"}
+    with ServerThread(flaky_app(state)) as flaky:
+        gateway = gateway_factory([UpstreamConfig(flaky.url, name="flaky"), engines[0]],
+                                  policy="round_robin")
+        results = [completion(gateway, "x").headers["x-kvreuse-upstream"] for _ in range(2)]
+        assert results == ["e0", "e0"] and state["calls"] == 1
+
+
+def test_failure_after_first_byte_ends_with_an_error_event(gateway_factory: Factory) -> None:
+    """A stream that breaks after its first chunk ends with an SSE error and [DONE]."""
+    state: dict[str, Any] = {}
+    with ServerThread(flaky_app(state)) as flaky:
+        gateway = gateway_factory([UpstreamConfig(flaky.url, name="flaky")])
+        response = completion(gateway, "x", stream=True)
+        events = sse_events(response.text)
+        assert json.loads(events[0])["choices"][0]["text"] == "partial"
+        assert "error" in json.loads(events[-2]) and events[-1] == "[DONE]"
+
+
+def test_health_probes_eject_and_readmit(gateway_factory: Factory) -> None:
+    """Failing probes eject (503 on /ready); passing probes re-admit."""
+    state: dict[str, Any] = {"sick": True}
+    with ServerThread(flaky_app(state)) as flaky:
+        gateway = gateway_factory([UpstreamConfig(flaky.url, name="flaky")],
+                                  health_interval_s=0.05, eject_after=2, readmit_after=2)
+        deadline = time.monotonic() + 5
+        while httpx.get(gateway.url + "/ready").status_code != 503:
+            assert time.monotonic() < deadline, "never ejected"
+            time.sleep(0.05)
+        assert completion(gateway, "x").status_code == 503
+        state["sick"] = False
+        while httpx.get(gateway.url + "/ready").status_code != 200:
+            assert time.monotonic() < deadline + 5, "never re-admitted"
+            time.sleep(0.05)
+
+
+def test_upstream_4xx_passes_through_unretried(engines: list[Engine],
+                                               gateway_factory: Factory) -> None:
+    """The engine's 404 for an unknown model reaches the caller unchanged."""
+    gateway = gateway_factory(engines, policy="round_robin")
+    response = httpx.post(gateway.url + "/v1/completions",
+                          json={"model": "no-such-model", "prompt": "x"})
+    assert response.status_code == 404 and response.json()["error"]["param"] == "model"
+    metrics = httpx.get(gateway.url + "/metrics").text
+    assert "kvreuse_gateway_retries_total{" not in metrics
+
+
+@pytest.mark.parametrize(
+    ("raw", "param", "status"),
+    [
+        (b"{not json", "body", 400),
+        (json.dumps({"model": "sim"}).encode(), "prompt", 400),
+        (json.dumps({"model": "sim", "prompt": "x", "max_tokens": "9"}).encode(),
+         "max_tokens", 400),
+        (json.dumps({"model": "sim", "prompt": "x" * 5000}).encode(), "body", 413),
+    ],
+)
+def test_bad_input_gets_a_json_error_naming_the_field(
+    engines: list[Engine], gateway_factory: Factory, raw: bytes, param: str, status: int
+) -> None:
+    """Invalid JSON, missing or mistyped fields and oversized bodies are refused by name."""
+    gateway = gateway_factory(engines, max_body_bytes=4096)
+    response = httpx.post(gateway.url + "/v1/completions", content=raw,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == status and response.json()["error"]["param"] == param
+
+
+def test_metrics_expose_the_listed_families(engines: list[Engine],
+                                            gateway_factory: Factory) -> None:
+    """Requests by branch, decision latency, predicted vs realized, hit rates, index sizes,
+    KV events received and dropped are all exported."""
+    gateway = gateway_factory(engines, policy="exact", policy_options={"block_size": 4})
+    prompt = unique_text(30)
+    completion(gateway, prompt)
+    gateway.events_settled()
+    completion(gateway, prompt)
+    for upstream in gateway.gateway.upstreams:
+        gateway.server.call(gateway.gateway.scrape(upstream))
+    text = httpx.get(gateway.url + "/metrics").text
+    for family in (
+        "kvreuse_gateway_requests_total{", "kvreuse_gateway_routing_decision_seconds_bucket",
+        "kvreuse_gateway_predicted_cached_tokens_total", "kvreuse_gateway_realized_cached_"
+        "tokens_total", "kvreuse_gateway_token_hit_rate{", "kvreuse_gateway_index_blocks{",
+        "kvreuse_gateway_kv_events_received_total{", "kvreuse_gateway_kv_events_dropped_total{",
+        "kvreuse_gateway_engine_token_hit_rate{",
+    ):
+        assert family in text, family
+    assert 'branch="affinity"' in text

@@ -1,0 +1,103 @@
+"""Gateway configuration and tenants: flags, TOML, salts, authentication."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from pathlib import Path
+
+import pytest
+
+from kvreuse.errors import ConfigError
+from kvreuse.gateway.config import load_config_file, merge, parse_upstream_flag
+from kvreuse.gateway.tenants import load_tenants
+from kvreuse.gateway.validation import check_cache_salt
+
+
+def test_upstream_flag_parses_its_options() -> None:
+    """URL,key=value pairs fill the upstream; the name defaults to the URL."""
+    upstream = parse_upstream_flag(
+        "http://127.0.0.1:8001,events=tcp://127.0.0.1:5557,bind=false,weight=2,topic=kv")
+    assert upstream.name == "http://127.0.0.1:8001" and upstream.weight == 2.0
+    assert upstream.events == "tcp://127.0.0.1:5557" and upstream.bind is False
+
+
+@pytest.mark.parametrize(
+    ("flag", "needle"),
+    [("ftp://x", "http"), ("http://h:1,weight=0", "weight"), ("http://h:1,color=red", "color"),
+     ("http://h:1,events=5557", "ZeroMQ endpoint"), ("http://h:1,weight", "key=value")],
+)
+def test_bad_upstream_flags_name_the_problem(flag: str, needle: str) -> None:
+    """Each bad flag is refused naming what to change."""
+    with pytest.raises(ConfigError, match=needle):
+        parse_upstream_flag(flag)
+
+
+def test_toml_file_and_flags_merge(tmp_path: Path) -> None:
+    """A file's upstreams and options load; flags add upstreams and override options."""
+    path = tmp_path / "gw.toml"
+    path.write_text(
+        '[gateway]\npolicy = "prefix_hash"\nretries = 1\n'
+        '[gateway.policy_options]\noverload = 1.5\n'
+        '[[upstreams]]\nurl = "http://127.0.0.1:8001"\nname = "a"\n'
+    )
+    config = merge(load_config_file(path), [parse_upstream_flag("http://127.0.0.1:8002")],
+                   retries=3)
+    assert [u.name for u in config.upstreams] == ["a", "http://127.0.0.1:8002"]
+    assert config.policy == "prefix_hash" and config.retries == 3
+    assert config.policy_options == {"overload": 1.5}
+
+
+def test_toml_errors_name_the_key(tmp_path: Path) -> None:
+    """Unknown keys and duplicate names are refused by name."""
+    path = tmp_path / "gw.toml"
+    path.write_text('[gateway]\npolcy = "x"\n[[upstreams]]\nurl = "http://h:1"\n')
+    with pytest.raises(ConfigError, match="polcy"):
+        load_config_file(path)
+    with pytest.raises(ConfigError, match="unique"):
+        merge(None, [parse_upstream_flag("http://h:1"), parse_upstream_flag("http://h:1")])
+
+
+def tenants_file(tmp_path: Path, extra: str = "") -> Path:
+    path = tmp_path / "tenants.toml"
+    path.write_text(
+        'secret = "0123456789abcdef-secret"\n' + extra +
+        '[keys]\n"sk-a" = "acme"\n"sk-b" = "globex"\n'
+        '[tenants.globex]\nupstreams = ["r1"]\n'
+    )
+    return path
+
+
+def test_salt_is_hmac_sha256_of_the_tenant(tmp_path: Path) -> None:
+    """The salt is HMAC-SHA256(secret, tenant) in hex, inside vLLM's salt rules."""
+    tenants = load_tenants(tenants_file(tmp_path))
+    tenant = tenants.authenticate("Bearer sk-a")
+    assert tenant is not None and tenant.name == "acme"
+    expected = hmac.new(b"0123456789abcdef-secret", b"acme", hashlib.sha256).hexdigest()
+    assert tenant.cache_salt == expected and check_cache_salt(tenant.cache_salt) == expected
+    other = tenants.authenticate("bearer sk-b")
+    assert other is not None and other.cache_salt != expected and other.upstreams == ("r1",)
+
+
+def test_unknown_or_missing_keys_authenticate_to_nobody(tmp_path: Path) -> None:
+    """Unknown keys, other schemes and missing headers give no tenant."""
+    tenants = load_tenants(tenants_file(tmp_path))
+    for header in (None, "", "Bearer sk-zzz", "Basic sk-a", "Bearer "):
+        assert tenants.authenticate(header) is None
+
+
+def test_secret_from_the_environment(tmp_path: Path) -> None:
+    """secret_env reads the secret from the environment; a missing variable is an error."""
+    path = tmp_path / "t.toml"
+    path.write_text('secret_env = "GW_SECRET"\n[keys]\n"k" = "t"\n')
+    assert load_tenants(path, {"GW_SECRET": "x" * 20}).secret == b"x" * 20
+    with pytest.raises(ConfigError, match="GW_SECRET"):
+        load_tenants(path, {})
+
+
+def test_weak_secret_is_refused(tmp_path: Path) -> None:
+    """A short secret would make salts guessable."""
+    path = tmp_path / "t.toml"
+    path.write_text('secret = "short"\n[keys]\n"k" = "t"\n')
+    with pytest.raises(ConfigError, match="16 characters"):
+        load_tenants(path)

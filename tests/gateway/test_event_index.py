@@ -1,0 +1,187 @@
+"""The per-upstream index rebuilt from KV events: placement, holes, copies, namespaces."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvreuse.gateway.event_index import EventIndex, salt_of
+from kvreuse.gateway.kv_events import decode_message, encode_message, encode_payload
+from kvreuse.identity import CacheIdentity
+from kvreuse.index import BlockIndex
+from kvreuse.index.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from kvreuse.index.hashing import BlockHash
+from kvreuse.routing import KvCleared, KvRemoved, KvStored
+from kvreuse.tokens import pack
+
+
+def h(value: int) -> BlockHash:
+    return BlockHash(value.to_bytes(8, "big"))
+
+
+def store(hashes: list[int], tokens: list[int], parent: int | None = None, size: int = 2,
+          salt: str | None = None) -> BlockStored:
+    extra = ((salt,), *([None] * (len(hashes) - 1))) if salt else None
+    return BlockStored(tuple(h(x) for x in hashes), None if parent is None else h(parent),
+                       tuple(tokens), size, extra_keys=extra)
+
+
+def test_match_follows_parent_links_and_vllm_hit_rules() -> None:
+    """Blocks chained by parent hash match whole blocks, at most num_tokens - 1 tokens."""
+    index = EventIndex("r0")
+    index.apply(store([1, 2], [10, 11, 12, 13]))
+    index.apply(store([3], [14, 15], parent=2))
+    assert index.match(pack([10, 11, 12, 13, 14, 15, 99])) == 6
+    assert index.match(pack([10, 11, 12, 13, 14, 15])) == 4  # the last token is recomputed
+    assert index.match(pack([10, 11, 12, 99, 14, 15, 1])) == 2
+    assert index.match(pack([11, 11, 12])) == 0
+    index.check_invariants()
+
+
+def test_hash_values_do_not_matter_only_tokens_and_links() -> None:
+    """Two indexes fed the same tokens under different hash seeds agree on every match."""
+    a, b = EventIndex("a"), EventIndex("b")
+    a.apply(store([1, 2], [5, 6, 7, 8]))
+    b.apply(store([901, 902], [5, 6, 7, 8]))
+    for prompt in ([5, 6, 7, 8, 9], [5, 6, 0], [5, 6, 7, 8]):
+        assert a.match(pack(prompt)) == b.match(pack(prompt))
+
+
+def test_removed_parent_leaves_an_unreachable_child() -> None:
+    """vLLM can evict a parent while its child stays; the child is unreachable until the
+    parent is stored again under its hash."""
+    index = EventIndex("r0")
+    index.apply(store([1, 2], [1, 2, 3, 4]))
+    index.apply(BlockRemoved((h(1),)))
+    assert index.match(pack([1, 2, 3, 4, 5])) == 0
+    assert index.cached_tokens == 2 and index.num_blocks == 1
+    index.apply(store([1], [1, 2]))
+    assert index.match(pack([1, 2, 3, 4, 5])) == 4
+    index.check_invariants()
+
+
+def test_copies_of_one_hash_survive_one_removal() -> None:
+    """Two running requests can cache the same block twice; one eviction leaves a copy."""
+    index = EventIndex("r0")
+    index.apply(store([1], [1, 2]))
+    index.apply(store([1], [1, 2]))
+    index.apply(BlockRemoved((h(1),)))
+    assert index.match(pack([1, 2, 3])) == 2
+    index.apply(BlockRemoved((h(1),)))
+    assert index.match(pack([1, 2, 3])) == 0
+    assert index.num_blocks == 0 and index.cached_tokens == 0
+    index.check_invariants()
+
+
+def test_salt_on_the_first_block_namespaces_the_tree() -> None:
+    """A salted chain matches only requests with that salt, as in vLLM."""
+    index = EventIndex("r0")
+    index.apply(store([1, 2], [1, 2, 3, 4], salt="tenant-a"))
+    prompt = pack([1, 2, 3, 4, 5])
+    assert index.match(prompt, CacheIdentity(cache_salt="tenant-a")) == 4
+    assert index.match(prompt, CacheIdentity(cache_salt="tenant-b")) == 0
+    assert index.match(prompt) == 0
+
+
+def test_salt_of_skips_the_lora_name_and_mm_pairs() -> None:
+    """vLLM lists the LoRA name first and (mm_id, offset) pairs before the salt."""
+    assert salt_of(("my-lora", ["img", 0], "s1"), "my-lora") == "s1"
+    assert salt_of(("s2",), None) == "s2"
+    assert salt_of(("my-lora",), "my-lora") is None
+    assert salt_of(None, None) is None
+
+
+def test_orphans_and_unknown_removals_are_counted_not_raised() -> None:
+    """A block whose parent was never seen, or a removal of an unknown hash, is reported."""
+    index = EventIndex("r0")
+    assert index.apply(store([5], [1, 2], parent=4)).orphan_blocks == 1
+    assert index.apply(BlockRemoved((h(77),))).unknown_removals == 1
+    assert index.num_blocks == 0
+
+
+def test_other_media_are_ignored() -> None:
+    """Blocks stored to a CPU offload tier do not make GPU prefix hits."""
+    index = EventIndex("r0")
+    offloaded = BlockStored((h(1),), None, (1, 2), 2, medium="CPU")
+    assert index.apply(offloaded).ignored
+    assert index.match(pack([1, 2, 3])) == 0
+
+
+def test_events_translate_to_routing_paths() -> None:
+    """Stored blocks become KvStored of the full path; removals say what is kept."""
+    index = EventIndex("r0")
+    index.apply(store([1], [1, 2]))
+    applied = index.apply(store([2], [3, 4], parent=1))
+    assert applied.routing_events == (KvStored("r0", pack([1, 2, 3, 4])),)
+    removed = index.apply(BlockRemoved((h(2),))).routing_events
+    assert removed == (KvRemoved("r0", pack([1, 2, 3, 4]), 2),)
+    cleared = index.apply(AllBlocksCleared(), now=3.0).routing_events
+    assert cleared == (KvCleared("r0", 3.0),) and index.num_blocks == 0
+
+
+def through_the_wire(events: list[KVCacheEvent], shape: str) -> list[KVCacheEvent]:
+    payload = encode_payload(events, ts=0.0, shape=shape)
+    return list(decode_message(encode_message("", 0, payload)).events)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.sampled_from(["map", "array"]))
+def test_index_agrees_with_the_engines_block_index(seed: int, shape: str) -> None:
+    """Differential: fed a BlockIndex's own events (64-bit hashes, either shape), the event
+    index predicts exactly the hits the block index gives, under eviction pressure."""
+    rng = random.Random(seed)
+    events: list[KVCacheEvent] = []
+    engine = BlockIndex(num_blocks=24, block_size=4, on_event=events.append)
+    index = EventIndex("r0")
+    salts = [None, "a", "b"]
+    prefixes = [[rng.randrange(50) for _ in range(rng.randrange(4, 30))] for _ in range(5)]
+    for step in range(60):
+        identity = CacheIdentity(cache_salt=rng.choice(salts))
+        prompt = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(0, 12))]
+        tokens = pack(prompt)
+        for event in through_the_wire(events, shape):
+            index.apply(event)
+        events.clear()
+        expected = engine.match(tokens, identity, touch=False).length
+        assert index.match(tokens, identity) == expected, f"step {step}"
+        if rng.random() < 0.05:
+            engine.reset()
+        else:
+            engine.insert(tokens, identity)
+        index.check_invariants()
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_index_agrees_under_concurrent_requests(seed: int) -> None:
+    """Differential with vLLM's per-request flow: overlapping requests cache duplicate copies
+    of one block and free them in any order; the event index still predicts every hit."""
+    rng = random.Random(seed)
+    events: list[KVCacheEvent] = []
+    engine = BlockIndex(num_blocks=40, block_size=4, on_event=events.append)
+    index = EventIndex("r0")
+    prefixes = [[rng.randrange(20) for _ in range(rng.randrange(8, 24))] for _ in range(3)]
+    running: dict[int, list[int]] = {}
+    for step in range(80):
+        for event in events:
+            index.apply(event)
+        events.clear()
+        if running and (rng.random() < 0.5 or len(running) > 4):
+            request_id = rng.choice(sorted(running))
+            prompt = running.pop(request_id)
+            engine.cache_blocks(request_id, pack([*prompt, 7, 7, 7, 7]))
+            engine.free_request(request_id)
+            continue
+        prompt = rng.choice(prefixes) + [rng.randrange(20) for _ in range(rng.randrange(1, 6))]
+        tokens = pack(prompt)
+        match = engine.match(tokens, touch=False)
+        assert index.match(tokens) == match.length, f"step {step}"
+        # Without its hit (admitted in the same step as an identical prompt), a request
+        # recomputes and caches second copies of blocks that are already cached.
+        hit = match if rng.random() < 0.6 else None
+        if engine.allocate_slots(step, len(prompt) + 4, match=hit) is not None:
+            engine.cache_blocks(step, tokens)
+            running[step] = prompt
+        index.check_invariants()

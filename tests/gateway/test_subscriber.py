@@ -1,0 +1,132 @@
+"""KV-event subscription: ordering, duplicates, gap repair by replay, cold marking."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvreuse.engine.publisher import EventPublisher
+from kvreuse.gateway.kv_events import EventBatch, encode_payload
+from kvreuse.gateway.subscriber import EventSubscriber, SequenceTracker
+from kvreuse.index.events import AllBlocksCleared, BlockRemoved
+from kvreuse.index.hashing import BlockHash
+from kvreuse.testing.servers import free_port
+
+
+def removed(n: int) -> BlockRemoved:
+    return BlockRemoved((BlockHash(n.to_bytes(8, "big")),))
+
+
+def test_tracker_applies_in_order_and_skips_duplicates() -> None:
+    """Consecutive batches apply; an old sequence number is a duplicate."""
+    tracker = SequenceTracker()
+    assert tracker.check(7).apply  # the first batch seen sets the baseline
+    tracker.advance(7)
+    assert tracker.check(8).apply and tracker.check(8).missing_from is None
+    tracker.advance(8)
+    assert not tracker.check(5).apply
+
+
+def test_tracker_reports_gaps_and_restarts() -> None:
+    """A jump asks for the missing range; a return to 0 is a restarted publisher."""
+    tracker = SequenceTracker()
+    tracker.advance(3)
+    assert tracker.check(6).missing_from == 4
+    assert tracker.check(0).restarted
+
+
+class Harness:
+    """A publisher and a subscriber over real TCP sockets on one event loop."""
+
+    def __init__(self, *, replay: bool) -> None:
+        events_port = free_port()
+        replay_port = free_port() if replay else None
+        replay_endpoint = f"tcp://127.0.0.1:{replay_port}" if replay_port else None
+        self.batches: list[EventBatch] = []
+        self.cold: list[str] = []
+        self.subscriber = EventSubscriber(
+            "r0", f"tcp://127.0.0.1:{events_port}", bind=True, replay_endpoint=replay_endpoint,
+            on_batch=self.batches.append, on_cold=self.cold.append, topic="kv",
+        )
+        self.publisher = EventPublisher(f"tcp://127.0.0.1:{events_port}",
+                                        replay_endpoint=replay_endpoint, topic="kv")
+
+    async def __aenter__(self) -> Harness:
+        self.subscriber.open()
+        self.publisher.start()
+        self.task = asyncio.get_running_loop().create_task(self.subscriber.run())
+        await self.wait_connected()
+        return self
+
+    async def wait_connected(self) -> None:
+        # PUB/SUB drops messages until the connection is up: send probes until one arrives.
+        for _ in range(200):
+            await self.publisher.publish([AllBlocksCleared()], ts=0.0)
+            await asyncio.sleep(0.02)
+            if self.batches:
+                break
+        assert self.batches, "subscriber never connected"
+        await asyncio.sleep(0.1)
+        self.batches.clear()
+
+    def lose(self, events: list[BlockRemoved]) -> None:
+        """A batch the publisher buffered for replay but whose live send was lost."""
+        payload = encode_payload(events, ts=0.0)
+        self.publisher._buffer.append((self.publisher.seq, payload))
+        self.publisher.seq += 1
+
+    async def until(self, count: int) -> None:
+        for _ in range(200):
+            if len(self.batches) >= count:
+                return
+            await asyncio.sleep(0.01)
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.subscriber.close()
+        self.task.cancel()
+        self.publisher.close()
+
+
+def test_gap_is_repaired_from_the_replay_socket() -> None:
+    """A lost batch is fetched from the replay socket and delivered in order."""
+
+    async def scenario() -> tuple[list[int], list[str], int]:
+        async with Harness(replay=True) as h:
+            await h.publisher.publish([removed(1)], ts=1.0)
+            h.lose([removed(2)])
+            await h.publisher.publish([removed(3)], ts=3.0)
+            await h.until(3)
+            return [b.seq for b in h.batches], h.cold, h.subscriber.stats.replayed_batches
+
+    seqs, cold, replayed = asyncio.run(scenario())
+    assert seqs == sorted(seqs) and len(seqs) == 3 and seqs[1] == seqs[0] + 1
+    assert cold == [] and replayed == 1
+
+
+def test_unrepairable_gap_marks_the_index_cold() -> None:
+    """Without a replay socket a gap is counted, reported, and the index forgotten."""
+
+    async def scenario() -> tuple[list[str], int]:
+        async with Harness(replay=False) as h:
+            await h.publisher.publish([removed(1)], ts=1.0)
+            h.lose([removed(2)])
+            await h.publisher.publish([removed(3)], ts=3.0)
+            await h.until(2)
+            return h.cold, h.subscriber.stats.lost_batches
+
+    cold, lost = asyncio.run(scenario())
+    assert len(cold) == 1 and "not replayable" in cold[0] and lost == 1
+
+
+def test_malformed_batch_is_counted_not_raised() -> None:
+    """Garbage on the wire is counted and described; the stream continues."""
+
+    async def scenario() -> tuple[int, int, str]:
+        async with Harness(replay=False) as h:
+            await h.subscriber.handle([b"kv", b"\0" * 8, b"\xc1\xc1"])
+            await h.publisher.publish([removed(1)], ts=1.0)
+            await h.until(1)
+            return (h.subscriber.stats.malformed_batches, len(h.batches),
+                    h.subscriber.stats.last_error)
+
+    malformed, delivered, error = asyncio.run(scenario())
+    assert malformed == 1 and delivered == 1 and "malformed" in error

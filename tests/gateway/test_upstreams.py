@@ -1,0 +1,71 @@
+"""Upstream health, load and /metrics parsing."""
+
+from __future__ import annotations
+
+from kvreuse.gateway.config import UpstreamConfig
+from kvreuse.gateway.upstreams import UpstreamState, parse_prometheus
+
+EXPOSITION = """\
+# HELP vllm:num_requests_waiting Requests waiting
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m a"} 3.0
+vllm:num_requests_waiting{engine="1",model_name="m a"} 2.0
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 1000.0
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 250.0 1700000000
+vllm:prefix_cache_hits_created{engine="0",model_name="m"} 1.7e9
+"""
+
+
+def state(**kwargs: object) -> UpstreamState:
+    return UpstreamState(UpstreamConfig("http://h:1", **kwargs),  # type: ignore[arg-type]
+                         eject_after=2, readmit_after=2)
+
+
+def test_prometheus_text_is_summed_over_label_sets() -> None:
+    """Wanted metrics are summed over engines; others and comments are skipped."""
+    parsed = parse_prometheus(EXPOSITION)
+    assert parsed == {"vllm:num_requests_waiting": 5.0,
+                      "vllm:prefix_cache_queries_total": 1000.0,
+                      "vllm:prefix_cache_hits_total": 250.0}
+
+
+def test_ejection_after_repeated_failures_and_readmission_by_probes() -> None:
+    """eject_after failures eject; readmit_after successful probes re-admit."""
+    upstream = state()
+    assert not upstream.record_failure() and upstream.healthy
+    assert upstream.record_failure() and not upstream.healthy
+    assert not upstream.record_success(probe=False) and not upstream.healthy
+    assert not upstream.record_success(probe=True)
+    assert upstream.record_success(probe=True) and upstream.healthy
+    assert upstream.ejections == 1
+
+
+def test_load_counts_what_the_gateway_sent_and_what_the_engine_reports() -> None:
+    """Queued prefill tokens fall at first byte; extra engine waiting adds the mean size."""
+    upstream = state()
+    upstream.request_sent(100)
+    upstream.request_sent(300)
+    assert upstream.load().queued_prefill_tokens == 400 and upstream.load().in_flight == 2
+    upstream.first_byte(100)
+    assert upstream.load().queued_prefill_tokens == 300
+    upstream.update_engine({"vllm:num_requests_waiting": 3.0})
+    load = upstream.load()
+    assert load.queued_requests == 3 and load.queued_prefill_tokens == 300 + 2 * 200
+
+
+def test_weight_scales_the_load() -> None:
+    """An upstream of weight 2 looks half as loaded."""
+    upstream = state(weight=2.0)
+    upstream.request_sent(400)
+    assert upstream.load().queued_prefill_tokens == 200
+
+
+def test_engine_hit_rate_is_a_delta_since_the_first_scrape() -> None:
+    """The engine's counters are read as deltas from the gateway's first scrape."""
+    upstream = state()
+    upstream.update_engine({"vllm:prefix_cache_queries_total": 100.0,
+                            "vllm:prefix_cache_hits_total": 90.0})
+    assert upstream.engine_hit_rate() is None
+    upstream.update_engine({"vllm:prefix_cache_queries_total": 300.0,
+                            "vllm:prefix_cache_hits_total": 140.0})
+    assert upstream.engine_hit_rate() == 0.25

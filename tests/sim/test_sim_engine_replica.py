@@ -1,0 +1,185 @@
+"""The event engine's ordering rule and a replica's memory, scheduling and cache behaviour."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from kvreuse.errors import ConfigError
+from kvreuse.routing import CacheMirror, KvEvent, KvRemoved, RequestView, build_policy
+from kvreuse.sim import (
+    Arrival,
+    Engine,
+    Finish,
+    FleetConfig,
+    FleetSimulator,
+    LoadSnapshot,
+    PrefillDone,
+    ReplicaConfig,
+    SimRequest,
+)
+from kvreuse.sim.replica import EventingRadix
+from kvreuse.sim.runner import run_scenario
+from kvreuse.sim.scenarios import get_scenario
+from kvreuse.tokens import TOKEN_BYTES, TokenBuffer, pack
+
+
+def make_request(i: int, t: float, tokens: list[int], out: int = 10) -> SimRequest:
+    return SimRequest(i, t, pack(tokens), len(tokens), out)
+
+
+def test_engine_orders_by_time_then_priority_then_seq() -> None:
+    """Simultaneous events run finish < prefill < snapshot < arrival, then in schedule order."""
+    engine = Engine()
+    seen: list[Any] = []
+    engine.schedule(1.0, Arrival(1))
+    engine.schedule(1.0, Arrival(2))
+    engine.schedule(1.0, LoadSnapshot())
+    engine.schedule(1.0, PrefillDone(0, "p"))
+    engine.schedule(1.0, Finish(0, "f"))
+    engine.schedule(0.5, Arrival(0))
+    handlers = {t: seen.append for t in (Arrival, LoadSnapshot, PrefillDone, Finish)}
+    engine.run(handlers)
+    assert seen == [
+        Arrival(0), Finish(0, "f"), PrefillDone(0, "p"), LoadSnapshot(), Arrival(1), Arrival(2)
+    ]
+
+
+def test_engine_refuses_the_past() -> None:
+    """Scheduling before the current time is a broken invariant."""
+    engine = Engine()
+    engine.now = 2.0
+    with pytest.raises(AssertionError):
+        engine.schedule(1.0, Arrival(0))
+
+
+def test_six_turn_table_totals() -> None:
+    """Seed 001's table: 15,900 prefill tokens without cache, 2,400 with answers inserted."""
+    runs = run_scenario(get_scenario("six-turn"))
+    prefilled = [r.summary.prompt_tokens - r.summary.cached_tokens for r in runs]
+    assert prefilled == [15_900, 2_400]
+
+
+def test_requests_wait_rather_than_fail_when_pins_fill_the_pool() -> None:
+    """With long decodes pinning the pool, later requests queue (blocked) and all finish."""
+    config = FleetConfig(1, ReplicaConfig(pool_tokens=1000, time_per_output_token_s=0.1))
+    requests = [make_request(i, 0.01 * i, list(range(i * 1000, i * 1000 + 400)), 50)
+                for i in range(6)]
+    run = FleetSimulator(config, build_policy("round_robin")).run(requests)
+    assert len(run.records) == 6 and run.blocked_admissions[0] > 0
+    # Only two 450-token requests fit at once, so the last one waits for two decode rounds.
+    assert max(r.ttft_s for r in run.records) > 2 * 50 * 0.1
+
+
+def test_request_larger_than_the_pool_is_a_config_error() -> None:
+    """A request that could never fit names the fix."""
+    config = FleetConfig(1, ReplicaConfig(pool_tokens=100))
+    with pytest.raises(ConfigError, match="raise the cache size"):
+        FleetSimulator(config, build_policy("round_robin")).run(
+            [make_request(0, 0.0, list(range(200)))]
+        )
+
+
+def test_eviction_makes_room_before_waiting() -> None:
+    """A full cache of idle prefixes is evicted for a new request, which then runs at once."""
+    config = FleetConfig(1, ReplicaConfig(pool_tokens=1000, time_per_output_token_s=0.0))
+    requests = [make_request(i, float(i), list(range(i * 1000, i * 1000 + 600)), 0)
+                for i in range(3)]
+    run = FleetSimulator(config, build_policy("round_robin")).run(requests)
+    assert run.evicted_tokens[0] >= 600 and run.blocked_admissions[0] == 0
+
+
+def test_concurrent_requests_hit_a_prefix_inserted_at_prefill_end() -> None:
+    """A second question on a document hits it while the first is still decoding."""
+    config = FleetConfig(1, ReplicaConfig(pool_tokens=10_000, time_per_output_token_s=1.0))
+    doc = list(range(3000))
+    requests = [make_request(0, 0.0, [*doc, 1], 100), make_request(1, 1.0, [*doc, 2], 100)]
+    run = FleetSimulator(config, build_policy("round_robin")).run(requests)
+    assert run.records[1].cached_tokens == 3000
+
+
+def test_lpm_serves_the_longest_cached_prefix_first() -> None:
+    """Under lpm a waiting request with a cached prefix overtakes an earlier cold one."""
+    warm = list(range(2000))
+    requests = [
+        make_request(0, 0.0, warm, 0),
+        make_request(1, 0.5, list(range(50_000, 52_000)), 0),  # busy prefill queue
+        make_request(2, 0.51, list(range(60_000, 62_000)), 0),  # cold, arrives first
+        make_request(3, 0.52, [*warm, 7], 0),  # warm, arrives later
+    ]
+    order = {}
+    for scheduling in ("fcfs", "lpm"):
+        config = FleetConfig(1, ReplicaConfig(pool_tokens=100_000, scheduling=scheduling))
+        run = FleetSimulator(config, build_policy("round_robin")).run(requests)
+        order[scheduling] = run.records[3].ttft_s < run.records[2].ttft_s
+    assert order == {"fcfs": False, "lpm": True}
+
+
+def test_pool_accounting_holds_under_a_seeded_random_workload() -> None:
+    """Seeded stress: pinned + cached never exceeds the pool and the radix invariants hold."""
+    rng = random.Random(3)
+    prefixes = [list(range(k * 10_000, k * 10_000 + rng.randint(50, 800))) for k in range(8)]
+    requests = []
+    t = 0.0
+    for i in range(300):
+        t += rng.expovariate(20.0)
+        tokens = rng.choice(prefixes) + [rng.randrange(10**6) for _ in range(rng.randint(1, 300))]
+        requests.append(make_request(i, t, tokens, rng.randint(0, 200)))
+    config = FleetConfig(3, ReplicaConfig(pool_tokens=4000, time_per_output_token_s=0.005))
+    sim = FleetSimulator(config, build_policy("cache_aware"))
+    checks = 0
+    original = sim._on_finish
+
+    def checked(event: Finish) -> None:
+        nonlocal checks
+        original(event)
+        for replica in sim.replicas:
+            replica.check_invariants()
+        checks += 1
+
+    sim._on_finish = checked  # type: ignore[method-assign]
+    run = sim.run(requests)
+    assert checks == 300 and len(run.records) == 300
+    for replica in sim.replicas:
+        assert replica.private_tokens == 0 and replica.in_flight == 0
+
+
+def test_evicting_radix_reports_every_removal() -> None:
+    """Each evicted leaf becomes a KvRemoved event whose path ends where the cut is."""
+    events: list[KvEvent] = []
+    index = EventingRadix("r0", events.append)
+    index.insert(pack(list(range(100))))
+    index.insert(pack([*range(60), *range(1000, 1040)]))
+    freed = index.evict(1000)
+    assert freed == 140
+    removed = [e for e in events if isinstance(e, KvRemoved)]
+    assert sum(len(e.tokens) // TOKEN_BYTES - e.keep_tokens for e in removed) == 140
+    assert {e.keep_tokens for e in removed} >= {60, 0}
+
+
+def test_mirror_tracks_the_true_cache_through_events() -> None:
+    """Differential: the event-fed mirror predicts the radix match rounded down to blocks."""
+    rng = random.Random(11)
+    mirror = CacheMirror(block_size=8)
+    index = EventingRadix("r0", mirror.apply)
+    stems = [list(range(k * 1000, k * 1000 + 64)) for k in range(5)]
+    for step in range(400):
+        tokens = rng.choice(stems) + [rng.randrange(10**6) for _ in range(rng.randint(0, 90))]
+        buf = pack(tokens)
+        if rng.random() < 0.5:
+            index.insert(buf)
+            mirror.apply(_stored(buf))
+        else:
+            index.evict(rng.randint(1, 200))
+        probe = pack(rng.choice(stems) + [rng.randrange(10**6) for _ in range(5)])
+        true = index.match(probe).length
+        predicted = mirror.predict(RequestView("p", probe, len(probe) // 4), ["r0"], 0.0)["r0"]
+        assert predicted == true - true % 8, f"step {step}"
+
+
+def _stored(buf: TokenBuffer) -> KvEvent:
+    from kvreuse.routing import KvStored
+
+    return KvStored("r0", buf)

@@ -1,0 +1,244 @@
+"""The lab in a real browser: Debian's chromium driven by Playwright against a live server.
+
+`make test` installs chromium (apt) and Playwright (pip, dev extra); Playwright never downloads a
+browser here, it drives /usr/bin/chromium. Without chromium the test is skipped, unless
+KVREUSE_REQUIRE_BROWSER is set (as `make test` does), where a missing browser is a failure.
+Screenshots land in artifacts/ (git-ignored).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvreuse.web.app import create_app
+from kvreuse.web.missions import MISSIONS
+
+CHROMIUM = Path(os.environ.get("KVREUSE_CHROMIUM", "/usr/bin/chromium"))
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
+RUN_TIMEOUT_MS = 60_000
+
+ANSWERS: dict[str, list[tuple[str, Any]]] = {
+    "mission-1": [("cache_enabled", True)],
+    "mission-2": [("timestamp_at", 1496)],
+    "mission-3": [("replicas", 3), ("routing", "cache_aware")],
+    "mission-4": [("spill_threshold_s", 0.1)],
+}
+"""Controls a player changes to solve each mission (tests/web/test_missions.py checks the same
+answers on the simulator directly)."""
+
+
+def _require_browser() -> Any:
+    required = os.environ.get("KVREUSE_REQUIRE_BROWSER") == "1"
+    if not CHROMIUM.exists():
+        message = f"{CHROMIUM} is missing: run `make chromium` (apt-get install chromium)"
+        if required:
+            pytest.fail(message)
+        pytest.skip(message)
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        if required:
+            pytest.fail("playwright is not installed: pip install -e '.[dev]'")
+        pytest.skip("playwright is not installed")
+    return sync_playwright
+
+
+@pytest.fixture(scope="module")
+def lab_url() -> Iterator[str]:
+    """A real uvicorn server on a free port of 127.0.0.1, in a thread."""
+    import uvicorn
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(), host="127.0.0.1", port=port, log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline, "the lab server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}/"
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def _tiles(page: Any) -> dict[str, str]:
+    result: dict[str, str] = page.evaluate(
+        "() => Object.fromEntries([...document.querySelectorAll('.tile')]"
+        ".map(t => [t.dataset.tile, t.querySelector('.v').textContent]))"
+    )
+    return result
+
+
+def _bars_per_lane(page: Any) -> list[int]:
+    """For each replica lane, how many prompt bars have a visible width."""
+    counts: list[int] = page.evaluate(
+        "() => [...document.querySelectorAll('#bars g.lane')].map(g =>"
+        " [...g.querySelectorAll('rect.bar-frame')]"
+        ".filter(r => parseFloat(r.getAttribute('width')) > 0).length)"
+    )
+    return counts
+
+
+def _wait_for_run(page: Any, runs_before: int) -> None:
+    page.wait_for_function(
+        f"document.body.dataset.state === 'done' && Number(document.body.dataset.runs) > "
+        f"{runs_before}",
+        timeout=RUN_TIMEOUT_MS,
+    )
+
+
+def _runs(page: Any) -> int:
+    return int(page.evaluate("Number(document.body.dataset.runs || 0)"))
+
+
+def _set_control(page: Any, name: str, value: Any) -> None:
+    if name == "timestamp_at":
+        page.check("#ts-on")
+    selector = f"#ctl-{name}"
+    if isinstance(value, bool):
+        page.set_checked(selector, value)
+    elif page.evaluate(f"document.querySelector('{selector}').tagName") == "SELECT":
+        page.select_option(selector, str(value))
+    else:
+        page.evaluate(
+            "([sel, v]) => { const el = document.querySelector(sel); el.value = v;"
+            " el.dispatchEvent(new Event('input', {bubbles: true})); }",
+            [selector, str(value)],
+        )
+
+
+def test_missions_in_a_real_browser(lab_url: str) -> None:
+    """Load the page, run each mission's preset and its answer: tiles change, every replica's
+    bars are drawn, the tree appears, the star is earned and survives a reload."""
+    sync_playwright = _require_browser()
+    ARTIFACTS.mkdir(exist_ok=True)
+    problems: list[str] = []
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1500, "height": 1100})
+            page.on("pageerror", lambda exc: problems.append(f"page error: {exc}"))
+            page.on(
+                "console",
+                lambda msg: (
+                    problems.append(f"console {msg.type}: {msg.text}")
+                    if msg.type == "error"
+                    else None
+                ),
+            )
+            page.on(
+                "request",
+                lambda req: (
+                    None
+                    if req.url.startswith((lab_url, "data:"))
+                    else problems.append(f"request outside the lab server: {req.url}")
+                ),
+            )
+            page.add_init_script("window.kvLabOptions = {animationSeconds: 0.6};")
+            page.goto(lab_url)
+            _wait_for_run(page, 0)
+            previous = _tiles(page)
+            assert all(v != "–" for v in previous.values()), previous
+            assert _bars_per_lane(page) and min(_bars_per_lane(page)) > 0
+            page.screenshot(path=str(ARTIFACTS / "lab.png"), full_page=True)
+
+            for mission_id, mission in MISSIONS.items():
+                runs = _runs(page)
+                page.click(f"button.mission[data-mission='{mission_id}']")
+                _wait_for_run(page, runs)
+                preset_tiles = _tiles(page)
+                assert preset_tiles != previous, f"{mission_id}: tiles did not change"
+                lanes = _bars_per_lane(page)
+                assert len(lanes) == mission.preset["replicas"], (mission_id, lanes)
+                assert min(lanes) > 0, f"{mission_id}: a replica has no bars: {lanes}"
+                assert page.locator("#mission-conditions li.unmet").count() > 0
+
+                runs = _runs(page)
+                for name, value in ANSWERS[mission_id]:
+                    _set_control(page, name, value)
+                page.click("#run")
+                _wait_for_run(page, runs)
+                solved_tiles = _tiles(page)
+                assert solved_tiles != preset_tiles, f"{mission_id}: tiles did not change"
+                assert page.locator("#mission-conditions li.unmet").count() == 0, mission_id
+                star = page.locator(f"button.mission[data-mission='{mission_id}'] .star")
+                assert star.text_content() == "★", mission_id
+                assert min(_bars_per_lane(page)) > 0
+                assert page.locator("#tree circle.tree-node").count() > 0, mission_id
+                page.screenshot(path=str(ARTIFACTS / f"lab-{mission_id}.png"), full_page=True)
+                previous = solved_tiles
+
+            stars = page.evaluate("JSON.parse(localStorage.getItem('kvreuse-lab-stars'))")
+            assert stars == dict.fromkeys(MISSIONS, True)
+            page.reload()
+            _wait_for_run(page, 0)
+            assert page.locator("button.mission .star", has_text="★").count() == len(MISSIONS)
+        finally:
+            browser.close()
+    assert not problems, problems
+
+
+def test_a_bad_control_shows_the_servers_error(lab_url: str) -> None:
+    """A value the server refuses is shown next to the controls, naming the field."""
+    sync_playwright = _require_browser()
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            page.add_init_script("window.kvLabOptions = {animationSeconds: 0.3};")
+            page.goto(lab_url + "?duration_s=5")
+            _wait_for_run(page, 0)
+            page.fill("#ctl-seed", "-4")
+            page.click("#run")
+            page.wait_for_function("document.body.dataset.state === 'error'", timeout=20_000)
+            assert "seed" in (page.text_content("#error") or "")
+            assert page.locator("#ctl-seed.invalid").count() == 1
+        finally:
+            browser.close()
+
+
+def test_a_link_opens_that_run_with_its_mission(lab_url: str) -> None:
+    """A lab_url_for_run link fills the controls from the query and shows the mission."""
+    from urllib.parse import urlsplit
+
+    from kvreuse.web.links import lab_url_for_run
+
+    link = lab_url_for_run("mission-3", "cache_aware", 3, seed=4, duration_s=5)
+    assert link is not None
+    sync_playwright = _require_browser()
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            page.add_init_script("window.kvLabOptions = {animationSeconds: 0.3};")
+            page.goto(lab_url + "?" + urlsplit(link).query)
+            _wait_for_run(page, 0)
+            assert page.input_value("#ctl-routing") == "cache_aware"
+            assert page.input_value("#ctl-seed") == "4"
+            assert len(_bars_per_lane(page)) == 3
+            assert page.is_visible("#mission-panel")
+            assert "Half the fleet" in (page.text_content("#mission-title") or "")
+        finally:
+            browser.close()
