@@ -18,8 +18,9 @@ from kvreuse.routing.base import (
 )
 from kvreuse.routing.cache_aware import CacheAware, CacheAwareSGLang, Exact
 from kvreuse.routing.cost import CostRouting
-from kvreuse.routing.estimators import ApproxTrees, CacheMirror, block_chain
+from kvreuse.routing.estimators import ApproxTrees, block_chain
 from kvreuse.routing.events import KvCleared, KvEvent, KvRemoved, KvStored
+from kvreuse.routing.mirror import CacheMirror
 from kvreuse.routing.pinning import TenantPinned
 from kvreuse.routing.registry import DESCRIPTIONS, POLICIES, build_policy, policy_names
 from kvreuse.routing.ring import ConsistentRing, prefix_key, stable_hash

@@ -38,8 +38,9 @@ from kvreuse.routing.base import (
     RoutingDecision,
     least_loaded,
 )
-from kvreuse.routing.estimators import ApproxTrees, CacheMirror
+from kvreuse.routing.estimators import ApproxTrees
 from kvreuse.routing.events import KvEvent
+from kvreuse.routing.mirror import CacheMirror
 
 BALANCE_RULES = ("bounded", "sglang")
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from kvreuse.errors import ConfigError
 from kvreuse.routing.base import CostModel, FleetView, PolicyBase, RequestView, RoutingDecision
-from kvreuse.routing.estimators import ApproxTrees, CacheMirror
+from kvreuse.routing.estimators import ApproxTrees
 from kvreuse.routing.events import KvEvent
+from kvreuse.routing.mirror import CacheMirror
 
 
 class CostRouting(PolicyBase):

@@ -7,9 +7,11 @@ Two sources, in seed 000's order of accuracy and cost:
   by LRU to ``max_tree_tokens`` every ``eviction_interval_s`` (SGLang: 120 s, 2**26), and our
   variant may also cap each tree at the replica's cache size (``capacity_tokens``) so the guess
   forgets roughly as fast as the engine does.
-* :class:`CacheMirror` — Dynamo-style: built only from the KV events replicas publish
-  (:mod:`kvreuse.routing.events`), so it tracks real contents up to the event lag. Kept at block
-  granularity (default 16 tokens, vLLM's block) as chained 64-bit hashes per replica.
+* :class:`~kvreuse.routing.mirror.CacheMirror` — Dynamo-style: built only from the KV events
+  replicas publish (:mod:`kvreuse.routing.events`), so it tracks real contents up to the event
+  lag; one shared radix tree with a replica bit mask per edge, matches rounded down to blocks.
+
+:func:`block_chain` (chained 64-bit block hashes) is kept for callers that key blocks by hash.
 
 Both answer ``predict(request, replica_ids) -> dict[replica, cached tokens]``.
 """
@@ -24,7 +26,6 @@ from kvreuse.errors import ConfigError
 from kvreuse.identity import CacheIdentity
 from kvreuse.index import RadixIndex
 from kvreuse.routing.base import ReplicaId, RequestView
-from kvreuse.routing.events import KvCleared, KvEvent, KvRemoved, KvStored
 from kvreuse.routing.ring import identity_seed, stable_hash
 from kvreuse.tokens import TOKEN_BYTES, TokenBuffer
 
@@ -102,62 +103,3 @@ def block_chain(tokens: TokenBuffer, identity: CacheIdentity, block_size: int) -
         h = digest(tokens[b * step : (b + 1) * step], seed=h)
         chain.append(h)
     return chain
-
-
-class CacheMirror:
-    """Per-replica sets of cached block-prefix hashes, maintained from KV events only.
-
-    A replica's set is prefix-closed (a radix tree or a block chain never holds a block without
-    its parents, and :class:`KvRemoved` only cuts tails), so a match is a binary search over the
-    request's chain: O(n) to hash plus O(log n) lookups per replica.
-    """
-
-    def __init__(self, block_size: int = 16) -> None:
-        if block_size < 1:
-            raise ConfigError(f"block_size must be >= 1, got {block_size}")
-        self.block_size = block_size
-        self._blocks: dict[ReplicaId, set[int]] = {}
-        self.events_applied = 0
-
-    def cached_blocks(self, replica: ReplicaId) -> int:
-        return len(self._blocks.get(replica, ()))
-
-    def apply(self, event: KvEvent) -> None:
-        """Fold one event into the mirror. O(n) in the event's tokens."""
-        self.events_applied += 1
-        if isinstance(event, KvCleared):
-            self._blocks.pop(event.replica, None)
-            return
-        blocks = self._blocks.setdefault(event.replica, set())
-        chain = block_chain(event.tokens, event.identity, self.block_size)
-        if isinstance(event, KvStored):
-            blocks.update(chain)
-            return
-        assert isinstance(event, KvRemoved), f"unknown KV event {event!r}"
-        # A block survives only if every one of its tokens is still held.
-        first_gone = event.keep_tokens // self.block_size
-        blocks.difference_update(chain[first_gone:])
-
-    def predict(
-        self, request: RequestView, replicas: Iterable[ReplicaId], now: float
-    ) -> dict[ReplicaId, int]:
-        chain = block_chain(request.tokens, request.identity, self.block_size)
-        out: dict[ReplicaId, int] = {}
-        for rid in replicas:
-            blocks = self._blocks.get(rid)
-            if not blocks or not chain or chain[0] not in blocks:
-                out[rid] = 0
-                continue
-            lo, hi = 1, len(chain)  # chain[:lo] held; chain[hi:] not known held
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if chain[mid - 1] in blocks:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            out[rid] = lo * self.block_size
-        return out
-
-    def record(self, request: RequestView, replica: ReplicaId, now: float) -> None:
-        """Routing alone teaches the mirror nothing: only events do."""
-        return None
