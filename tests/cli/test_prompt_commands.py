@@ -117,7 +117,9 @@ def test_audit_reads_logged_requests_jsonl(
     assert findings[0]["location"] == f"{log}:1: messages[0].content"
 
 
-def test_bad_request_file_names_the_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_request_file_names_the_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A broken .jsonl line is reported with file and line, exit 1."""
     log = tmp_path / "bad.jsonl"
     log.write_text('{"messages": []}\n{not json\n')

@@ -79,3 +79,27 @@ def test_gauge_only_engines_give_their_rate() -> None:
 def test_page_without_cache_metrics() -> None:
     """A page with no prefix-cache metric gives None."""
     assert cache_counters(parse_exposition("process_cpu_seconds_total 3\n")) is None
+
+
+def test_page_written_by_prometheus_client_as_vllm_does() -> None:
+    """vLLM registers prometheus_client Counters named vllm:prefix_cache_{queries,hits} with
+    model_name and engine labels; the page that client writes (_total, _created) parses."""
+    import prometheus_client  # the gateway extra, installed with kvreuse[all]
+    registry = prometheus_client.CollectorRegistry()
+    labels = ["model_name", "engine"]
+    queries = prometheus_client.Counter(
+        "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+        labelnames=labels, registry=registry,
+    )
+    hits = prometheus_client.Counter(
+        "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+        labelnames=labels, registry=registry,
+    )
+    for engine, (q, h) in enumerate([(1000, 250), (3000, 2250)]):
+        queries.labels("llama", str(engine)).inc(q)
+        hits.labels("llama", str(engine)).inc(h)
+    page = prometheus_client.generate_latest(registry).decode()
+    assert "vllm:prefix_cache_queries_total" in page and "_created" in page
+    counters = cache_counters(parse_exposition(page), model="llama")
+    assert counters is not None
+    assert (counters.hits, counters.queries) == (2500.0, 4000.0)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from kvreuse.errors import ConfigError
+from kvreuse.index import RadixIndex
 from kvreuse.routing import CacheMirror, KvEvent, KvRemoved, RequestView, build_policy
 from kvreuse.sim import (
     Arrival,
@@ -20,7 +22,7 @@ from kvreuse.sim import (
     ReplicaConfig,
     SimRequest,
 )
-from kvreuse.sim.replica import EventingRadix
+from kvreuse.sim.memory import RadixMemory
 from kvreuse.sim.runner import run_scenario
 from kvreuse.sim.scenarios import get_scenario
 from kvreuse.tokens import TOKEN_BYTES, TokenBuffer, pack
@@ -130,26 +132,36 @@ def test_pool_accounting_holds_under_a_seeded_random_workload() -> None:
     config = FleetConfig(3, ReplicaConfig(pool_tokens=4000, time_per_output_token_s=0.005))
     sim = FleetSimulator(config, build_policy("cache_aware"))
     checks = 0
-    original = sim._on_finish
+    on_prefill_done, on_finish = sim._on_prefill_done, sim._on_finish
 
-    def checked(event: Finish) -> None:
-        nonlocal checks
-        original(event)
-        for replica in sim.replicas:
-            replica.check_invariants()
-        checks += 1
+    def checked(handler: Callable[[Any], None]) -> Callable[[Any], None]:
+        def run_and_check(event: Any) -> None:
+            nonlocal checks
+            handler(event)
+            for replica in sim.replicas:
+                replica.check_invariants()
+            checks += 1
 
-    sim._on_finish = checked  # type: ignore[method-assign]
+        return run_and_check
+
+    sim._on_prefill_done = checked(on_prefill_done)  # type: ignore[method-assign]
+    sim._on_finish = checked(on_finish)  # type: ignore[method-assign]
     run = sim.run(requests)
-    assert checks == 300 and len(run.records) == 300
+    zero_decode = sum(1 for r in requests if r.output_len == 0)
+    assert checks == 600 - zero_decode and len(run.records) == 300
     for replica in sim.replicas:
         assert replica.private_tokens == 0 and replica.in_flight == 0
+
+
+def radix_publisher(sink: Callable[[KvEvent], None]) -> RadixIndex:
+    """The replica's own radix cache, publishing into ``sink`` as a replica does."""
+    return RadixMemory("r0", ReplicaConfig(pool_tokens=1 << 20), sink).cache
 
 
 def test_evicting_radix_reports_every_removal() -> None:
     """Each evicted leaf becomes a KvRemoved event whose path ends where the cut is."""
     events: list[KvEvent] = []
-    index = EventingRadix("r0", events.append)
+    index = radix_publisher(events.append)
     index.insert(pack(list(range(100))))
     index.insert(pack([*range(60), *range(1000, 1040)]))
     freed = index.evict(1000)
@@ -157,13 +169,15 @@ def test_evicting_radix_reports_every_removal() -> None:
     removed = [e for e in events if isinstance(e, KvRemoved)]
     assert sum(len(e.tokens) // TOKEN_BYTES - e.keep_tokens for e in removed) == 140
     assert {e.keep_tokens for e in removed} >= {60, 0}
+    paths = {bytes(e.tokens) for e in removed}
+    assert paths >= {pack(list(range(100))), pack([*range(60), *range(1000, 1040)])}
 
 
 def test_mirror_tracks_the_true_cache_through_events() -> None:
     """Differential: the event-fed mirror predicts the radix match rounded down to blocks."""
     rng = random.Random(11)
     mirror = CacheMirror(block_size=8)
-    index = EventingRadix("r0", mirror.apply)
+    index = radix_publisher(mirror.apply)
     stems = [list(range(k * 1000, k * 1000 + 64)) for k in range(5)]
     for step in range(400):
         tokens = rng.choice(stems) + [rng.randrange(10**6) for _ in range(rng.randint(0, 90))]
@@ -177,6 +191,7 @@ def test_mirror_tracks_the_true_cache_through_events() -> None:
         true = index.match(probe).length
         predicted = mirror.predict(RequestView("p", probe, len(probe) // 4), ["r0"], 0.0)["r0"]
         assert predicted == true - true % 8, f"step {step}"
+    mirror.check_invariants()
 
 
 def _stored(buf: TokenBuffer) -> KvEvent:

@@ -11,13 +11,14 @@ Run it with the vLLM environment's Python (it needs ``torch`` and ``transformers
 
     .venv-vllm/bin/python tests/vllm/build_tiny_model.py build/tiny-llama
 
-A stamp file (``kvreuse-tiny.json``) records the recipe version; a second run with the same
-recipe does nothing.
+A stamp file (``kvreuse-tiny.json``) records the recipe and the tokenizer builder's hash; a
+second run with the same recipe does nothing (and imports neither torch nor transformers).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -36,13 +37,15 @@ RECIPE = {
 }
 
 STAMP = "kvreuse-tiny.json"
+SRC = Path(__file__).resolve().parents[2] / "src"
+TOKENIZER_SOURCE = SRC / "kvreuse" / "testing" / "tiny_tokenizer.py"
 
 
 def build_tokenizer(out: Path) -> None:
     # The tokenizer half needs only `tokenizers`; it lives in kvreuse.testing so the gateway's
     # fast tests build the very same one without torch. This script runs in the vLLM
     # environment, where kvreuse is not installed, hence the path.
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
+    sys.path.insert(0, str(SRC))
     from kvreuse.testing.tiny_tokenizer import build_tokenizer_dir
 
     build_tokenizer_dir(
@@ -83,13 +86,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out: Path = args.out
     stamp = out / STAMP
-    if stamp.exists() and json.loads(stamp.read_text()) == RECIPE:
+    source_hash = hashlib.sha256(TOKENIZER_SOURCE.read_bytes()).hexdigest()
+    recipe = {**RECIPE, "tokenizer_source": source_hash}
+    if stamp.exists() and json.loads(stamp.read_text()) == recipe:
         print(f"{out}: up to date")
         return 0
     out.mkdir(parents=True, exist_ok=True)
     build_tokenizer(out)
     build_model(out)
-    stamp.write_text(json.dumps(RECIPE))
+    stamp.write_text(json.dumps(recipe))
     print(f"{out}: built tiny Llama ({RECIPE['num_hidden_layers']} layers, "
           f"hidden {RECIPE['hidden_size']}, vocab {RECIPE['vocab_size']})")
     return 0

@@ -38,6 +38,7 @@ class HotPart:
     detail: str
     entry_tokens: int | None = None
     entries: int | None = None
+    tail_tokens: int = 0
 
 
 def _number(data: Mapping[str, Any], key: str, where: str, default: float | None = None) -> float:
@@ -75,13 +76,14 @@ def parse_workload(data: object, where: str = "workload") -> tuple[list[HotPart]
             raise InputFormatError("must be an object", where=at)
         count = int(_number(group, "count", at))
         hot = int(_number(group, "hot_count", at, default=count))
-        entry = int(_number(group, "tokens", at) + _number(group, "tail_tokens", at, default=0))
+        tail = int(_number(group, "tail_tokens", at, default=0))
+        entry = int(_number(group, "tokens", at)) + tail
         share = group.get("hot_share")
         detail = f"{hot:,} hot of {count:,} x {entry:,} tokens"
         if isinstance(share, int | float):
             detail += f" ({share:.0%} of traffic)"
         name = str(group.get("name", f"prefix group {index}"))
-        parts.append(HotPart(name, hot * entry, hot * entry, detail, entry, hot))
+        parts.append(HotPart(name, hot * entry, hot * entry, detail, entry, hot, tail))
     conversations = data.get("conversations")
     if conversations is not None:
         at = f"{where}: conversations"

@@ -13,13 +13,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvreuse.errors import ConfigError, InputFormatError
 from kvreuse.lint.fingerprint import DEFAULT_BLOCK_SIZE, Revisions
-from kvreuse.lint.prompt import Prompt, build_prompt
-from kvreuse.lint.template import ChatTemplate, Clock
 from kvreuse.tokenizers import NAMED_TOKENIZERS, TokenizerBundle, load_tokenizer
+
+if TYPE_CHECKING:  # rendering needs jinja2 (the lint extra); import it when a command runs
+    from kvreuse.lint.prompt import Prompt
+    from kvreuse.lint.template import ChatTemplate, Clock
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -76,7 +78,20 @@ def clock_from(args: argparse.Namespace) -> Clock:
     return lambda: fixed
 
 
+def require_lint_extra() -> None:
+    """Rendering and tokenizing need the ``lint`` extra; say so instead of a traceback."""
+    try:
+        import jinja2  # noqa: F401
+        import tokenizers  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError(
+            f"the prompt tools need the 'lint' extra ({exc.name} is missing): "
+            "pip install 'kvreuse[lint]'"
+        ) from None
+
+
 def setup_prompts(args: argparse.Namespace) -> PromptSetup:
+    require_lint_extra()
     bundle = load_tokenizer(args.tokenizer)
     clock = clock_from(args)
     override: str | None = None
@@ -156,6 +171,8 @@ def read_requests(path_text: str) -> list[tuple[str, Mapping[str, Any] | str]]:
 
 
 def load_prompts(paths: list[str], setup: PromptSetup) -> list[Prompt]:
+    from kvreuse.lint.prompt import build_prompt
+
     prompts = []
     for path in paths:
         for label, request in read_requests(path):

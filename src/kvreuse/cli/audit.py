@@ -7,21 +7,24 @@ import json
 from typing import Any
 
 from kvreuse.cli._prompts import add_prompt_arguments, load_prompts, setup_prompts, write_output
-from kvreuse.lint.audit import AUDIT_RULES, AuditInput, Severity, fixed_clocks, run_audit
-from kvreuse.lint.audit.report import to_json, to_sarif, to_text
 
 FORMATS = ("text", "json", "sarif")
+RULES_HELP = (
+    "KV101 dates and times, KV102 UUIDs and request ids, KV103 per-request fields ahead of "
+    "shared content, KV104 tool schemas whose key or tool order varies, KV105 retrieved chunks "
+    "in another order, KV106 rewritten history, KV107 a system prompt that moves between turns, "
+    "KV108 a stable part not ending on a token boundary"
+)
 
 
 def register(subparsers: Any) -> None:
-    rules = "; ".join(f"{rule.id} {rule.name}" for rule in AUDIT_RULES.values())
     parser = subparsers.add_parser(
         "audit",
         help="find timestamps, ids, unstable JSON, reordered chunks and other reuse breakers",
         description=(
             "Render every request (fixtures for one template, or a .jsonl of logged requests), "
-            f"tokenize, and run the audit rules: {rules}. Each finding has a rule id, severity, "
-            "location, the tokens it costs and a fix."
+            f"tokenize, and run the audit rules: {RULES_HELP}. Each finding has a rule id, "
+            "severity, location, the tokens it costs and a fix."
         ),
     )
     parser.add_argument("requests", nargs="+", help="request files (.json, .jsonl) or text files")
@@ -39,6 +42,9 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvreuse.lint.audit import AuditInput, Severity, fixed_clocks, run_audit
+    from kvreuse.lint.audit.report import to_json, to_sarif, to_text
+
     setup = setup_prompts(args)
     prompts = load_prompts(args.requests, setup)
     audit = AuditInput(

@@ -128,6 +128,10 @@ def run(args: argparse.Namespace) -> int:
         fit = report.entries_per_replica(part)
         if fit is not None and part.entry_tokens is not None and part.entries:
             each = format_bytes(part.entry_tokens * per_token)
+            if part.tail_tokens:
+                prefix = format_bytes((part.entry_tokens - part.tail_tokens) * per_token)
+                tail = format_bytes(part.tail_tokens * per_token)
+                each = f"{each} ({prefix} prefix + {tail} cached question tail)"
             print(
                 f"  {each} each; {fit} fit one replica's idle cache, {fit * replicas:,} fit the "
                 f"fleet of {replicas}; with prefix affinity each replica owns about "

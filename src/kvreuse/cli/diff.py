@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvreuse.cli._prompts import add_prompt_arguments, read_requests, setup_prompts
 from kvreuse.errors import ConfigError
-from kvreuse.lint.diff import PromptDiff, diff_prompts
-from kvreuse.lint.prompt import build_prompt
 from kvreuse.lint.reuse import rules_with_block_size
+
+if TYPE_CHECKING:
+    from kvreuse.lint.diff import PromptDiff
 
 
 def register(subparsers: Any) -> None:
@@ -74,6 +75,9 @@ def format_diff(result: PromptDiff, block_size: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvreuse.lint.diff import diff_prompts
+    from kvreuse.lint.prompt import build_prompt
+
     setup = setup_prompts(args)
     tokenizer = setup.bundle.tokenizer
     prompts = []

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvreuse.cli._prompts import add_prompt_arguments, load_prompts, setup_prompts
 from kvreuse.errors import InputFormatError
@@ -29,8 +29,10 @@ from kvreuse.lint.fixtures import (
     predict_cold_cache,
     record_golden,
 )
-from kvreuse.lint.prompt import Prompt
 from kvreuse.lint.reuse import rules_with_block_size
+
+if TYPE_CHECKING:
+    from kvreuse.lint.prompt import Prompt
 
 
 def register(subparsers: Any) -> None:

@@ -2,32 +2,42 @@
 
 Pure core: templates render with an injected clock, tokenizers are passed in (load them with
 :func:`kvreuse.tokenizers.load_tokenizer`), nothing here reads files or the wall clock.
+
+Exports resolve lazily: rendering needs jinja2 (the ``lint`` extra), while fingerprints and reuse
+rules do not, and the CLI must start on a core install.
 """
 
-from kvreuse.lint.diff import Divergence, PromptDiff, diff_prompts, shared_prefix
-from kvreuse.lint.fingerprint import PrefixFingerprint, Revisions, fingerprint
-from kvreuse.lint.prompt import Prompt, build_prompt, render_request
-from kvreuse.lint.reuse import REUSE_RULES, Reuse, reuse_under_rules
-from kvreuse.lint.template import ChatTemplate, TemplateRaised, template_revision
-from kvreuse.lint.tokenizer import Encoded, Tokenizer
+from __future__ import annotations
 
-__all__ = [
-    "REUSE_RULES",
-    "ChatTemplate",
-    "Divergence",
-    "Encoded",
-    "PrefixFingerprint",
-    "Prompt",
-    "PromptDiff",
-    "Reuse",
-    "Revisions",
-    "TemplateRaised",
-    "Tokenizer",
-    "build_prompt",
-    "diff_prompts",
-    "fingerprint",
-    "render_request",
-    "reuse_under_rules",
-    "shared_prefix",
-    "template_revision",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "Divergence": "kvreuse.lint.diff",
+    "PromptDiff": "kvreuse.lint.diff",
+    "diff_prompts": "kvreuse.lint.diff",
+    "shared_prefix": "kvreuse.lint.diff",
+    "PrefixFingerprint": "kvreuse.lint.fingerprint",
+    "Revisions": "kvreuse.lint.fingerprint",
+    "fingerprint": "kvreuse.lint.fingerprint",
+    "Prompt": "kvreuse.lint.prompt",
+    "build_prompt": "kvreuse.lint.prompt",
+    "render_request": "kvreuse.lint.prompt",
+    "REUSE_RULES": "kvreuse.lint.reuse",
+    "Reuse": "kvreuse.lint.reuse",
+    "reuse_under_rules": "kvreuse.lint.reuse",
+    "ChatTemplate": "kvreuse.lint.template",
+    "TemplateRaised": "kvreuse.lint.template",
+    "template_revision": "kvreuse.lint.template",
+    "Encoded": "kvreuse.lint.tokenizer",
+    "Tokenizer": "kvreuse.lint.tokenizer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvreuse.lint' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvreuse.errors import ConfigError, InputFormatError
+from kvreuse.errors import ConfigError, InputFormatError, KvreuseError
 from kvreuse.lint.template import ChatTemplate
 from kvreuse.lint.tokenizer import Encoded, Tokenizer
 
@@ -25,6 +25,8 @@ class Prompt:
     text: str
     encoded: Encoded
     request: Mapping[str, Any] | None = None
+    stable_end: int | None = None
+    """Character offset where the last user message's content starts (chat prompts)."""
 
     @property
     def ids(self) -> tuple[int, ...]:
@@ -86,6 +88,52 @@ def render_request(request: Mapping[str, Any], template: ChatTemplate | None, wh
         raise type(exc)(str(exc), where=where) from None
 
 
+TAIL_MARKER = "\ue000kvreuse-variable-tail\ue000"
+
+
+def variable_tail_offset(
+    request: Mapping[str, Any], template: ChatTemplate | None, text: str
+) -> int | None:
+    """Where the last user message's content begins in the rendered ``text``.
+
+    Found by rendering once more with that content replaced by a private-use marker: exact
+    whatever the template does around it (a search for the content itself would also match
+    the same words elsewhere). ``None`` when there is no user text or the template hides it.
+    """
+    messages = request.get("messages")
+    if not isinstance(messages, list):
+        return None
+    for index in range(len(messages) - 1, -1, -1):
+        message = messages[index]
+        if isinstance(message, Mapping) and message.get("role") == "user":
+            break
+    else:
+        return None
+    content = message.get("content")
+    marked = dict(message)
+    if isinstance(content, str):
+        marked["content"] = TAIL_MARKER + content
+    elif isinstance(content, list):
+        parts = [dict(p) if isinstance(p, Mapping) else p for p in content]
+        text_part = next((p for p in parts if isinstance(p, dict) and "text" in p), None)
+        if text_part is None:
+            return None
+        text_part["text"] = TAIL_MARKER + str(text_part["text"])
+        marked["content"] = parts
+    else:
+        return None
+    probe = dict(request)
+    probe["messages"] = [*messages[:index], marked, *messages[index + 1 :]]
+    try:
+        rendered = render_request(probe, template, "variable tail probe")
+    except KvreuseError:
+        return None
+    at = rendered.find(TAIL_MARKER)
+    if at == -1 or rendered[:at] != text[:at]:
+        return None
+    return at
+
+
 def build_prompt(
     request: Mapping[str, Any] | str,
     *,
@@ -97,5 +145,7 @@ def build_prompt(
     if isinstance(request, str):
         return Prompt(label, request, tokenizer.encode_with_offsets(request), None)
     text = render_request(request, template, label)
-    chat = request if is_chat_request(request) else None
-    return Prompt(label, text, tokenizer.encode_with_offsets(text), chat)
+    if not is_chat_request(request):
+        return Prompt(label, text, tokenizer.encode_with_offsets(text), None)
+    stable_end = variable_tail_offset(request, template, text)
+    return Prompt(label, text, tokenizer.encode_with_offsets(text), request, stable_end)

@@ -36,7 +36,6 @@ from kvreuse.routing.base import (
     ReplicaId,
     RequestView,
     RoutingDecision,
-    least_loaded,
 )
 from kvreuse.routing.estimators import ApproxTrees
 from kvreuse.routing.events import KvEvent
@@ -109,24 +108,35 @@ class CacheAware(PolicyBase):
 
     def _route_bounded(self, request: RequestView, fleet: FleetView) -> RoutingDecision:
         matched = self.predict(request, fleet)
-        cost = self.cost
+        rate, overhead = self.cost.prefill_tokens_per_s, self.cost.overhead_s
         prompt = request.prompt_tokens
-        ttft = {
-            r.replica_id: cost.queue_delay_s(r) + cost.prefill_s(prompt - matched[r.replica_id])
-            for r in fleet.replicas
-        }
-        order = [r.replica_id for r in fleet.replicas]
-        best = min(order, key=lambda rid: (-matched[rid], ttft[rid]))
-        fastest = min(order, key=lambda rid: ttft[rid])
-        if matched[best] / max(prompt, 1) <= self.cache_threshold:
-            least = least_loaded(fleet, cost).replica_id
-            return RoutingDecision(least, "miss_least_load", matched[least])
-        limit = ttft[fastest] + self.spill_threshold_s
-        if ttft[best] <= limit:
-            return RoutingDecision(best, "affinity", matched[best])
-        within = [rid for rid in order if ttft[rid] <= limit]
-        spill = min(within, key=lambda rid: (-matched[rid], ttft[rid]))
-        return RoutingDecision(spill, "spill", matched[spill])
+        # One pass: each replica's predicted TTFT (CostModel.queue_delay_s + prefill_s, same
+        # arithmetic), the longest match (ties to the faster), the fastest, the least loaded.
+        rows: list[tuple[str, int, float]] = []
+        best = fastest = least = None
+        best_key: tuple[int, float] = (1, 0.0)
+        least_key: tuple[float, int] = (0.0, 0)
+        for load in fleet.replicas:
+            rid = load.replica_id
+            hit = matched[rid]
+            delay = load.queued_prefill_tokens / rate + load.queued_requests * overhead
+            ttft = delay + (overhead + (prompt - hit) / rate)
+            row = (rid, hit, ttft)
+            rows.append(row)
+            if best is None or (-hit, ttft) < best_key:
+                best, best_key = row, (-hit, ttft)
+            if fastest is None or ttft < fastest[2]:
+                fastest = row
+            if least is None or (delay, load.in_flight) < least_key:
+                least, least_key = row, (delay, load.in_flight)
+        assert best is not None and fastest is not None and least is not None
+        if best[1] / max(prompt, 1) <= self.cache_threshold:
+            return RoutingDecision(least[0], "miss_least_load", least[1])
+        limit = fastest[2] + self.spill_threshold_s
+        if best[2] <= limit:
+            return RoutingDecision(best[0], "affinity", best[1])
+        spill = min((r for r in rows if r[2] <= limit), key=lambda r: (-r[1], r[2]))
+        return RoutingDecision(spill[0], "spill", spill[1])
 
     def _route_sglang(self, request: RequestView, fleet: FleetView) -> RoutingDecision:
         loads = [r.in_flight for r in fleet.replicas]

@@ -7,7 +7,9 @@ refreshed every ``load_lag_s`` seconds (a scrape interval), otherwise it is curr
 ``kv_event_lag_s`` set and a policy that ``uses_kv_events``, replicas publish
 :class:`~kvreuse.routing.events.KvStored` / :class:`~kvreuse.routing.events.KvRemoved`
 events that reach ``policy.on_kv_event`` that many seconds later (the ``exact`` policy's only
-source of truth).
+source of truth). With a lag of 0 they are handed over as they happen, without a trip through the
+event heap: a router reads its state only when routing an arrival, and arrivals run after every
+other event due at the same instant, so the delivery order cannot be told apart.
 
 Seeded and deterministic: the workload carries all randomness, policies get a seeded rng, and the
 engine's tie rule (see :mod:`kvreuse.sim.engine`) fixes the order of simultaneous events.
@@ -31,7 +33,7 @@ from kvreuse.sim.engine import (
     LoadSnapshot,
     PrefillDone,
 )
-from kvreuse.sim.replica import Job, Replica, ReplicaConfig
+from kvreuse.sim.replica import Job, LoadBoard, Replica, ReplicaConfig
 from kvreuse.sim.requests import RequestRecord, SimRequest
 
 
@@ -77,9 +79,15 @@ class FleetSimulator:
         self.engine = Engine()
         lag = config.kv_event_lag_s
         wanted = getattr(policy, "uses_kv_events", True)
-        sink = self._publish if lag is not None and wanted else None
+        sink: Callable[[KvEvent], None] | None = None
+        if lag is not None and wanted:
+            sink = policy.on_kv_event if lag == 0 else self._publish
+        self._board = LoadBoard()
         self.replicas = [
-            Replica(i, config.replica, self.engine, self._first_token, self._finished, sink)
+            Replica(
+                i, config.replica, self.engine, self._first_token, self._finished, sink,
+                self._board,
+            )
             for i in range(config.replicas)
         ]
         self._by_id = {r.replica_id: r for r in self.replicas}
@@ -133,10 +141,10 @@ class FleetSimulator:
         lag = self.config.load_lag_s
         if lag > 0:
             if self._snapshot is None:
-                self._snapshot = FleetView(tuple(r.load() for r in self.replicas), now)
+                self._snapshot = FleetView(self._board.current(), now)
                 self.engine.schedule(now + lag, LoadSnapshot())
             return FleetView(self._snapshot.replicas, now)
-        return FleetView(tuple(r.load() for r in self.replicas), now)
+        return FleetView(self._board.current(), now)
 
     # ------------------------------------------------------------------ handlers
 
@@ -174,7 +182,7 @@ class FleetSimulator:
 
     def _on_snapshot(self, event: LoadSnapshot) -> None:
         now = self.engine.now
-        self._snapshot = FleetView(tuple(r.load() for r in self.replicas), now)
+        self._snapshot = FleetView(self._board.current(), now)
         if self.engine_has_work():
             self.engine.schedule(now + self.config.load_lag_s, LoadSnapshot())
         else:

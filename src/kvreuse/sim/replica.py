@@ -1,18 +1,14 @@
-"""One simulated engine replica: a KV pool, a radix cache inside it, a prefill queue, decode.
+"""One simulated engine replica: a prefill queue, decode, and a KV memory (:mod:`.memory`).
 
-Memory (seed 001, "cache memory is borrowed, not reserved"). The pool holds ``pool_tokens`` of
-KV. Two things live in it: the radix cache (every token the tree holds, whether a running request
-has it locked or not) and each running request's private KV (prompt tokens not yet in the tree,
-and its output tokens). Always ``cache.total_tokens + private_tokens <= pool_tokens``.
-
-Admission. When a request is picked to prefill, its cached prefix is matched and locked, then
-``uncached + output_len`` tokens are reserved (the output is reserved up front, as for an engine
-told ``max_tokens``; it only moves *when* the memory is taken, not how much). If they do not fit,
-unlocked cache is evicted (LRU leaves, so shared trunks outlive private tails). If even an empty
-cache would not make room because running requests pin the rest, the request is not refused and
-nothing is preempted: it waits at the head of the queue, and the replica admits nothing else
-until a finishing request frees memory (head-of-line blocking, which is what shows up in TTFT).
-A request larger than the whole pool could never run and is a configuration error.
+Memory (seed 001, "cache memory is borrowed, not reserved"). The replica's KV pool holds both
+the prefix cache and the running requests' KV (prompt and reserved output), so the space left
+for idle cached prefixes shrinks exactly when traffic peaks. How the two share the pool depends
+on ``cache_kind`` (``radix``: token-granular SGLang tree; ``block``: vLLM's block pool); see
+:mod:`kvreuse.sim.memory`. If even an empty cache would not make room for the request picked to
+prefill, because running requests pin the rest, it is not refused and nothing is preempted: it
+waits at the head of the queue, and the replica admits nothing else until a finishing request
+frees memory (head-of-line blocking, which is what shows up in TTFT). A request larger than the
+whole pool could never run and is a configuration error.
 
 Prefill batching rule. A replica prefills one request at a time, in scheduling order, each
 costing ``overhead_s + uncached / prefill_tokens_per_s`` (seed 001: 15 ms, 10,000 tok/s). With
@@ -20,11 +16,13 @@ this additive cost, grouping k requests into one step would take exactly the sum
 and only delay the first token of the earlier ones, so the serial form *is* the batching rule:
 chunked prefill with a budget of one request per step. Decode runs beside prefill and costs no
 prefill time: a request's last token comes ``output_len × time_per_output_token_s`` after its
-first.
+first. A request whose decode takes no simulated time (``time_per_output_token_s = 0`` or no
+output) finishes at its prefill's end, in the same step: prompt and output enter the cache once,
+before the next request is picked.
 
-Cache updates. When prefill ends the prompt is inserted and the lock moves to it (a concurrent
-request with the same document now hits); at finish prompt + output are inserted (the next turn
-matches through its own answer) and the lock is released.
+Queue estimates. ``queued_prefill_tokens`` (the load routers see) counts each waiting request's
+uncached prompt as the cache stood at its arrival, corrected when it is picked; a request that
+arrives at an idle replica is picked at once, so its cache is looked up once, at admission.
 
 Scheduling. ``fcfs``; or ``lpm``, longest cached prefix first (SGLang), which falls back to fcfs
 when more than ``lpm_max_waiting`` (128, SGLang's rule) requests wait.
@@ -36,20 +34,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvreuse.errors import ConfigError
-from kvreuse.identity import CacheIdentity
-from kvreuse.index import RadixIndex, RadixNode
 from kvreuse.routing.base import ReplicaLoad
-from kvreuse.routing.events import KvEvent, KvRemoved, KvStored
 from kvreuse.sim.engine import Engine, Finish, PrefillDone
-from kvreuse.sim.requests import SimRequest
-from kvreuse.tokens import TOKEN_BYTES, TokenBuffer
+from kvreuse.sim.memory import CACHE_KINDS, Job, KvSink, ReplicaMemory
 
 SCHEDULERS = ("fcfs", "lpm")
+
+__all__ = ["SCHEDULERS", "Job", "LoadBoard", "Replica", "ReplicaConfig"]
 
 
 @dataclass(frozen=True, slots=True)
 class ReplicaConfig:
-    """A replica's constants. Defaults are seed 001's illustrative numbers."""
+    """A replica's constants. Defaults are seed 001's illustrative numbers.
+
+    ``cache_kind`` names a memory model in :data:`kvreuse.sim.memory.CACHE_KINDS`; ``page_size``
+    and ``eviction`` configure the radix tree, ``block_size`` the block pool (vLLM's 16)."""
 
     pool_tokens: int = 8192
     prefill_tokens_per_s: float = 10_000.0
@@ -60,6 +59,8 @@ class ReplicaConfig:
     page_size: int = 1
     eviction: str = "lru"
     prefix_caching: bool = True
+    cache_kind: str = "radix"
+    block_size: int = 16
 
     def __post_init__(self) -> None:
         if self.pool_tokens <= 0:
@@ -70,55 +71,48 @@ class ReplicaConfig:
             raise ConfigError("overhead_s and time_per_output_token_s must be >= 0")
         if self.scheduling not in SCHEDULERS:
             raise ConfigError(f"scheduling must be one of {SCHEDULERS}, got {self.scheduling!r}")
+        if self.cache_kind not in CACHE_KINDS:
+            raise ConfigError(
+                f"cache_kind must be one of {tuple(CACHE_KINDS)}, got {self.cache_kind!r}"
+            )
+        if self.block_size < 1:
+            raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
 
 
-class Job:
-    """A request's mutable state inside its replica (engine-internal; records are frozen)."""
+class LoadBoard:
+    """The replicas' loads as routers see them, rebuilt only where a replica changed.
 
-    __slots__ = (
-        "branch",
-        "cached",
-        "estimate",
-        "lock_node",
-        "predicted",
-        "prefill_end",
-        "request",
-    )
+    A replica calls :meth:`changed` whenever its queue moves; :meth:`current` then rebuilds
+    that replica's :class:`ReplicaLoad` once, however many requests arrive in between. O(1)
+    per change, O(changed replicas) per read."""
 
-    def __init__(self, request: SimRequest, branch: str, predicted: int) -> None:
-        self.request = request
-        self.branch = branch
-        self.predicted = predicted
-        self.estimate = 0
-        self.cached = 0
-        self.prefill_end = 0.0
-        self.lock_node: RadixNode | None = None
+    __slots__ = ("_loads", "_replicas", "_stale", "_view")
 
+    def __init__(self) -> None:
+        self._replicas: list[Replica] = []
+        self._loads: list[ReplicaLoad | None] = []
+        self._view: tuple[ReplicaLoad, ...] = ()
+        self._stale = True
 
-class EventingRadix(RadixIndex):
-    """A :class:`RadixIndex` that reports each evicted leaf as a :class:`KvRemoved` event.
+    def attach(self, replica: Replica) -> None:
+        assert replica.index == len(self._replicas), "replicas must attach in index order"
+        self._replicas.append(replica)
+        self._loads.append(None)
+        self._stale = True
 
-    Relies on ``RadixIndex._detach_leaf`` being the single place leaves leave the tree; a public
-    eviction callback on the index would be the cleaner hook. ``tests/sim`` checks that removal
-    events keep flowing, so a refactor of the index cannot silently blind the ``exact`` policy.
-    """
+    def changed(self, index: int) -> None:
+        self._loads[index] = None
+        self._stale = True
 
-    def __init__(self, replica: str, sink: Callable[[KvEvent], None], **options: object) -> None:
-        super().__init__(**options)  # type: ignore[arg-type]
-        self._replica = replica
-        self._sink = sink
-        self.event_time = 0.0
-
-    def _detach_leaf(self, node: RadixNode) -> RadixNode:
-        parts: list[bytes] = []
-        walker: RadixNode | None = node
-        while walker is not None and walker.parent is not None:
-            parts.append(walker.key)
-            walker = walker.parent
-        path = TokenBuffer(b"".join(reversed(parts)))
-        keep = len(path) // TOKEN_BYTES - node.num_tokens
-        self._sink(KvRemoved(self._replica, path, keep, node.identity, self.event_time))
-        return super()._detach_leaf(node)
+    def current(self) -> tuple[ReplicaLoad, ...]:
+        if self._stale:
+            loads = self._loads
+            for i, load in enumerate(loads):
+                if load is None:
+                    loads[i] = self._replicas[i].load()
+            self._view = tuple(loads)  # type: ignore[arg-type]
+            self._stale = False
+        return self._view
 
 
 class Replica:
@@ -131,7 +125,8 @@ class Replica:
         engine: Engine,
         on_first_token: Callable[[Job, int, float], None],
         on_finish: Callable[[Job, int, float], None],
-        kv_sink: Callable[[KvEvent], None] | None = None,
+        kv_sink: KvSink | None = None,
+        board: LoadBoard | None = None,
     ) -> None:
         self.index = index
         self.replica_id = f"r{index}"
@@ -139,17 +134,12 @@ class Replica:
         self.engine = engine
         self._on_first_token = on_first_token
         self._on_finish = on_finish
-        self._kv_sink = kv_sink
-        self.cache: RadixIndex
-        if kv_sink is None:
-            self.cache = RadixIndex(page_size=config.page_size, eviction=config.eviction)
-        else:
-            self.cache = EventingRadix(
-                self.replica_id, kv_sink, page_size=config.page_size, eviction=config.eviction
-            )
+        self.memory: ReplicaMemory = CACHE_KINDS[config.cache_kind](
+            self.replica_id, config, kv_sink
+        )
+        self.cache = self.memory.cache
         self.waiting: list[Job] = []
         self.busy: Job | None = None
-        self.private_tokens = 0
         self.queued_prefill_tokens = 0
         self.in_flight = 0
         self.blocked_admissions = 0
@@ -158,14 +148,19 @@ class Replica:
         self._rate = config.prefill_tokens_per_s
         self._tpot = config.time_per_output_token_s
         self._overhead = config.overhead_s
-        self._lpm = config.scheduling == "lpm"
-        self._caching = config.prefix_caching
+        self._lpm = config.scheduling == "lpm" and config.prefix_caching
+        self._board = board if board is not None else LoadBoard()
+        self._board.attach(self)
 
     # ------------------------------------------------------------------ views
 
     @property
     def evicted_tokens(self) -> int:
-        return self.cache.evicted_tokens_total
+        return self.memory.evicted_tokens
+
+    @property
+    def private_tokens(self) -> int:
+        return self.memory.private_tokens
 
     def load(self) -> ReplicaLoad:
         return ReplicaLoad(
@@ -178,35 +173,35 @@ class Replica:
     # ------------------------------------------------------------------ request life
 
     def enqueue(self, job: Job, now: float) -> None:
-        """A routed request arrives. Its queued prefill estimate uses the cache as it is now."""
+        """A routed request arrives; it is picked at once if the replica is idle."""
         request = job.request
-        need = request.prompt_len + request.output_len
-        if need > self.config.pool_tokens:
+        memory = self.memory
+        need = memory.footprint(request)
+        if need > memory.capacity_tokens:
             raise ConfigError(
                 f"request {request.request_id} needs {need} tokens of KV (prompt + output) but "
-                f"a replica's pool holds {self.config.pool_tokens}; raise the cache size"
+                f"a replica's pool holds {memory.capacity_tokens}; raise the cache size"
             )
-        cached = 0
-        if self._caching:
-            cached = self.cache.match(request.tokens, request.identity, now).length
+        idle = self.busy is None and not self.waiting
+        # An idle replica admits the request right now, which looks the cache up anyway.
+        cached = 0 if idle else memory.peek(request, now)
         job.estimate = request.prompt_len - cached
         self.queued_prefill_tokens += job.estimate
         self.in_flight += 1
         self.waiting.append(job)
+        self._board.changed(self.index)
         if self.busy is None:
             self._start_next(now)
 
     def _pick(self, now: float) -> int:
         """Index in ``waiting`` of the next request to prefill."""
         waiting = self.waiting
-        if not self._lpm or not self._caching or len(waiting) <= 1:
+        if not self._lpm or len(waiting) <= 1 or len(waiting) > self.config.lpm_max_waiting:
             return 0
-        if len(waiting) > self.config.lpm_max_waiting:
-            return 0
-        match = self.cache.match
+        peek = self.memory.peek
         best, best_len = 0, -1
         for pos, job in enumerate(waiting):
-            length = match(job.request.tokens, job.request.identity, now).length
+            length = peek(job.request, now)
             if length > best_len:
                 best, best_len = pos, length
         return best
@@ -217,30 +212,15 @@ class Replica:
         pos = self._pick(now)
         job = self.waiting[pos]
         request = job.request
-        cache = self.cache
-        if isinstance(cache, EventingRadix):
-            cache.event_time = now
-        if self._caching:
-            found = cache.match(request.tokens, request.identity, now)
-            node, cached = found.node, found.length
-        else:
-            node, cached = cache.root(request.identity), 0
-        cache.lock(node)
-        uncached = request.prompt_len - cached
-        need = uncached + request.output_len
-        over = cache.total_tokens + self.private_tokens + need - self.config.pool_tokens
-        if over > 0:
-            cache.evict(over)
-            if cache.total_tokens + self.private_tokens + need > self.config.pool_tokens:
-                cache.unlock(node)
-                self.blocked_admissions += 1
-                return  # waits until a finish frees memory
-        del self.waiting[pos]
-        self.private_tokens += need
+        admitted = self.memory.admit(job, now)
+        uncached = request.prompt_len - job.cached
         self.queued_prefill_tokens += uncached - job.estimate
         job.estimate = uncached
-        job.cached = cached
-        job.lock_node = node
+        self._board.changed(self.index)
+        if not admitted:
+            self.blocked_admissions += 1
+            return  # waits until a finish frees memory
+        del self.waiting[pos]
         duration = self._overhead + uncached / self._rate
         self.prefill_busy_s += duration
         self.busy = job
@@ -248,54 +228,34 @@ class Replica:
 
     def prefill_done(self, job: Job, now: float) -> None:
         request = job.request
-        cache = self.cache
-        if isinstance(cache, EventingRadix):
-            cache.event_time = now
         self.queued_prefill_tokens -= job.estimate
+        job.estimate = 0
         job.prefill_end = now
-        if self._caching:
-            cache.insert(request.tokens, request.identity, now)
-            found = cache.match(request.tokens, request.identity, now)
-            cache.lock(found.node)
-            assert job.lock_node is not None
-            cache.unlock(job.lock_node)
-            job.lock_node = found.node
-            self.private_tokens -= job.estimate
-            job.estimate = 0
-        if self._kv_sink is not None and self._caching:
-            self._kv_sink(KvStored(self.replica_id, request.tokens, request.identity, now))
         self.busy = None
         self._on_first_token(job, self.index, now)
-        self.engine.schedule(now + request.output_len * self._tpot, Finish(self.index, job))
+        decode_s = request.output_len * self._tpot
+        if decode_s > 0:
+            self.memory.prefilled(job, now)
+            self._board.changed(self.index)
+            self.engine.schedule(now + decode_s, Finish(self.index, job))
+        else:
+            self._complete(job, now)
         self._start_next(now)
 
     def finish(self, job: Job, now: float) -> None:
-        request = job.request
-        cache = self.cache
-        if isinstance(cache, EventingRadix):
-            cache.event_time = now
-        full = request.tokens if request.output is None else request.tokens + request.output
-        if self._caching:
-            cache.insert(full, request.identity, now)
-        assert job.lock_node is not None
-        cache.unlock(job.lock_node)
-        job.lock_node = None
-        # Without caching the prompt stayed private (job.estimate); with it, only the output.
-        self.private_tokens -= request.output_len + job.estimate
-        self.in_flight -= 1
-        self.requests_served += 1
-        if self._kv_sink is not None and self._caching and request.output is not None:
-            self._kv_sink(KvStored(self.replica_id, TokenBuffer(full), request.identity, now))
-        self._on_finish(job, self.index, now)
+        self._complete(job, now)
         if self.busy is None:
             self._start_next(now)
 
+    def _complete(self, job: Job, now: float) -> None:
+        self.memory.release(job, now)
+        self.in_flight -= 1
+        self.requests_served += 1
+        self._board.changed(self.index)
+        self._on_finish(job, self.index, now)
+
     def check_invariants(self) -> None:
         """Pool accounting and the cache's own invariants. O(cache nodes)."""
-        self.cache.check_invariants()
-        assert self.private_tokens >= 0, "negative private KV"
-        used = self.cache.total_tokens + self.private_tokens
-        assert used <= self.config.pool_tokens, f"pool over capacity: {used}"
-
-    def namespaces(self) -> list[CacheIdentity]:
-        return self.cache.identities()
+        self.memory.check_invariants()
+        assert self.queued_prefill_tokens >= 0, "negative queued prefill tokens"
+        assert self.in_flight >= len(self.waiting), "more waiting than in flight"

@@ -12,10 +12,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvreuse.errors import ConfigError
-from kvreuse.lint.template import ChatTemplate, Clock, select_template
 from kvreuse.lint.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from kvreuse.lint.template import ChatTemplate, Clock
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +40,8 @@ class TokenizerBundle:
     ) -> ChatTemplate:
         """The template to render with: ``override`` source if given, else the bundle's own one
         chosen as transformers chooses it (``tool_use`` when tools are given and it exists)."""
+        from kvreuse.lint.template import ChatTemplate, select_template
+
         if override is not None:
             return ChatTemplate(
                 override, special_tokens=self.special_tokens, clock=clock, name="override"

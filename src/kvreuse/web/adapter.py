@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvreuse.errors import ConfigError, InputFormatError
+from kvreuse.index import RadixIndex
 from kvreuse.routing import DESCRIPTIONS, POLICIES, build_policy
 from kvreuse.routing.base import FleetView, RequestView, RoutingDecision, RoutingPolicy
 from kvreuse.routing.events import KvEvent
@@ -110,9 +111,11 @@ class _Watcher:
                 self._next_sample += 1.0
         if self.snapshot_at_s is not None and now >= self.snapshot_at_s and self.replicas:
             replica = self.replicas[TREE_REPLICA]
-            self.tree = snapshot_tree(
-                replica.cache, self.segments, replica.replica_id, now - self.warmup_s
-            )
+            # Only a radix cache is a tree; the lab's replicas are radix (the sim default).
+            if isinstance(replica.cache, RadixIndex):
+                self.tree = snapshot_tree(
+                    replica.cache, self.segments, replica.replica_id, now - self.warmup_s
+                )
             self.snapshot_at_s = None
         return self.inner.route(request, fleet)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from enum import IntEnum
@@ -113,37 +113,14 @@ def token_at(prompt: Prompt, char_offset: int) -> int:
     return max(0, bisect.bisect_right(starts, char_offset) - 1)
 
 
-def last_user_text(request: Mapping[str, Any] | None) -> str | None:
-    """The text of the last user message (joining text parts), or None."""
-    if request is None:
-        return None
-    messages = request.get("messages")
-    if not isinstance(messages, list):
-        return None
-    for message in reversed(messages):
-        if isinstance(message, Mapping) and message.get("role") == "user":
-            content = message.get("content")
-            if isinstance(content, str):
-                return content
-            if isinstance(content, list):
-                parts = [p.get("text") for p in content if isinstance(p, Mapping)]
-                texts = [p for p in parts if isinstance(p, str) and p]
-                return texts[0] if texts else None
-            return None
-    return None
-
-
 def stable_end_char(prompt: Prompt, others: Sequence[Prompt] = ()) -> int:
     """Where the variable tail begins, in characters.
 
-    Chat prompts: the start of the last user message's content. Raw prompts: the text all
-    samples share (the whole text when there is only one sample).
+    Chat prompts: the start of the last user message's content (located when the prompt was
+    built). Raw prompts: the text all samples share (the whole text with a single sample).
     """
-    user_text = last_user_text(prompt.request)
-    if user_text:
-        at = prompt.text.rfind(user_text)
-        if at != -1:
-            return at
+    if prompt.stable_end is not None:
+        return prompt.stable_end
     if prompt.request is None:
         peers = [other for other in others if other is not prompt]
         if peers:

@@ -1,0 +1,348 @@
+"""One approximate prefix index per upstream, shared by several gateways through Redis.
+
+Several ``kvreuse route`` processes in front of the same engines must agree on where each prefix
+lives, or a conversation's turns scatter across replicas as soon as they reach different gateways.
+In exact mode every gateway subscribes to every engine's KV events and agreement is free. In
+approximate mode (``cache_aware``: the router remembers what it *sent* where) each gateway only
+sees its own share of the traffic; this module gives all of them the union.
+
+Two halves:
+
+* :class:`SharedPrefixIndex` — pure (no I/O, time passed in): per upstream, the chained 64-bit
+  hashes of the full blocks of every prompt routed there, LRU-bounded to ``capacity_blocks``
+  (set it near the engine's KV capacity so the guess forgets about as fast as the engine does).
+  It answers the approximate estimator's questions (:meth:`predict`, :meth:`record`,
+  :meth:`tree_tokens`), so a ``cache_aware`` policy can use it in place of its own trees.
+  Only hashes are kept and shared, never token ids: a Redis reader learns which prefixes were
+  routed where, not what they say (hashes are keyed by the cache identity, salt included, so a
+  salted tenant's prompts cannot be confirmed by hashing a guess).
+* :class:`RedisIndexSync` — the I/O: every :meth:`SharedPrefixIndex.record` made here is queued
+  and appended (pipelined, in the background) to one Redis stream per upstream
+  (``{prefix}:routed:{upstream}``, trimmed to ``stream_maxlen`` entries, so Redis memory is
+  bounded by ``stream_maxlen × (8 bytes per block + ~100)`` per upstream); a reader task
+  ``XREAD``\\ s every stream and folds the other gateways' records in. A gateway that starts late
+  reads the retained tail first. Redis is never on a request's path: routing stays local and a
+  Redis outage only makes the index as local as a lone gateway's (counted in :attr:`stats`).
+
+Wiring (see /work/notes/issue5_needs_from_gateway.md): build the index, give it to the
+policy as its approximate estimator, and run :meth:`RedisIndexSync.run` beside the app
+(:func:`attach` does both for an existing :class:`~kvreuse.gateway.app.Gateway`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import uuid
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from dataclasses import dataclass
+from typing import Any, NewType
+
+import xxhash
+
+from kvreuse.errors import ConfigError, InputFormatError
+from kvreuse.identity import CacheIdentity
+from kvreuse.routing import ReplicaId, RequestView
+from kvreuse.tokens import TOKEN_BYTES, TokenBuffer
+
+log = logging.getLogger("kvreuse.gateway.shared_index")
+
+BlockHash = NewType("BlockHash", int)
+"""A chained block hash: names the prefix that ends with this block, identity included."""
+
+
+def block_chain(tokens: TokenBuffer, identity: CacheIdentity, block_size: int) -> list[BlockHash]:
+    """Chained xxh3-64 hashes of the full blocks of ``tokens`` under ``identity``: entry b names
+    the first (b+1)·block_size tokens. O(n)."""
+    step = block_size * TOKEN_BYTES
+    seed = xxhash.xxh3_64_intdigest(repr(identity).encode())
+    chain: list[BlockHash] = []
+    digest = xxhash.xxh3_64_intdigest
+    for b in range(len(tokens) // step):
+        seed = digest(tokens[b * step : (b + 1) * step], seed=seed)
+        chain.append(BlockHash(seed))
+    return chain
+
+
+@dataclass(frozen=True, slots=True)
+class RoutedRecord:
+    """A prompt's block chain routed to ``upstream`` by gateway ``origin``."""
+
+    upstream: ReplicaId
+    chain: tuple[BlockHash, ...]
+    origin: str
+
+
+class SharedPrefixIndex:
+    """Per-upstream LRU sets of block-prefix hashes; see the module docstring.
+
+    ``on_record`` (set by :class:`RedisIndexSync`) hears every local record, to share it.
+    """
+
+    def __init__(self, *, block_size: int = 16, capacity_blocks: int = 1 << 20,
+                 origin: str | None = None) -> None:
+        if block_size < 1:
+            raise ConfigError(f"shared index block_size must be >= 1, got {block_size}")
+        if capacity_blocks < 1:
+            raise ConfigError(f"shared index capacity_blocks must be >= 1, got {capacity_blocks}")
+        self.block_size = block_size
+        self.capacity_blocks = capacity_blocks
+        self.origin = origin or uuid.uuid4().hex[:12]
+        self._blocks: dict[ReplicaId, OrderedDict[BlockHash, None]] = {}
+        self.on_record: Callable[[RoutedRecord], None] | None = None
+        self.evicted_blocks = 0
+
+    # ------------------------------------------------------------------ estimator interface
+
+    def predict(
+        self, request: RequestView, replicas: Iterable[ReplicaId], now: float
+    ) -> dict[ReplicaId, int]:
+        """Each replica's longest recorded prefix of the prompt, in whole blocks. Stops at the
+        first missing block (an engine's hit rule). O(n) to hash plus O(matched) lookups."""
+        chain = block_chain(request.tokens, request.identity, self.block_size)
+        out: dict[ReplicaId, int] = {}
+        for rid in replicas:
+            held = self._blocks.get(rid)
+            matched = 0
+            if held:
+                for block in chain:
+                    if block not in held:
+                        break
+                    matched += 1
+            out[rid] = matched * self.block_size
+        return out
+
+    def record(self, request: RequestView, replica: ReplicaId, now: float) -> None:
+        """The local router sent ``request`` to ``replica``: remember it and share it. O(n)."""
+        chain = tuple(block_chain(request.tokens, request.identity, self.block_size))
+        if not chain:
+            return
+        self.apply(RoutedRecord(replica, chain, self.origin))
+        if self.on_record is not None:
+            self.on_record(RoutedRecord(replica, chain, self.origin))
+
+    def tree_tokens(self, replica: ReplicaId) -> int:
+        """Tokens recorded for ``replica`` (SGLang's smallest-tree rule reads this). O(1)."""
+        return len(self._blocks.get(replica, ())) * self.block_size
+
+    # ------------------------------------------------------------------ shared records
+
+    def apply(self, record: RoutedRecord) -> None:
+        """Fold a record (local or another gateway's) in. Blocks are touched tail first so a
+        prefix is always fresher than its extensions and LRU trims tails, not roots.
+        O(len(chain)) plus evictions."""
+        held = self._blocks.setdefault(record.upstream, OrderedDict())
+        for block in reversed(record.chain):
+            held[block] = None
+            held.move_to_end(block)
+        overflow = len(held) - self.capacity_blocks
+        for _ in range(max(overflow, 0)):
+            held.popitem(last=False)
+        self.evicted_blocks += max(overflow, 0)
+
+    def forget(self, upstream: ReplicaId) -> None:
+        """Drop everything recorded for ``upstream`` (it restarted or was reset). O(1)."""
+        self._blocks.pop(upstream, None)
+
+    def size_blocks(self, upstream: ReplicaId | None = None) -> int:
+        """Blocks held for one upstream, or for all. O(upstreams)."""
+        if upstream is not None:
+            return len(self._blocks.get(upstream, ()))
+        return sum(len(held) for held in self._blocks.values())
+
+    def check_invariants(self) -> None:
+        for upstream, held in self._blocks.items():
+            assert len(held) <= self.capacity_blocks, f"{upstream}: over capacity"
+
+
+def encode_record(record: RoutedRecord) -> dict[str, bytes]:
+    """A stream entry: origin and the chain as little-endian uint64s. O(len(chain))."""
+    packed = b"".join(block.to_bytes(8, "little") for block in record.chain)
+    return {"o": record.origin.encode(), "c": packed}
+
+
+def decode_record(upstream: ReplicaId, fields: MutableMapping[Any, Any]) -> RoutedRecord:
+    """The inverse of :func:`encode_record`; :class:`InputFormatError` names what is wrong."""
+    origin, packed = fields.get(b"o"), fields.get(b"c")
+    if not isinstance(origin, bytes) or not isinstance(packed, bytes):
+        raise InputFormatError("stream entry needs byte fields 'o' and 'c'", f"upstream {upstream}")
+    if len(packed) % 8:
+        raise InputFormatError(f"chain of {len(packed)} bytes is not whole uint64s",
+                               f"upstream {upstream}")
+    chain = tuple(BlockHash(int.from_bytes(packed[i : i + 8], "little"))
+                  for i in range(0, len(packed), 8))
+    return RoutedRecord(upstream, chain, origin.decode(errors="replace"))
+
+
+@dataclass(slots=True)
+class SyncStats:
+    """What the Redis side did; the gateway can export these."""
+
+    published: int = 0
+    dropped: int = 0  # local records not shared: the queue was full or Redis was down
+    received: int = 0  # other gateways' records applied
+    malformed: int = 0
+    redis_errors: int = 0
+    connected: bool = False
+
+
+class RedisIndexSync:
+    """Shares a :class:`SharedPrefixIndex` through Redis streams; see the module docstring.
+
+    ``client`` is a ``redis.asyncio.Redis`` (or anything with its ``xadd``/``xread``/
+    ``xrevrange``/``pipeline`` methods), built by the caller so tests can pass a double.
+    """
+
+    def __init__(
+        self,
+        index: SharedPrefixIndex,
+        client: Any,
+        upstreams: Iterable[ReplicaId],
+        *,
+        prefix: str = "kvreuse",
+        stream_maxlen: int = 50_000,
+        bootstrap_entries: int = 50_000,
+        max_pending: int = 10_000,
+        block_ms: int = 200,
+    ) -> None:
+        if stream_maxlen < 1 or max_pending < 1:
+            raise ConfigError("stream_maxlen and max_pending must be >= 1")
+        self.index = index
+        self.client = client
+        self.streams = {f"{prefix}:routed:{u}": u for u in upstreams}
+        self._stream_of = {u: key for key, u in self.streams.items()}
+        self.stream_maxlen = stream_maxlen
+        self.bootstrap_entries = bootstrap_entries
+        self.block_ms = block_ms
+        self.stats = SyncStats()
+        self._pending: asyncio.Queue[RoutedRecord] = asyncio.Queue(max_pending)
+        index.on_record = self._enqueue
+
+    def _enqueue(self, record: RoutedRecord) -> None:
+        try:
+            self._pending.put_nowait(record)
+        except asyncio.QueueFull:
+            self.stats.dropped += 1  # backpressure: this record stays local
+
+    async def run(self) -> None:
+        """Bootstrap from the retained tail, then publish and read until cancelled. Redis
+        errors are counted and retried after a pause; they never reach requests."""
+        await asyncio.gather(self._retrying(self._read_loop), self._retrying(self._write_loop))
+
+    async def _retrying(self, loop: Callable[[], Awaitable[None]]) -> None:
+        while True:
+            try:
+                await loop()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a Redis client raises many types; all mean "retry"
+                self.stats.redis_errors += 1
+                self.stats.connected = False
+                log.warning("shared index: redis error %s: %s", type(exc).__name__, exc)
+                await asyncio.sleep(0.5)
+
+    async def _read_loop(self) -> None:
+        last = await self._bootstrap()
+        self.stats.connected = True
+        while True:
+            replies = await self.client.xread(last, block=self.block_ms, count=1000)
+            for stream, entries in replies or ():
+                key = stream.decode() if isinstance(stream, bytes) else str(stream)
+                for entry_id, fields in entries:
+                    last[key] = entry_id
+                    self._take(self.streams[key], fields)
+
+    async def _bootstrap(self) -> dict[str, Any]:
+        """Apply the retained tail of each stream (oldest first); returns the read cursor."""
+        cursor: dict[str, Any] = {}
+        for key, upstream in self.streams.items():
+            entries = await self.client.xrevrange(key, count=self.bootstrap_entries)
+            cursor[key] = entries[0][0] if entries else "0-0"
+            for _, fields in reversed(entries):
+                self._take(upstream, fields, include_own=True)
+        return cursor
+
+    def _take(self, upstream: ReplicaId, fields: MutableMapping[Any, Any],
+              include_own: bool = False) -> None:
+        try:
+            record = decode_record(upstream, fields)
+        except InputFormatError as exc:
+            self.stats.malformed += 1
+            log.warning("shared index: skipped a malformed entry: %s", exc)
+            return
+        if record.origin == self.index.origin and not include_own:
+            return
+        self.index.apply(record)
+        self.stats.received += 1
+
+    async def _write_loop(self) -> None:
+        while True:
+            batch = [await self._pending.get()]
+            while not self._pending.empty() and len(batch) < 512:
+                batch.append(self._pending.get_nowait())
+            pipe = self.client.pipeline(transaction=False)
+            for record in batch:
+                pipe.xadd(self._stream_of.get(record.upstream, f"kvreuse:routed:{record.upstream}"),
+                          encode_record(record), maxlen=self.stream_maxlen, approximate=True)
+            try:
+                await pipe.execute()
+            except Exception:
+                self.stats.dropped += len(batch)
+                raise
+            self.stats.published += len(batch)
+            self.stats.connected = True
+
+
+def attach(gateway: Any, redis_url: str, *, capacity_blocks: int = 1 << 20,
+           block_size: int = 16, prefix: str = "kvreuse",
+           stream_maxlen: int = 50_000) -> RedisIndexSync:
+    """Make an existing :class:`~kvreuse.gateway.app.Gateway` with an approximate
+    ``cache_aware`` policy share its index: the policy's trees are replaced by a
+    :class:`SharedPrefixIndex` and the sync task runs inside the app's lifespan.
+
+    The hook this needs from the policy is one attribute, ``trees``, holding the approximate
+    estimator (``predict``/``record``/``tree_tokens``); a policy without it is refused.
+    """
+    import redis.asyncio as aioredis
+
+    policy = gateway.policy
+    if getattr(policy, "trees", None) is None:
+        raise ConfigError(
+            f"--shared-index needs an approximate cache-aware policy (cache_aware, "
+            f"cache_aware_sglang); {policy.name!r} keeps no routing trees to share"
+        )
+    index = SharedPrefixIndex(block_size=block_size, capacity_blocks=capacity_blocks)
+    policy.trees = index
+    names = [u.name for u in gateway.upstreams]
+    sync = RedisIndexSync(index, aioredis.from_url(redis_url), names, prefix=prefix,
+                          stream_maxlen=stream_maxlen)
+    inner = gateway.app
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "lifespan":
+            await inner(scope, receive, send)
+            return
+        task = asyncio.get_running_loop().create_task(sync.run())
+        try:
+            await inner(scope, receive, send)
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            with contextlib.suppress(Exception):
+                await sync.client.aclose()
+
+    gateway.app = app
+    gateway.shared_index = sync
+    return sync
+
+
+def describe(sync: RedisIndexSync) -> str:
+    """One line for logs and the soak report."""
+    s = sync.stats
+    return json.dumps({"published": s.published, "received": s.received, "dropped": s.dropped,
+                       "malformed": s.malformed, "redis_errors": s.redis_errors,
+                       "blocks": sync.index.size_blocks()})

@@ -1,0 +1,105 @@
+"""`kvreuse hitrate` against real HTTP servers on 127.0.0.1 whose /metrics change per scrape."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from kvreuse.cli.hitrate import Monitor, read_fingerprint, scrape
+from kvreuse.cli.main import main
+from kvreuse.hitrate.window import FingerprintChange
+from kvreuse.testing.prometheus import MetricsServer, sglang_page, vllm_page
+
+
+def rising(rates: list[float], per_scrape: float = 1000.0) -> list[str]:
+    """vLLM pages whose counters grow by per_scrape queried tokens at the given hit rates."""
+    pages, hits, queries = [], 0.0, 0.0
+    for rate in rates:
+        queries += per_scrape
+        hits += per_scrape * rate
+        pages.append(vllm_page(hits, queries, engines=2))
+    return pages
+
+
+def args(**overrides: object) -> argparse.Namespace:
+    defaults: dict[str, object] = {
+        "window": 60.0, "drop": 10.0, "min_queried": 1.0, "model": None, "timeout": 5.0,
+        "fingerprint_file": None,
+    }
+    defaults.update(overrides)
+    return argparse.Namespace(**defaults)
+
+
+def test_json_lines_report_windowed_rate_per_instance(capsys: pytest.CaptureFixture[str]) -> None:
+    """Two instances (vLLM and SGLang) scraped three times: one JSON line per instance and round."""
+    with MetricsServer(rising([0.5, 0.5, 0.5])) as vllm, MetricsServer(
+        page_for=lambda i: sglang_page(cached=300.0 * (i + 1), prompt=1000.0 * (i + 1))
+    ) as sglang:
+        code = main(["hitrate", vllm.url, sglang.url, "--json", "--count", "3",
+                     "--interval", "0.01"])
+        assert vllm.scrapes == 3 and sglang.scrapes == 3
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert code == 0
+    assert [r["instance"] for r in records] == [vllm.url, sglang.url] * 3
+    last_vllm, last_sglang = records[-2], records[-1]
+    assert last_vllm["source"] == "vllm" and last_vllm["window_hit_rate"] == pytest.approx(0.5)
+    assert last_sglang["source"] == "sglang"
+    assert last_sglang["window_hit_rate"] == pytest.approx(0.3)
+    assert last_vllm["window_queried_tokens"] == pytest.approx(2000.0)
+
+
+def test_step_drop_alert_over_real_http() -> None:
+    """A template change that halves the hit rate raises one alert naming the fingerprint change."""
+    with MetricsServer(rising([0.75] * 8 + [0.30] * 8)) as server:
+        monitor = Monitor([server.url], args(window=60.0), fetch=scrape)
+        monitor.fingerprint = "old-fingerprint"
+        records = []
+        for step in range(16):
+            if step == 8:
+                for detector in monitor.detectors.values():
+                    detector.note_fingerprint_change(
+                        FingerprintChange(step * 30.0, "old-fingerprint", "new-fingerprint")
+                    )
+            records.extend(monitor.round(step * 30.0))
+    alerts = [r for r in records if r.get("alert")]
+    assert len(alerts) == 1
+    assert alerts[0]["baseline_hit_rate"] == pytest.approx(0.75)
+    assert alerts[0]["fingerprint_change"]["new"] == "new-fingerprint"
+    assert "cold-cache" in alerts[0]["message"]
+
+
+def test_fingerprint_file_change_is_an_event(tmp_path: Path) -> None:
+    """Rewriting the fingerprint file between rounds records a fingerprint_change event."""
+    fingerprint_file = tmp_path / "deployed.jsonl"
+    fingerprint_file.write_text(json.dumps({"fingerprint": "aaa"}) + "\n")
+    with MetricsServer(rising([0.5] * 3)) as server:
+        monitor = Monitor([server.url], args(fingerprint_file=str(fingerprint_file)))
+        monitor.round(0.0)
+        fingerprint_file.write_text(json.dumps({"fingerprint": "bbb"}) + "\n")
+        records = monitor.round(10.0)
+    assert records[0] == {"t": 10.0, "event": "fingerprint_change", "old": "aaa", "new": "bbb"}
+    assert read_fingerprint(fingerprint_file) == "bbb"
+
+
+def test_unreachable_and_foreign_pages_are_reported_not_fatal(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A dead URL and a page without cache metrics produce error records; the command goes on."""
+    with MetricsServer(["process_cpu_seconds_total 1\n"]) as server:
+        dead = "http://127.0.0.1:9/metrics"
+        assert main(["hitrate", dead, server.url, "--json", "--count", "1",
+                     "--timeout", "1"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert records[0]["instance"] == dead and "error" in records[0]
+    assert "no prefix-cache metrics" in records[1]["error"]
+
+
+def test_live_table_mode_renders(capsys: pytest.CaptureFixture[str]) -> None:
+    """Without --json a rich table with the instance and its rate is printed."""
+    with MetricsServer(rising([0.25, 0.25])) as server:
+        assert main(["hitrate", server.url, "--count", "2", "--interval", "0.01"]) == 0
+    out = capsys.readouterr().out
+    assert "token hit rate" in out and "25.0%" in out

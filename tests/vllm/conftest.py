@@ -1,0 +1,135 @@
+"""Fixtures for the real-vLLM tests: two vLLM replicas for the session, a gateway per test.
+
+The tests run when a vLLM interpreter is found (``KVREUSE_VLLM_PYTHON``, else ``.venv-vllm``);
+otherwise they are skipped, unless ``KVREUSE_REQUIRE_VLLM=1`` (set by ``make test``) makes that
+a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kvreuse.gateway.app import Gateway
+from kvreuse.gateway.config import GatewayConfig, UpstreamConfig
+from kvreuse.gateway.prompts import HFPromptTokenizer
+from kvreuse.testing.servers import ServerThread
+
+from .vllm_fleet import Replica, build_model, launch, wait_ready
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def vllm_python() -> str | None:
+    explicit = os.environ.get("KVREUSE_VLLM_PYTHON")
+    if explicit:
+        return explicit if Path(explicit).exists() else None
+    default = ROOT / ".venv-vllm" / "bin" / "python"
+    return str(default) if default.exists() else None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    ours = [item for item in items if Path(str(item.fspath)).is_relative_to(here)]
+    for item in ours:
+        item.add_marker(pytest.mark.vllm)
+    if ours and vllm_python() is None:
+        if os.environ.get("KVREUSE_REQUIRE_VLLM") == "1":
+            raise pytest.UsageError(
+                "KVREUSE_REQUIRE_VLLM=1 but no vLLM interpreter: run `make vllm-env` or set "
+                "KVREUSE_VLLM_PYTHON (see DEVELOPERS.md)"
+            )
+        skip = pytest.mark.skip(reason="no vLLM interpreter (make vllm-env, or set "
+                                "KVREUSE_VLLM_PYTHON; see DEVELOPERS.md)")
+        for item in ours:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    python = vllm_python()
+    assert python is not None
+    out = Path(os.environ.get("KVREUSE_TINY_MODEL", ROOT / "build" / "tiny-llama"))
+    return build_model(python, out.resolve())
+
+
+@pytest.fixture(scope="session")
+def replicas(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Replica]]:
+    """Two vLLM replicas, started in parallel (~40-100 s), for the whole session."""
+    python = vllm_python()
+    assert python is not None
+    log_dir = Path(os.environ.get("KVREUSE_VLLM_LOGS", tmp_path_factory.mktemp("vllm-logs")))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    started = [launch(f"vllm{i}", python, model_dir, log_dir) for i in range(2)]
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda r: wait_ready([r]), started))
+        yield started
+    finally:
+        for replica in started:
+            replica.stop()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir: Path) -> HFPromptTokenizer:
+    return HFPromptTokenizer(model_dir)
+
+
+@dataclass
+class LiveGateway:
+    server: ServerThread
+    gateway: Gateway
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def events_settled(self, quiet_s: float = 0.3, timeout_s: float = 10.0) -> None:
+        """Wait until no KV-event batch has arrived for ``quiet_s`` (vLLM publishes each
+        engine step's events right away, so silence means the gateway has caught up)."""
+        deadline = time.monotonic() + timeout_s
+        last = -1
+        quiet_since = time.monotonic()
+        while time.monotonic() < deadline:
+            seen = sum(s.stats.batches for s in self.gateway.subscribers)
+            if seen != last:
+                last, quiet_since = seen, time.monotonic()
+            elif time.monotonic() - quiet_since >= quiet_s:
+                return
+            time.sleep(0.02)
+
+
+@pytest.fixture
+def gateway_for(replicas: list[Replica], tokenizer: HFPromptTokenizer
+                ) -> Iterator[Callable[..., LiveGateway]]:
+    """Start a gateway in front of (some of) the replicas; stopped after the test."""
+    running: list[LiveGateway] = []
+
+    def start(chosen: list[Replica] | None = None, **options: object) -> LiveGateway:
+        upstreams = tuple(
+            UpstreamConfig(r.url, name=r.name, events=r.events, replay=r.replay,
+                           topic="kv-events")
+            for r in (chosen or replicas)
+        )
+        settings: dict[str, object] = {"policy": "exact", "metrics_interval_s": 0.5,
+                                       "health_interval_s": 1.0}
+        settings.update(options)
+        if settings["policy"] in ("exact", "cache_aware", "cache_aware_sglang"):
+            # The policies' own block-hash mirror must use vLLM's block size.
+            settings.setdefault("policy_options", {"block_size": 32})
+        gateway = Gateway(GatewayConfig(upstreams=upstreams, **settings),  # type: ignore[arg-type]
+                          tokenizer=tokenizer)
+        live = LiveGateway(ServerThread(gateway.app).start(), gateway)
+        time.sleep(0.5)  # vLLM's PUB sockets reconnect to the newly bound SUB sockets
+        running.append(live)
+        return live
+
+    yield start
+    for live in running:
+        live.server.stop()
