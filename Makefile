@@ -3,24 +3,34 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test lint typecheck unit bench clean chromium vllm-env vllm-model
+.PHONY: demo test lint typecheck unit bench clean chromium vllm-env vllm-model redis peers \
+	bench-routers soak
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
-# Core install: enough for the demo.
+# Core install: the library and the CLI, no extras.
 $(VENV)/.core: $(VENV)/bin/python pyproject.toml
 	$(PY) -m pip install -q -e .
 	touch $@
 
+# The demo's install: core plus the report extra (matplotlib draws the report's plots).
+$(VENV)/.demo: $(VENV)/bin/python pyproject.toml
+	$(PY) -m pip install -q -e '.[report]'
+	touch $@ $(VENV)/.core
+
 # Everything the tests need: all extras plus dev tools.
 $(VENV)/.all: $(VENV)/bin/python pyproject.toml
 	$(PY) -m pip install -q -e '.[all,dev]'
-	touch $@ $(VENV)/.core
+	touch $@ $(VENV)/.core $(VENV)/.demo
 
-demo: $(VENV)/.core
-	$(VENV)/bin/kvreuse demo
+# Seed 001's belgavi fleet: no cache vs round robin on 6 vs cache-aware on 3; prints the table
+# and the path of the HTML report. `kvreuse demo` (the six-turn table) stays a command.
+DEMO_REPORT ?= artifacts/demo/belgavi.html
+demo: $(VENV)/.demo
+	@mkdir -p $(dir $(DEMO_REPORT))
+	$(VENV)/bin/kvreuse simulate --scenario belgavi --report $(DEMO_REPORT)
 
 lint: $(VENV)/.all
 	$(VENV)/bin/ruff check src tests benchmarks
@@ -66,11 +76,48 @@ vllm-env: $(VLLM_STAMP)
 vllm-model: vllm-env
 	$(KVREUSE_VLLM_PYTHON) tests/vllm/build_tiny_model.py $(TINY_MODEL)
 
+# redis-server (Debian) for tests/multigateway (gateways sharing their index through Redis);
+# the tests start their own server on a free 127.0.0.1 port. Idempotent, like chromium.
+REDIS_SERVER ?= /usr/bin/redis-server
+redis:
+	@if [ ! -x $(REDIS_SERVER) ]; then \
+	  SUDO=$$( [ "$$(id -u)" -eq 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server; \
+	fi
+
+# Peer routers for benchmarks/routers.py in their own environment (never in .venv), and wrk
+# (Debian) to measure a gateway's request rate without a Python client in the way.
+PEERS_VENV ?= .venv-peers
+$(PEERS_VENV)/.installed:
+	$(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/python -m pip install -q --upgrade pip
+	$(PEERS_VENV)/bin/python -m pip install -q sglang-router vllm-router smg
+	touch $@
+
+peers: $(PEERS_VENV)/.installed
+	@if ! command -v wrk >/dev/null; then \
+	  SUDO=$$( [ "$$(id -u)" -eq 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq wrk; \
+	fi
+
+# Gateway side by side with the peers (docs/performance.md); `ROUTERS_ARGS=--quick` for a smoke.
+ROUTERS_ARGS ?= --json artifacts/bench/routers.json
+bench-routers: $(VENV)/.all peers redis
+	mkdir -p artifacts/bench
+	$(PY) benchmarks/routers.py $(ROUTERS_ARGS)
+
+# Soak and faults through the gateway (default 10 minutes; `SOAK_ARGS=--minutes 2`).
+SOAK_ARGS ?= --json artifacts/bench/soak.json
+soak: $(VENV)/.all redis
+	mkdir -p artifacts/bench
+	$(PY) benchmarks/soak.py $(SOAK_ARGS)
+
 # pytest exits 5 when it collects nothing; that is a broken suite here, so say so and fail.
 # KVREUSE_REQUIRE_BROWSER makes the browser test fail, not skip, if chromium is missing.
 # KVREUSE_REQUIRE_VLLM makes the real-vLLM tests (tests/vllm) fail, not skip, without vLLM.
-unit: $(VENV)/.all chromium vllm-model
-	KVREUSE_REQUIRE_BROWSER=1 KVREUSE_REQUIRE_VLLM=1 KVREUSE_VLLM_PYTHON=$(KVREUSE_VLLM_PYTHON) \
+unit: $(VENV)/.all chromium vllm-model redis
+	KVREUSE_REQUIRE_BROWSER=1 KVREUSE_REQUIRE_VLLM=1 KVREUSE_REQUIRE_REDIS=1 KVREUSE_VLLM_PYTHON=$(KVREUSE_VLLM_PYTHON) \
 	KVREUSE_TINY_MODEL=$(TINY_MODEL) $(PY) -m pytest -q; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; fi; exit $$rc
 
@@ -85,4 +132,4 @@ bench: $(VENV)/.all
 	$(PY) benchmarks/index_ops.py $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(PEERS_VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,70 +1,101 @@
 """Simulated requests per wall-clock second: belgavi, and the Mooncake trace over 8 replicas.
 
 Targets (issue 3): at least 20,000 simulated req/s on belgavi (Vidur manages about 100), and the
-whole Mooncake trace over 8 replicas in under 3 s. Workload generation and trace parsing are timed
-separately from the simulation itself. Run: ``.venv/bin/python benchmarks/sim_speed.py``.
+whole Mooncake trace over 8 replicas in under 3 s, for every policy. Workload generation and trace
+parsing are timed separately from the simulation itself. Each run is repeated (``--repeat``, 3)
+and reported as best and median, with the load average, because the figures move with whatever
+else shares the CPU. Run: ``.venv/bin/python benchmarks/sim_speed.py [--scale 5] [--repeat 3]``.
 """
 
 from __future__ import annotations
 
+import argparse
+import os
 import random
-import sys
+import statistics
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from kvreuse.routing import build_policy
-from kvreuse.sim import FleetConfig, FleetSimulator, ReplicaConfig
+from kvreuse.routing import POLICIES, build_policy
+from kvreuse.sim import FleetConfig, FleetSimulator, ReplicaConfig, SimRequest
 from kvreuse.sim.scenarios import get_scenario
 from kvreuse.sim.trace import compute_bounds, parse_trace
 
 TRACE = Path(__file__).resolve().parents[1] / "../shared/data/mooncake_synthetic_trace.jsonl"
 
 
-def belgavi(scale: float) -> None:
+def load_average() -> str:
+    try:
+        return "load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
+    except OSError:
+        return "load average unknown"
+
+
+def timed(run: Callable[[], object], repeat: int) -> list[float]:
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def belgavi(scale: float, repeat: int) -> None:
     scenario = get_scenario("belgavi")
     start = time.perf_counter()
     requests = scenario.requests(0, "", scale)
     generate_s = time.perf_counter() - start
     print(f"belgavi x{scale:g}: {len(requests):,} requests generated in {generate_s:.2f} s")
-    for spec in scenario.runs:
-        if spec.variant:
-            continue
-        options = dict(scenario.policy_options.get(spec.policy, {}))
-        policy = build_policy(spec.policy, rng=random.Random(0), **options)
-        sim = FleetSimulator(scenario.fleet(spec.replicas, spec.variant), policy)
-        start = time.perf_counter()
-        sim.run(requests)
-        elapsed = time.perf_counter() - start
+    specs = [(s.policy, s.replicas) for s in scenario.runs if not s.variant]
+    specs += [(name, 3) for name in POLICIES if name not in {p for p, _ in specs}]
+    for name, replicas in specs:
+        options = dict(scenario.policy_options.get(name, {}))
+
+        def run(name: str = name, replicas: int = replicas,
+                options: dict[str, object] = options) -> None:
+            policy = build_policy(name, rng=random.Random(0), **options)
+            FleetSimulator(scenario.fleet(replicas, ""), policy).run(requests)
+
+        times = timed(run, repeat)
+        best, median = min(times), statistics.median(times)
         print(
-            f"  {spec.policy:<20} x{spec.replicas}: {len(requests) / elapsed:>9,.0f} simulated "
-            f"req/s ({elapsed:.2f} s)"
+            f"  {name:<20} x{replicas}: best {len(requests) / best:>8,.0f}  median "
+            f"{len(requests) / median:>8,.0f} simulated req/s"
         )
 
 
-def trace(path: Path, replicas: int = 8, cache_tokens: int = 200_000) -> None:
+def trace(path: Path, repeat: int, replicas: int = 8, cache_tokens: int = 200_000) -> None:
     if not path.exists():
         print(f"trace {path} not found; skipping")
         return
     start = time.perf_counter()
     with path.open() as lines:
-        requests = parse_trace(lines)
+        requests: Sequence[SimRequest] = parse_trace(lines)
     parse_s = time.perf_counter() - start
     print(f"mooncake trace: {len(requests):,} requests parsed in {parse_s:.2f} s")
     start = time.perf_counter()
     compute_bounds(requests, replicas, cache_tokens)
     print(f"  bounds (infinite + pooled LRU): {time.perf_counter() - start:.2f} s")
-    for name in ("round_robin", "prefix_hash", "cache_aware", "exact"):
-        config = FleetConfig(
-            replicas, ReplicaConfig(pool_tokens=cache_tokens), kv_event_lag_s=0.0
+    config = FleetConfig(replicas, ReplicaConfig(pool_tokens=cache_tokens), kv_event_lag_s=0.0)
+    for name in POLICIES:
+
+        def run(name: str = name) -> None:
+            FleetSimulator(config, build_policy(name, rng=random.Random(0))).run(requests)
+
+        times = timed(run, repeat)
+        print(
+            f"  {name:<20} x{replicas}: whole trace best {min(times):.2f} s, median "
+            f"{statistics.median(times):.2f} s ({len(requests) / min(times):,.0f} req/s)"
         )
-        sim = FleetSimulator(config, build_policy(name))
-        start = time.perf_counter()
-        sim.run(requests)
-        elapsed = time.perf_counter() - start
-        print(f"  {name:<20} x{replicas}: whole trace in {elapsed:.2f} s "
-              f"({len(requests) / elapsed:,.0f} req/s)")
 
 
 if __name__ == "__main__":
-    belgavi(float(sys.argv[1]) if len(sys.argv) > 1 else 5.0)
-    trace(TRACE)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scale", type=float, default=5.0, help="belgavi duration multiplier")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per policy")
+    args = parser.parse_args()
+    print(load_average())
+    belgavi(args.scale, args.repeat)
+    trace(TRACE, args.repeat)
+    print(load_average())

@@ -19,6 +19,7 @@ from starlette.routing import Route
 from kvreuse.gateway.config import UpstreamConfig
 from kvreuse.gateway.prompts import HFPromptTokenizer
 from kvreuse.identity import CacheIdentity
+from kvreuse.routing import POLICIES
 from kvreuse.testing.servers import ServerThread, free_port
 from kvreuse.testing.tiny_tokenizer import corpus_words
 
@@ -133,6 +134,20 @@ def test_a_conversation_stays_on_the_replica_holding_its_history(
         gateway.events_settled()
     assert len(set(served)) == 1, served
     assert cached[0] == 0 and all(c > 0 for c in cached[1:]), cached
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_every_routing_policy_serves_through_the_gateway(
+    engines: list[Engine], gateway_factory: Factory, policy: str
+) -> None:
+    """Each policy of kvreuse.routing, built by name, routes real requests."""
+    options = {"block_size": 4} if policy in ("exact", "cache_aware", "cache_aware_sglang") else {}
+    gateway = gateway_factory(engines, policy=policy, policy_options=options)
+    for i in range(3):
+        response = completion(gateway, f"policy smoke {i} " + unique_text(8))
+        assert response.status_code == 200 and response.headers["x-kvreuse-upstream"] in (
+            "e0", "e1")
+    assert f'policy="{policy}"' in httpx.get(gateway.url + "/metrics").text
 
 
 def test_exact_mode_predicts_what_the_engine_reports(engines: list[Engine],
@@ -345,6 +360,20 @@ def test_bad_input_gets_a_json_error_naming_the_field(
     assert response.status_code == status and response.json()["error"]["param"] == param
 
 
+def test_chat_without_a_chat_template_is_refused(engines: list[Engine], tmp_path: Path,
+                                                gateway_factory: Factory) -> None:
+    """A tokenizer without chat_template cannot render chats: 400 saying so, not a crash."""
+    from kvreuse.testing.tiny_tokenizer import build_tokenizer_dir
+
+    directory = build_tokenizer_dir(tmp_path / "tok", vocab_size=600, corpus_lines=300)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    gateway = gateway_factory(engines, prompt_tokenizer=HFPromptTokenizer(directory))
+    response = chat(gateway, [{"role": "user", "content": "hi"}])
+    assert response.status_code == 400 and "chat_template" in response.json()["error"]["message"]
+
+
 def test_metrics_expose_the_listed_families(engines: list[Engine],
                                             gateway_factory: Factory) -> None:
     """Requests by branch, decision latency, predicted vs realized, hit rates, index sizes,
@@ -362,7 +391,8 @@ def test_metrics_expose_the_listed_families(engines: list[Engine],
         "kvreuse_gateway_predicted_cached_tokens_total", "kvreuse_gateway_realized_cached_"
         "tokens_total", "kvreuse_gateway_token_hit_rate{", "kvreuse_gateway_index_blocks{",
         "kvreuse_gateway_kv_events_received_total{", "kvreuse_gateway_kv_events_dropped_total{",
-        "kvreuse_gateway_engine_token_hit_rate{",
+        "kvreuse_gateway_engine_token_hit_rate{", "kvreuse_gateway_engine_cached_tokens{",
+        "kvreuse_gateway_upstream_kv_usage{", "kvreuse_gateway_kv_event_gaps_total{",
     ):
         assert family in text, family
     assert 'branch="affinity"' in text

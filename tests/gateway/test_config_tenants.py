@@ -101,3 +101,14 @@ def test_weak_secret_is_refused(tmp_path: Path) -> None:
     path.write_text('secret = "short"\n[keys]\n"k" = "t"\n')
     with pytest.raises(ConfigError, match="16 characters"):
         load_tenants(path)
+
+
+def test_tenant_subset_must_name_real_upstreams(tmp_path: Path) -> None:
+    """A tenant pinned to an upstream the gateway does not have is a startup error."""
+    from kvreuse.gateway.app import Gateway
+    from kvreuse.gateway.config import GatewayConfig
+
+    config = GatewayConfig(upstreams=(parse_upstream_flag("http://127.0.0.1:1,name=r0"),),
+                           tenants=str(tenants_file(tmp_path)))
+    with pytest.raises(ConfigError, match="r1"):
+        Gateway(config)

@@ -130,3 +130,28 @@ def test_malformed_batch_is_counted_not_raised() -> None:
 
     malformed, delivered, error = asyncio.run(scenario())
     assert malformed == 1 and delivered == 1 and "malformed" in error
+
+
+def test_a_failing_consumer_does_not_stop_the_stream() -> None:
+    """An exception while applying a batch is reported and the next batch still arrives."""
+
+    async def scenario() -> tuple[int, str]:
+        async with Harness(replay=False) as h:
+            delivered: list[int] = []
+
+            def explode_once(batch: EventBatch) -> None:
+                delivered.append(batch.seq)
+                if len(delivered) == 1:
+                    raise RuntimeError("policy bug")
+
+            h.subscriber._on_batch = explode_once
+            await h.publisher.publish([removed(1)], ts=1.0)
+            await h.publisher.publish([removed(2)], ts=2.0)
+            for _ in range(200):
+                if len(delivered) == 2:
+                    break
+                await asyncio.sleep(0.01)
+            return len(delivered), h.subscriber.stats.last_error
+
+    count, error = asyncio.run(scenario())
+    assert count == 2 and "policy bug" in error

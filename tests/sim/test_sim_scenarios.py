@@ -64,11 +64,11 @@ def test_timestamp_step_shows_in_hit_rate_over_time() -> None:
 
     from kvreuse.routing import build_policy
     from kvreuse.sim import FleetSimulator
-    from kvreuse.sim.scenarios import BELGAVI, _belgavi_fleet
+    from kvreuse.sim.scenarios import BELGAVI, belgavi_fleet
     from kvreuse.sim.summary import hit_rate_over_time
 
     workload = replace(BELGAVI, duration_s=40.0, volatile_at=200, volatile_from_s=40.0)
-    run = FleetSimulator(_belgavi_fleet(6, ""), build_policy("exact")).run(workload.generate(0))
+    run = FleetSimulator(belgavi_fleet(6, ""), build_policy("exact")).run(workload.generate(0))
     points = hit_rate_over_time(run, 10.0)
     before = [p.token_hit_rate for p in points if p.start_s < 40.0]
     after = [p.token_hit_rate for p in points if p.start_s >= 40.0]

@@ -243,3 +243,25 @@ def test_kvreuse_route_cli_in_front_of_vllm(replicas: list[Replica], model_dir: 
     finally:
         process.terminate()
         process.wait(timeout=20)
+
+
+def test_missed_batches_are_replayed_from_vllm(gateway_for: StartGateway,
+                                               replicas: list[Replica]) -> None:
+    """When the gateway misses batches, vLLM's replay socket fills the gap: the index stays
+    exact instead of going cold."""
+    gateway = gateway_for([replicas[0]])
+    prompt = text(100)
+    post(gateway, "/v1/completions", {"prompt": prompt, "max_tokens": 2})
+    subscriber = gateway.gateway.subscribers[0]
+    last = subscriber.tracker.last_seq
+    assert last is not None
+    # Pretend the prompt's batch never arrived: forget it, and rewind the sequence.
+    gateway.gateway.router.indexes[replicas[0].name].reset()
+    subscriber.tracker.last_seq = last - 1
+    # The next batch (new blocks: the prompt grows by whole blocks) reveals the gap.
+    longer = prompt + " " + text(60)
+    post(gateway, "/v1/completions", {"prompt": longer, "max_tokens": 2})
+    assert subscriber.stats.gaps == 1 and subscriber.stats.repaired_gaps == 1
+    assert subscriber.stats.cold_resets == 0
+    third = post(gateway, "/v1/completions", {"prompt": longer + " end", "max_tokens": 2})
+    assert predicted(third) == cached(third) >= 128

@@ -60,7 +60,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--health-interval", type=float, help="seconds between probes")
     parser.add_argument("--eject-after", type=int, help="consecutive failures that eject")
     parser.add_argument("--readmit-after", type=int, help="consecutive probes that re-admit")
-    parser.add_argument("--metrics-interval", type=float, help="seconds between /metrics scrapes")
+    parser.add_argument("--metrics-interval", type=float,
+                        help="seconds between /metrics scrapes (0: off)")
     parser.add_argument("--max-body-bytes", type=int)
     parser.add_argument("--upstream-api-key", help="Bearer key the upstreams expect")
     parser.add_argument("--seed", type=int, help="seed of randomized policies")

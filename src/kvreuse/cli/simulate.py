@@ -19,6 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -26,7 +27,7 @@ from rich.table import Table
 from kvreuse.errors import ConfigError
 from kvreuse.routing import POLICIES
 from kvreuse.sim.fleet import FleetConfig
-from kvreuse.sim.replica import SCHEDULERS, ReplicaConfig
+from kvreuse.sim.replica import CACHE_KINDS, SCHEDULERS, ReplicaConfig
 from kvreuse.sim.requests import SimRequest
 from kvreuse.sim.runner import ScenarioRun, check, run_spec
 from kvreuse.sim.scenarios import SPILLS, RunSpec, Scenario, get_scenario
@@ -60,6 +61,13 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--tpot", type=float, default=0.02,
                         help="trace: decode seconds per output token (0.02)")
     parser.add_argument("--scheduling", choices=SCHEDULERS, help="replica queue order")
+    parser.add_argument(
+        "--cache-kind", choices=tuple(CACHE_KINDS),
+        help="replica cache: radix (SGLang, token granular) or block (vLLM's block pool)",
+    )
+    parser.add_argument(
+        "--block-size", type=int, help="tokens per block with --cache-kind block (16)"
+    )
     parser.add_argument("--load-lag", type=float, help="router's load view refresh, seconds")
     parser.add_argument("--kv-lag", type=float, help="KV event delay to the router, seconds")
     parser.set_defaults(func=run)
@@ -96,6 +104,10 @@ def _adjust(config: FleetConfig, args: argparse.Namespace) -> FleetConfig:
         replica = replace(replica, pool_tokens=args.cache_tokens)
     if args.scheduling is not None:
         replica = replace(replica, scheduling=args.scheduling)
+    if args.cache_kind is not None:
+        replica = replace(replica, cache_kind=args.cache_kind)
+    if args.block_size is not None:
+        replica = replace(replica, block_size=args.block_size)
     config = replace(config, replica=replica)
     if args.load_lag is not None:
         config = replace(config, load_lag_s=args.load_lag)
@@ -130,7 +142,8 @@ def _trace_scenario(args: argparse.Namespace, requests: list[SimRequest]) -> Sce
 
 
 def run(args: argparse.Namespace) -> int:
-    console = Console()
+    # Piped output (make demo, CI logs) gets a table wide enough to read, not rich's 80.
+    console = Console() if Console().is_terminal else Console(width=110)
     if args.trace is not None:
         try:
             with args.trace.open(encoding="utf-8") as lines:
@@ -156,6 +169,9 @@ def run(args: argparse.Namespace) -> int:
             parameters["scale"] = args.scale
     if args.scale <= 0:
         raise ConfigError(f"--scale must be > 0, got {args.scale}")
+    for option in ("cache_kind", "block_size", "scheduling", "load_lag", "kv_lag"):
+        if getattr(args, option) is not None:
+            parameters[option] = getattr(args, option)
 
     traffic: dict[str, list[SimRequest]] = {}
     for spec in specs:
@@ -241,22 +257,29 @@ def _run_json(row: ScenarioRun) -> dict[str, Any]:
     return out
 
 
+def _figure(value: float) -> str:
+    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.3g}"
+
+
 def _print_table(
     console: Console, scenario: Scenario, rows: Sequence[ScenarioRun], bounds: Bounds
 ) -> None:
-    table = Table(title=f"{scenario.name}: {scenario.summary}")
-    for name, justify in (
-        ("policy", "left"), ("replicas", "right"), ("token hit", "right"),
-        ("request hit", "right"), ("prefill GPU-s/1k", "right"), ("TTFT p50", "right"),
-        ("TTFT p95", "right"), ("max/mean load", "right"), ("evicted tokens", "right"),
-        ("requests", "right"),
+    table = Table(
+        title=f"{scenario.name}: {scenario.summary}", box=box.SIMPLE_HEAD, padding=(0, 0, 0, 1)
+    )
+    # Policy labels are what a reader scans for: never cut them. Two-line headers and no right
+    # padding keep the table within about 105 columns.
+    table.add_column("policy", no_wrap=True)
+    for name in (
+        "replicas", "token\nhit", "request\nhit", "prefill\nGPU-s/1k", "TTFT\np50", "TTFT\np95",
+        "max/mean\nload", "evicted\ntokens", "requests",
     ):
-        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+        table.add_column(name, justify="right", no_wrap=True)
     for row in rows:
         s = row.summary
         table.add_row(
             s.policy, str(s.replicas), f"{s.token_hit_rate:.1%}", f"{s.request_hit_rate:.1%}",
-            f"{s.prefill_gpu_s_per_1k:.1f}", f"{s.ttft_p50_s:.3f} s", f"{s.ttft_p95_s:.3f} s",
+            f"{s.prefill_gpu_s_per_1k:.1f}", f"{s.ttft_p50_s:.3f}s", f"{s.ttft_p95_s:.3f}s",
             f"{s.max_over_mean_load:.2f}", f"{s.evicted_tokens:,}", f"{s.requests:,}",
         )
     console.print(table)
@@ -269,6 +292,6 @@ def _print_table(
         mark = "[green]in range[/green]" if verdict.ok else "[red]OUT OF RANGE[/red]"
         console.print(
             f"{mark} {exp.policy} x{exp.replicas}{' ' + exp.variant if exp.variant else ''} "
-            f"{exp.metric} = {verdict.value:.3g} (seed range {exp.low:g}-{exp.high:g}; "
+            f"{exp.metric} = {_figure(verdict.value)} (seed range {exp.low:g}-{exp.high:g}; "
             f"{exp.source})"
         )

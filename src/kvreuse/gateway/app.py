@@ -6,8 +6,8 @@ except ``cache_salt``), ``GET /v1/models`` (union of the healthy upstreams' mode
 the reason), ``/metrics`` (Prometheus).
 
 Background: a health probe per upstream every ``health_interval_s``, a scrape of each
-upstream's ``/metrics`` every ``metrics_interval_s``, and one KV-event subscriber per upstream
-that has an events endpoint.
+upstream's ``/metrics`` every ``metrics_interval_s`` (0 turns scraping off), and one KV-event
+subscriber per upstream that has an events endpoint.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from kvreuse.errors import InputFormatError
+from kvreuse.errors import ConfigError, InputFormatError, KvreuseError
 from kvreuse.gateway.config import GatewayConfig
 from kvreuse.gateway.metrics import GatewayMetrics, GatewayState, TokenTally
 from kvreuse.gateway.prompts import PromptTokenizer, load_prompt_tokenizer
@@ -75,6 +75,15 @@ class Gateway:
             UpstreamState(u, eject_after=config.eject_after, readmit_after=config.readmit_after)
             for u in config.upstreams
         ]
+        if self.tenants is not None:
+            known = {u.name for u in self.upstreams}
+            for tenant, allowed in self.tenants.upstreams.items():
+                unknown = sorted(set(allowed) - known)
+                if unknown:
+                    raise ConfigError(
+                        f"tenants.{tenant}.upstreams names {', '.join(unknown)}, which are "
+                        f"not upstreams; known: {', '.join(sorted(known))}"
+                    )
         self.router = Router(self.policy, self.upstreams, self.tokenizer)
         self.tallies: dict[str, TokenTally] = {}
         self.state = GatewayState(self.upstreams, self.tallies, self.router.streams,
@@ -118,7 +127,8 @@ class Gateway:
                 self.subscribers.append(subscriber)
                 self._tasks.append(loop.create_task(subscriber.run()))
             self._tasks.append(loop.create_task(self._probe_loop(upstream)))
-            self._tasks.append(loop.create_task(self._scrape_loop(upstream)))
+            if config.metrics_interval_s > 0:
+                self._tasks.append(loop.create_task(self._scrape_loop(upstream)))
         try:
             yield
         finally:
@@ -190,9 +200,13 @@ class Gateway:
         assert self._client is not None
         client = self._client
 
+        headers = {} if self.forwarder is None else {
+            k: v for k, v in self.forwarder.headers.items() if k == "authorization"}
+
         async def fetch(upstream: UpstreamState) -> list[dict[str, Any]]:
             try:
-                response = await client.get(upstream.config.url.rstrip("/") + "/v1/models")
+                response = await client.get(upstream.config.url.rstrip("/") + "/v1/models",
+                                            headers=headers)
                 data = response.json().get("data", []) if response.status_code == 200 else []
             except (httpx.HTTPError, ValueError, AttributeError):
                 return []
@@ -259,6 +273,9 @@ class Gateway:
             error = RequestError(str(exc), exc.where or "body")
             self.metrics.rejected.labels("400").inc()
             return JSONResponse(error.body(), status_code=400)
+        except KvreuseError as exc:  # e.g. a chat request and a tokenizer without a template
+            self.metrics.rejected.labels("400").inc()
+            return JSONResponse(RequestError(str(exc), None).body(), status_code=400)
         if plan is None:
             self.metrics.rejected.labels("503").inc()
             return JSONResponse(

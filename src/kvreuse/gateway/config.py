@@ -98,8 +98,10 @@ class GatewayConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.retries < 0:
             raise ConfigError(f"retries must be >= 0, got {self.retries}")
-        for name in ("health_interval_s", "metrics_interval_s", "connect_timeout_s",
-                     "read_timeout_s"):
+        if self.metrics_interval_s < 0:
+            raise ConfigError(f"metrics_interval_s must be >= 0 (0: no scraping), got "
+                              f"{self.metrics_interval_s}")
+        for name in ("health_interval_s", "connect_timeout_s", "read_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
 

@@ -4,6 +4,10 @@ Counters and the decision-latency histogram are updated as requests pass; per-up
 (health, load, index sizes, event-stream counters, hit rates) are read at scrape time from the
 gateway's state by :class:`_StateCollector`.
 
+Predicted vs realized cached tokens: ``predicted_cached_tokens`` and
+``realized_cached_tokens`` count the same requests (those whose response carried usage); without
+usage, the realized side is ``engine_cached_tokens`` (deltas of the engine's counters).
+
 Token hit rate per upstream, two ways: ``kvreuse_gateway_token_hit_rate`` from the engines'
 ``usage.prompt_tokens_details.cached_tokens`` over ``usage.prompt_tokens`` of the requests this
 gateway saw; ``kvreuse_gateway_engine_token_hit_rate`` from deltas of the engine's own
@@ -78,6 +82,12 @@ class _StateCollector:
         rate = gauge("kvreuse_gateway_token_hit_rate", "cached / prompt tokens from usage")
         engine_rate = gauge("kvreuse_gateway_engine_token_hit_rate",
                             "hits / queries from the engine's /metrics deltas")
+        engine_cached = gauge("kvreuse_gateway_engine_cached_tokens",
+                              "vllm:prefix_cache_hits_total since the gateway's first scrape")
+        engine_prompt = gauge("kvreuse_gateway_engine_prompt_tokens",
+                              "vllm:prefix_cache_queries_total since the gateway's first scrape")
+        kv_usage = gauge("kvreuse_gateway_upstream_kv_usage",
+                         "the engine's vllm:kv_cache_usage_perc at the last scrape")
         predicted = CounterMetricFamily("kvreuse_gateway_predicted_cached_tokens",
                                         "cached tokens the gateway predicted", labels=up)
         realized = CounterMetricFamily("kvreuse_gateway_realized_cached_tokens",
@@ -101,8 +111,14 @@ class _StateCollector:
             engine = upstream.engine_hit_rate()
             if engine is not None:
                 engine_rate.add_metric(name, engine)
+            deltas = upstream.engine_deltas()
+            if deltas is not None:
+                engine_prompt.add_metric(name, deltas[0])
+                engine_cached.add_metric(name, deltas[1])
+            if upstream.engine.kv_usage is not None:
+                kv_usage.add_metric(name, upstream.engine.kv_usage)
         yield from (healthy, in_flight, queued, blocks, tokens, rate, engine_rate, predicted,
-                    realized, prompt)
+                    realized, prompt, engine_cached, engine_prompt, kv_usage)
         yield from self._events(state)
 
     @staticmethod
@@ -126,8 +142,8 @@ class _StateCollector:
                 ("other_medium", stats.ignored_events),
             ):
                 dropped.add_metric([name, reason], value)
-            gaps.add_metric([name, "replayed"], stats.gaps - stats.cold_resets)
-            gaps.add_metric([name, "cold"], stats.cold_resets)
+            gaps.add_metric([name, "replayed"], stats.repaired_gaps)
+            gaps.add_metric([name, "cold"], stats.gaps - stats.repaired_gaps)
         yield from (received, dropped, gaps)
 
 

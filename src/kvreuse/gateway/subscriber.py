@@ -39,6 +39,7 @@ class StreamStats:
     malformed_batches: int = 0
     duplicates: int = 0
     gaps: int = 0
+    repaired_gaps: int = 0
     replayed_batches: int = 0
     lost_batches: int = 0
     cold_resets: int = 0
@@ -174,7 +175,9 @@ class EventSubscriber:
             self._cold(f"{self.replica}: publisher restarted (sequence back to 0)")
         if verdict.missing_from is not None:
             self.stats.gaps += 1
-            if not await self._replay(verdict.missing_from, batch.seq):
+            if await self._replay(verdict.missing_from, batch.seq):
+                self.stats.repaired_gaps += 1
+            else:
                 self.stats.lost_batches += batch.seq - verdict.missing_from
                 self._cold(
                     f"{self.replica}: batches {verdict.missing_from}..{batch.seq - 1} lost "
@@ -190,7 +193,11 @@ class EventSubscriber:
             for problem in batch.malformed:
                 self.stats.note(f"{self.replica}: {problem}")
         self.tracker.advance(batch.seq)
-        self._on_batch(batch)
+        try:
+            self._on_batch(batch)
+        except Exception as exc:  # a consumer bug must not stop the stream; it is reported
+            log.exception("%s: applying batch %d failed", self.replica, batch.seq)
+            self.stats.note(f"{self.replica}: applying batch {batch.seq} failed: {exc!r}")
 
     def _cold(self, reason: str) -> None:
         self.stats.cold_resets += 1

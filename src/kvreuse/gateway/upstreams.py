@@ -155,6 +155,17 @@ class UpstreamState:
         if self.engine_baseline is None:
             self.engine_baseline = self.engine
 
+    def engine_deltas(self) -> tuple[float, float] | None:
+        """``(queried, cached)`` prompt tokens by the engine's counters since the first scrape:
+        the realized side when responses carry no usage."""
+        base, now = self.engine_baseline, self.engine
+        if base is None or None in (now.queries_total, base.queries_total, now.hits_total,
+                                    base.hits_total):
+            return None
+        assert now.queries_total is not None and base.queries_total is not None
+        assert now.hits_total is not None and base.hits_total is not None
+        return now.queries_total - base.queries_total, now.hits_total - base.hits_total
+
     def engine_hit_rate(self) -> float | None:
         """Token hit rate from the engine's own counters since the first scrape."""
         base, now = self.engine_baseline, self.engine

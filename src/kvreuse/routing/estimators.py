@@ -2,36 +2,65 @@
 
 Two sources, in seed 000's order of accuracy and cost:
 
-* :class:`ApproxTrees` — SGLang router's approach: one radix tree per replica of the prompts the
-  router *sent* there. It never hears what the engine evicted, so it over-predicts; it is trimmed
-  by LRU to ``max_tree_tokens`` every ``eviction_interval_s`` (SGLang: 120 s, 2**26), and our
-  variant may also cap each tree at the replica's cache size (``capacity_tokens``) so the guess
-  forgets roughly as fast as the engine does.
+* :class:`ApproxTrees` — SGLang router's approach: a radix tree of the prompts the router *sent*
+  to each replica. It never hears what the engine evicted, so it over-predicts; each replica's
+  part is trimmed by LRU to ``max_tree_tokens`` every ``eviction_interval_s`` (SGLang: 120 s,
+  2**26), and our variant may also cap it at the replica's cache size (``capacity_tokens``) so
+  the guess forgets roughly as fast as the engine does.
 * :class:`~kvreuse.routing.mirror.CacheMirror` — Dynamo-style: built only from the KV events
   replicas publish (:mod:`kvreuse.routing.events`), so it tracks real contents up to the event
-  lag; one shared radix tree with a replica bit mask per edge, matches rounded down to blocks.
+  lag; matches rounded down to blocks.
+
+Both keep one shared tree whose edges carry a bit mask of the replicas holding them (as
+sgl-router's tree keeps per-tenant timestamps), so a prediction is one walk for the whole fleet.
+Both answer ``predict(request, replica_ids, now) -> dict[replica, cached tokens]``.
 
 :func:`block_chain` (chained 64-bit block hashes) is kept for callers that key blocks by hash.
-
-Both answer ``predict(request, replica_ids) -> dict[replica, cached tokens]``.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable
 
 import xxhash
 
 from kvreuse.errors import ConfigError
 from kvreuse.identity import CacheIdentity
-from kvreuse.index import RadixIndex
 from kvreuse.routing.base import ReplicaId, RequestView
 from kvreuse.routing.ring import identity_seed, stable_hash
-from kvreuse.tokens import TOKEN_BYTES, TokenBuffer
+from kvreuse.tokens import TOKEN_BYTES, TokenBuffer, common_prefix_tokens
+
+
+class _Node:
+    """An edge of the shared tree: tokens, the replicas holding them, each one's last use, and
+    how many children each replica holds (a replica's leaf is a node with none)."""
+
+    __slots__ = ("below", "children", "holders", "key", "node_id", "parent", "stamp")
+
+    def __init__(self, key: bytes, parent: _Node | None, node_id: int) -> None:
+        self.key = key
+        self.parent = parent
+        self.node_id = node_id
+        self.children: dict[bytes, _Node] = {}
+        self.holders = 0
+        self.stamp: dict[int, float] = {}  # replica bit -> last access
+        self.below: dict[int, int] = {}  # replica bit -> children holding it
+
+
+_Entry = tuple[float, int, _Node]
 
 
 class ApproxTrees:
-    """Per-replica radix trees of what the router sent (SGLang's approximate tree)."""
+    """Per-replica trees of what the router sent (SGLang's approximate tree), stored as one.
+
+    Semantics per replica are those of a separate LRU radix tree: :meth:`record` inserts the
+    prompt and touches its path; :meth:`predict` returns the longest prefix each replica's tree
+    holds and touches the matched part; eviction removes that replica's least recently used
+    leaves, whole, until it is under its cap. A prompt longer than ``capacity_tokens`` is kept
+    whole until newer prompts push it out. Costs: a prediction or a record is O(n) bytes
+    compared plus O(depth × replicas) bit and stamp updates; an evicted leaf O(log h).
+    """
 
     def __init__(
         self,
@@ -44,51 +73,256 @@ class ApproxTrees:
             raise ConfigError(f"eviction_interval_s must be > 0, got {eviction_interval_s}")
         if max_tree_tokens < 0:
             raise ConfigError(f"max_tree_tokens must be >= 0, got {max_tree_tokens}")
+        if capacity_tokens is not None and capacity_tokens < 0:
+            raise ConfigError(f"capacity_tokens must be >= 0 or None, got {capacity_tokens}")
         self.eviction_interval_s = eviction_interval_s
         self.max_tree_tokens = max_tree_tokens
         self.capacity_tokens = capacity_tokens
-        self._trees: dict[ReplicaId, RadixIndex] = {}
         self._next_eviction: float | None = None
+        self._roots: dict[CacheIdentity, _Node] = {}
+        # Hashing a CacheIdentity costs ~0.5 µs; requests of one tenant share one instance.
+        self._last: tuple[CacheIdentity | None, _Node | None] = (None, None)
+        self._bits: dict[ReplicaId, int] = {}
+        self._tokens: dict[int, int] = {}
+        self._heaps: dict[int, list[_Entry]] = {}
+        self._next_id = 0
+        self._num_nodes = 0
 
-    def tree(self, replica: ReplicaId) -> RadixIndex:
-        tree = self._trees.get(replica)
-        if tree is None:
-            tree = RadixIndex(capacity_tokens=self.capacity_tokens)
-            self._trees[replica] = tree
-        return tree
+    # ------------------------------------------------------------------ queries
 
     def tree_tokens(self, replica: ReplicaId) -> int:
-        tree = self._trees.get(replica)
-        return 0 if tree is None else tree.total_tokens
+        """Tokens the router believes ``replica`` holds. O(1)."""
+        bit = self._bits.get(replica)
+        return 0 if bit is None else self._tokens[bit]
 
     def predict(
         self, request: RequestView, replicas: Iterable[ReplicaId], now: float
     ) -> dict[ReplicaId, int]:
-        """Longest match of the prompt in each replica's tree. O(r·n) bytes compared."""
+        """Longest match of the prompt in each replica's tree, touching what matched. One walk:
+        O(n) bytes compared plus O(depth × replicas)."""
         self._maybe_evict(now)
-        out: dict[ReplicaId, int] = {}
-        for rid in replicas:
-            tree = self._trees.get(rid)
-            if tree is None:
-                out[rid] = 0
-            else:
-                out[rid] = tree.match(request.tokens, request.identity, now).length
+        ids = list(replicas)
+        out = dict.fromkeys(ids, 0)
+        root = self._root(request.identity, create=False)
+        if root is None:
+            return out
+        alive = 0
+        for rid in ids:
+            alive |= self._bit(rid)
+        ended: dict[int, int] = {}  # bit -> bytes matched
+        buf = request.tokens
+        end = len(buf) - len(buf) % TOKEN_BYTES
+        pos = 0
+        node = root
+        while alive and pos < end:
+            child = node.children.get(buf[pos : pos + TOKEN_BYTES])
+            if child is None:
+                break
+            held = alive & child.holders
+            dropped = alive ^ held
+            while dropped:
+                low = dropped & -dropped
+                ended[low] = pos
+                dropped ^= low
+            alive = held
+            if not alive:
+                break
+            key = child.key
+            whole = buf[pos : pos + len(key)] == key
+            if not whole:  # the match ends inside this edge: split so the touch is exact
+                common = common_prefix_tokens(key, buf[pos : pos + len(key)]) * TOKEN_BYTES
+                child = self._split(child, common)
+            stamp = child.stamp
+            bits = alive
+            while bits:
+                low = bits & -bits
+                stamp[low] = now
+                bits ^= low
+            pos += len(child.key)
+            node = child
+            if not whole:
+                break
+        while alive:
+            low = alive & -alive
+            ended[low] = pos
+            alive ^= low
+        for rid in ids:
+            out[rid] = ended.get(self._bits[rid], 0) // TOKEN_BYTES
         return out
 
+    # ------------------------------------------------------------------ updates
+
     def record(self, request: RequestView, replica: ReplicaId, now: float) -> None:
-        """The router sent ``request`` to ``replica``: remember its prompt there."""
-        self.tree(replica).insert(request.tokens, request.identity, now)
+        """The router sent ``request`` to ``replica``: remember its prompt there, then evict
+        that replica's LRU leaves past ``capacity_tokens``. O(n) plus O(log h) per eviction."""
+        bit = self._bit(replica)
+        root = self._root(request.identity, create=True)
+        assert root is not None
+        buf = request.tokens
+        end = len(buf) - len(buf) % TOKEN_BYTES
+        node, pos = root, 0
+        while pos < end:
+            first = buf[pos : pos + TOKEN_BYTES]
+            child = node.children.get(first)
+            if child is None:
+                child = node.children[first] = _Node(buf[pos:end], node, self._new_id())
+                self._num_nodes += 1
+            elif buf[pos : pos + len(child.key)] != child.key:
+                key = child.key
+                common = common_prefix_tokens(key, buf[pos : pos + len(key)]) * TOKEN_BYTES
+                child = self._split(child, common)
+            if not child.holders & bit:
+                child.holders |= bit
+                self._tokens[bit] += len(child.key) // TOKEN_BYTES
+                node.below[bit] = node.below.get(bit, 0) + 1
+            child.stamp[bit] = now
+            node = child
+            pos += len(child.key)
+        if node is root:
+            return
+        if not node.below.get(bit):
+            self._push(bit, node)
+        cap = self.capacity_tokens
+        if cap is not None and self._tokens[bit] > cap:
+            self._evict(bit, self._tokens[bit] - cap, keep=node)
 
     def _maybe_evict(self, now: float) -> None:
         if self._next_eviction is None:
             self._next_eviction = now + self.eviction_interval_s
         if now < self._next_eviction:
             return
-        for tree in self._trees.values():
-            overflow = tree.total_tokens - self.max_tree_tokens
-            if overflow > 0:
-                tree.evict(overflow)
+        for bit, tokens in self._tokens.items():
+            if tokens > self.max_tree_tokens:
+                self._evict(bit, tokens - self.max_tree_tokens, keep=None)
         self._next_eviction = now + self.eviction_interval_s
+
+    def _evict(self, bit: int, wanted: int, keep: _Node | None) -> int:
+        """Remove ``bit``'s least recently used leaves (never ``keep``) until ``wanted`` tokens
+        are gone or none is left; returns tokens removed."""
+        heap = self._heaps[bit]
+        freed = 0
+        parked: _Entry | None = None
+        while freed < wanted and heap:
+            entry = heapq.heappop(heap)
+            stamp, node_id, node = entry
+            if node.parent is None or not node.holders & bit or node.below.get(bit):
+                continue  # removed, no longer held, or no longer a leaf of this replica
+            current = node.stamp[bit]
+            if current != stamp:
+                heapq.heappush(heap, (current, node_id, node))
+                continue
+            if node is keep:
+                parked = entry
+                continue
+            freed += self._drop(bit, node)
+        if parked is not None:
+            heapq.heappush(heap, parked)
+        return freed
+
+    def _drop(self, bit: int, node: _Node) -> int:
+        """``node`` stops being held by ``bit``; unlinked once nobody holds it."""
+        parent = node.parent
+        assert parent is not None, "evicting a root"
+        node.holders &= ~bit
+        del node.stamp[bit]
+        tokens = len(node.key) // TOKEN_BYTES
+        self._tokens[bit] -= tokens
+        left = parent.below[bit] - 1
+        if left:
+            parent.below[bit] = left
+        else:
+            del parent.below[bit]
+            if parent.parent is not None:
+                self._push(bit, parent)  # the parent is now one of this replica's leaves
+        if not node.holders and not node.children:
+            del parent.children[node.key[:TOKEN_BYTES]]
+            node.parent = None
+            self._num_nodes -= 1
+        return tokens
+
+    # ------------------------------------------------------------------ structure
+
+    def _root(self, identity: CacheIdentity, *, create: bool) -> _Node | None:
+        last, root = self._last
+        if identity is last:
+            return root
+        root = self._roots.get(identity)
+        if root is None:
+            if not create:
+                return None
+            root = self._roots[identity] = _Node(b"", None, self._new_id())
+        self._last = (identity, root)
+        return root
+
+    def _bit(self, replica: ReplicaId) -> int:
+        bit = self._bits.get(replica)
+        if bit is None:
+            bit = self._bits[replica] = 1 << len(self._bits)
+            self._tokens[bit] = 0
+            self._heaps[bit] = []
+        return bit
+
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    def _split(self, child: _Node, at: int) -> _Node:
+        """Cut ``child``'s edge ``at`` bytes in; returns the new upper node. O(edge)."""
+        parent = child.parent
+        assert parent is not None and 0 < at < len(child.key), "split outside the edge"
+        upper = _Node(child.key[:at], parent, self._new_id())
+        upper.holders = child.holders
+        upper.stamp = dict(child.stamp)
+        upper.below = dict.fromkeys(child.stamp, 1)
+        child.key = child.key[at:]
+        child.parent = upper
+        upper.children[child.key[:TOKEN_BYTES]] = child
+        parent.children[upper.key[:TOKEN_BYTES]] = upper
+        self._num_nodes += 1
+        return upper
+
+    def _push(self, bit: int, node: _Node) -> None:
+        heap = self._heaps[bit]
+        heapq.heappush(heap, (node.stamp[bit], node.node_id, node))
+        if len(heap) > 4 * self._num_nodes + 64:
+            # Drop stale entries so the lazy heap stays O(nodes).
+            fresh = {
+                n.node_id: (n.stamp[bit], n.node_id, n)
+                for _, _, n in heap
+                if n.parent is not None and n.holders & bit and not n.below.get(bit)
+            }
+            heap[:] = fresh.values()
+            heapq.heapify(heap)
+
+    def check_invariants(self) -> None:
+        """O(tree + heaps) self-check: links, per-replica counts, every leaf in its heap."""
+        tokens = dict.fromkeys(self._tokens, 0)
+        queued = {bit: {n.node_id for _, _, n in heap} for bit, heap in self._heaps.items()}
+        for root in self._roots.values():
+            stack = [root]
+            while stack:
+                node = stack.pop()
+                below: dict[int, int] = {}
+                for first, child in node.children.items():
+                    assert child.parent is node and child.key[:TOKEN_BYTES] == first, "bad link"
+                    assert child.holders & ~node.holders == 0 or node.parent is None, (
+                        "a replica holds an edge without its parent"
+                    )
+                    for bit in tokens:
+                        if child.holders & bit:
+                            below[bit] = below.get(bit, 0) + 1
+                    stack.append(child)
+                assert below == node.below, f"child counts {node.below} != {below}"
+                if node.parent is None:
+                    continue
+                assert node.holders, "an edge nobody holds was kept"
+                for bit in tokens:
+                    if node.holders & bit:
+                        tokens[bit] += len(node.key) // TOKEN_BYTES
+                        assert bit in node.stamp, "held edge without a stamp"
+                        if not below.get(bit):
+                            assert node.node_id in queued[bit], "a leaf missing from its heap"
+        assert tokens == self._tokens, f"tokens {self._tokens} != {tokens}"
 
 
 def block_chain(tokens: TokenBuffer, identity: CacheIdentity, block_size: int) -> list[int]:

@@ -255,8 +255,8 @@ class CacheMirror:
         if upper.parent is None or len(upper.children) != 1:
             return
         (lower,) = upper.children.values()
-        if lower.holders != upper.holders:
-            return
+        if lower.holders != upper.holders or not upper.holders:
+            return  # a hole (held by nobody) is left alone: pruning may still remove it
         upper.key += lower.key
         upper.children = lower.children
         for child in upper.children.values():

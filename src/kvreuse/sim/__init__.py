@@ -1,13 +1,15 @@
-"""Fleet simulator: discrete events, replicas with real radix caches, any routing policy."""
+"""Fleet simulator: discrete events, replicas with real radix (or vLLM block) caches, any
+routing policy."""
 
 from kvreuse.sim.engine import Arrival, Engine, Finish, KvDelivery, LoadSnapshot, PrefillDone
 from kvreuse.sim.fleet import FleetConfig, FleetRun, FleetSimulator
-from kvreuse.sim.replica import SCHEDULERS, Replica, ReplicaConfig
+from kvreuse.sim.replica import CACHE_KINDS, SCHEDULERS, Replica, ReplicaConfig
 from kvreuse.sim.requests import RequestRecord, SimRequest
 from kvreuse.sim.summary import RunSummary, percentile, summarize
 from kvreuse.sim.workloads import ChatWorkload, DocumentWorkload, RateStep, Tenant, TokenSpace
 
 __all__ = [
+    "CACHE_KINDS",
     "SCHEDULERS",
     "Arrival",
     "ChatWorkload",

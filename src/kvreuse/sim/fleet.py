@@ -84,16 +84,11 @@ class FleetSimulator:
             sink = policy.on_kv_event if lag == 0 else self._publish
         self._board = LoadBoard()
         self.replicas = [
-            Replica(
-                i, config.replica, self.engine, self._first_token, self._finished, sink,
-                self._board,
-            )
+            Replica(i, config.replica, self.engine, None, self._finished, sink, self._board)
             for i in range(config.replicas)
         ]
         self._by_id = {r.replica_id: r for r in self.replicas}
-        self._views: dict[int, RequestView] = {}
         self._decisions: dict[int, tuple[str, int]] = {}
-        self._ttft: dict[int, float] = {}
         self._records: list[RequestRecord] = []
         self._snapshot: FleetView | None = None
 
@@ -168,8 +163,9 @@ class FleetSimulator:
         replica = self._by_id.get(decision.replica)
         assert replica is not None, f"policy chose unknown replica {decision.replica!r}"
         self.policy.on_routed(view, decision, now)
-        self._views[request.request_id] = view
-        replica.enqueue(Job(request, decision.branch, decision.predicted_cached_tokens), now)
+        job = Job(request, decision.branch, decision.predicted_cached_tokens)
+        job.view = view
+        replica.enqueue(job, now)
 
     def _on_prefill_done(self, event: PrefillDone) -> None:
         self.replicas[event.replica].prefill_done(event.job, self.engine.now)
@@ -198,12 +194,10 @@ class FleetSimulator:
         assert lag is not None
         self.engine.schedule(self.engine.now + lag, KvDelivery(event))
 
-    def _first_token(self, job: Job, replica: int, now: float) -> None:
-        self._ttft[job.request.request_id] = now - job.request.arrival_s
-
     def _finished(self, job: Job, replica: int, now: float) -> None:
         request = job.request
-        view = self._views.pop(request.request_id)
+        view = job.view
+        assert view is not None, "a job finished without its request view"
         self.policy.on_finished(view, self.replicas[replica].replica_id, now)
         self._records.append(
             RequestRecord(
@@ -212,7 +206,7 @@ class FleetSimulator:
                 request.arrival_s,
                 request.prompt_len,
                 job.cached,
-                self._ttft.pop(request.request_id),
+                job.prefill_end - request.arrival_s,
                 now - request.arrival_s,
                 job.branch,
                 job.predicted,

@@ -35,19 +35,25 @@ from dataclasses import dataclass
 
 from kvreuse.errors import ConfigError
 from kvreuse.routing.base import ReplicaLoad
+from kvreuse.sim.block_memory import BlockMemory
 from kvreuse.sim.engine import Engine, Finish, PrefillDone
-from kvreuse.sim.memory import CACHE_KINDS, Job, KvSink, ReplicaMemory
+from kvreuse.sim.memory import Job, KvSink, RadixMemory, ReplicaMemory
 
 SCHEDULERS = ("fcfs", "lpm")
 
-__all__ = ["SCHEDULERS", "Job", "LoadBoard", "Replica", "ReplicaConfig"]
+MemoryFactory = Callable[[str, "ReplicaConfig", KvSink | None], ReplicaMemory]
+
+CACHE_KINDS: dict[str, MemoryFactory] = {"radix": RadixMemory, "block": BlockMemory}
+"""Replica memory models by name (``--cache-kind``); see :mod:`kvreuse.sim.memory`."""
+
+__all__ = ["CACHE_KINDS", "SCHEDULERS", "Job", "LoadBoard", "Replica", "ReplicaConfig"]
 
 
 @dataclass(frozen=True, slots=True)
 class ReplicaConfig:
     """A replica's constants. Defaults are seed 001's illustrative numbers.
 
-    ``cache_kind`` names a memory model in :data:`kvreuse.sim.memory.CACHE_KINDS`; ``page_size``
+    ``cache_kind`` names a memory model in :data:`CACHE_KINDS`; ``page_size``
     and ``eviction`` configure the radix tree, ``block_size`` the block pool (vLLM's 16)."""
 
     pool_tokens: int = 8192
@@ -123,7 +129,7 @@ class Replica:
         index: int,
         config: ReplicaConfig,
         engine: Engine,
-        on_first_token: Callable[[Job, int, float], None],
+        on_first_token: Callable[[Job, int, float], None] | None,
         on_finish: Callable[[Job, int, float], None],
         kv_sink: KvSink | None = None,
         board: LoadBoard | None = None,
@@ -232,7 +238,8 @@ class Replica:
         job.estimate = 0
         job.prefill_end = now
         self.busy = None
-        self._on_first_token(job, self.index, now)
+        if self._on_first_token is not None:
+            self._on_first_token(job, self.index, now)
         decode_s = request.output_len * self._tpot
         if decode_s > 0:
             self.memory.prefilled(job, now)

@@ -1,0 +1,375 @@
+"""kvreuse's gateway side by side with sglang-router, vllm-router and smg (docs/performance.md).
+
+Same fleet, same traffic, one router at a time:
+
+* fleet: ``--replicas`` ``kvreuse engine`` processes with a fixed cache (``--cache-tokens``), each
+  publishing KV events; their caches are reset between runs;
+* traffic (open loop, seeded): ``belgavi`` multi-turn chats over six shared system prompts,
+  ``contracts`` questions over a document library with a hot set, ``surge`` two tenants' chats
+  with one tenant tripling its rate mid-run;
+* routers: ``direct`` (the client spreads requests round robin, no router), the peers
+  (``sglang-router``, ``vllm-router`` cache_aware, ``vllm-router-kv`` kv_aware on KV events,
+  ``smg``; from ``make peers``) and ``kvreuse route`` with each policy (``kvreuse:NAME``);
+* figures: fleet token hit rate from the engines' own counters (after warm-up), client-side
+  p50/p95 TTFT, max/mean prompt tokens per engine (load spread), requests lost.
+
+Then two gateway-cost sections: added latency of ``kvreuse route`` against direct at
+``--overhead-rate`` req/s (small prompts), and the request rate one gateway process proxies
+(closed loop, tiny requests, zero-cost engines), with the gateway's CPU use.
+
+Everything binds 127.0.0.1 and every process started is stopped at the end. Runtime is about
+``(warmup + duration + 6 s) × scenarios × routers`` plus ~30 s; ``--quick`` is a smoke run.
+
+    .venv/bin/python benchmarks/routers.py --quick
+    .venv/bin/python benchmarks/routers.py --duration 30 --json artifacts/bench/routers.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+from kvreuse.routing import DESCRIPTIONS
+from kvreuse.sim.workloads import ChatWorkload, DocumentWorkload, RateStep, Tenant
+from kvreuse.testing.loadgen import (
+    Call,
+    EngineCounters,
+    LatencySummary,
+    fleet_hits,
+    run_calls,
+    scrape,
+)
+from kvreuse.testing.processes import EngineSpec, Fleet, Process, peers_available
+
+PEERS = ("sglang-router", "vllm-router", "vllm-router-kv", "smg")
+MODEL = "sim"
+
+
+# ---------------------------------------------------------------------------- traffic
+
+
+def scenario_calls(name: str, *, rate: float, warmup_s: float, duration_s: float,
+                   seed: int, max_tokens: int) -> list[Call]:
+    from kvreuse.testing.loadgen import chat_calls, document_calls
+
+    if name == "belgavi":
+        chats = ChatWorkload(tenants=(Tenant("belgavi", rate),), duration_s=duration_s,
+                             warmup_s=warmup_s, system_prompts=6, system_tokens=1500,
+                             turns=(3, 3), user_tokens=(150, 150), answer_tokens=(250, 250),
+                             gap_s=(4.0, 6.0), model=MODEL)
+        return chat_calls(chats, seed, model=MODEL, max_tokens=max_tokens)
+    if name == "contracts":
+        docs = DocumentWorkload(rate_rps=rate, duration_s=duration_s, warmup_s=warmup_s,
+                                documents=200, document_tokens=2000, hot_docs=25,
+                                hot_fraction=0.8, question_tokens=(60, 100), model=MODEL)
+        return document_calls(docs, seed, model=MODEL, max_tokens=max_tokens)
+    if name == "surge":
+        start = warmup_s + duration_s / 3
+        chats = ChatWorkload(
+            tenants=(Tenant("acme", rate * 0.6), Tenant("globex", rate * 0.4)),
+            duration_s=duration_s, warmup_s=warmup_s, system_prompts=3, system_tokens=1500,
+            turns=(3, 3), user_tokens=(150, 150), answer_tokens=(250, 250), gap_s=(4.0, 6.0),
+            steps=(RateStep(start, start + duration_s / 3, 3.0, "acme"),), model=MODEL)
+        return chat_calls(chats, seed, model=MODEL, max_tokens=max_tokens)
+    raise SystemExit(f"unknown scenario {name!r}: choose belgavi, contracts, surge")
+
+
+# ---------------------------------------------------------------------------- one run
+
+
+@dataclass(frozen=True, slots=True)
+class RunRow:
+    scenario: str
+    router: str
+    hit_rate: float
+    p50_ms: float
+    p95_ms: float
+    max_over_mean: float
+    requests: int
+    lost: int
+    error: str = ""
+
+
+def reset_caches(engines: Sequence[Process]) -> None:
+    for engine in engines:
+        for _ in range(50):
+            if httpx.post(engine.url + "/reset_prefix_cache", timeout=5).status_code == 200:
+                break
+            time.sleep(0.1)  # requests of the previous run still draining
+
+
+def start_router(fleet: Fleet, router: str, engines: Sequence[Process]) -> Process | None:
+    if router == "direct":
+        return None
+    if router.startswith("kvreuse:"):
+        return fleet.start_gateway(router, engines, policy=router.split(":", 1)[1])
+    return fleet.start_peer(router, engines)
+
+
+def measure(fleet: Fleet, engines: Sequence[Process], router: str, scenario: str,
+            calls: Sequence[Call], warmup_s: float) -> RunRow:
+    reset_caches(engines)
+    try:
+        proc = start_router(fleet, router, engines)
+    except RuntimeError as exc:
+        return RunRow(scenario, router, float("nan"), float("nan"), float("nan"),
+                      float("nan"), 0, 0, str(exc).splitlines()[0])
+    urls = [e.url for e in engines]
+    if proc is None:
+        def pick(i: int, call: Call) -> str:
+            return urls[i % len(urls)]
+    else:
+        target = proc.url
+
+        def pick(i: int, call: Call) -> str:
+            return target
+    snapshots: dict[str, dict[str, EngineCounters]] = {"start": scrape(urls)}
+
+    def tick(elapsed: float) -> None:
+        if elapsed >= warmup_s and "warm" not in snapshots:
+            snapshots["warm"] = {}
+            task = asyncio.get_running_loop().run_in_executor(None, scrape, urls)
+            task.add_done_callback(lambda t: snapshots.__setitem__("warm", t.result()))
+
+    results = asyncio.run(run_calls(calls, pick, on_tick=tick))
+    after = scrape(urls)
+    hits = fleet_hits(snapshots.get("warm") or snapshots["start"], after)
+    latency = LatencySummary.of(results)
+    if proc is not None:
+        fleet.forget(proc)
+    return RunRow(scenario, router, hits.hit_rate, latency.p50_ms, latency.p95_ms,
+                  hits.max_over_mean_load, latency.count, latency.lost)
+
+
+# ---------------------------------------------------------------------------- gateway cost
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def small_calls(rate: float, duration_s: float, prompt_tokens: int) -> list[Call]:
+    """Unique short completions at a fixed rate (uniform spacing: latency, not queueing)."""
+    from kvreuse.testing.loadgen import tokens_text
+    from kvreuse.tokens import pack
+
+    calls = []
+    count = int(rate * duration_s)
+    for i in range(count):
+        prompt = tokens_text(pack(range(10_000 + i * prompt_tokens,
+                                        10_000 + (i + 1) * prompt_tokens)))
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "stream": True}
+        calls.append(Call(i / rate, "/v1/completions", json.dumps(body).encode(),
+                          measured=i >= rate))  # the first second warms connections
+    return calls
+
+
+def added_latency(fleet: Fleet, engines: Sequence[Process], policy: str, rate: float,
+                  duration_s: float) -> dict[str, float]:
+    urls = [e.url for e in engines]
+    calls = small_calls(rate, duration_s, 64)
+    direct = asyncio.run(run_calls(calls, lambda i, c: urls[i % len(urls)]))
+    gateway = fleet.start_gateway(f"kvreuse:{policy}:latency", engines, policy=policy)
+    calls = small_calls(rate, duration_s, 64)
+    via = asyncio.run(run_calls(calls, lambda i, c: gateway.url))
+    fleet.forget(gateway)
+    d, g = LatencySummary.of(direct), LatencySummary.of(via)
+    return {"rate": rate, "direct_p50_ms": d.p50_ms, "direct_p99_ms": d.p99_ms,
+            "gateway_p50_ms": g.p50_ms, "gateway_p99_ms": g.p99_ms,
+            "added_p50_ms": g.p50_ms - d.p50_ms, "added_p99_ms": g.p99_ms - d.p99_ms,
+            "lost": d.lost + g.lost}
+
+
+async def _closed_loop(url: str, duration_s: float, concurrency: int) -> tuple[int, int]:
+    body = json.dumps({"model": MODEL, "prompt": "ping" * 8, "max_tokens": 1}).encode()
+    done = errors = 0
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=30, limits=limits) as client:
+        deadline = time.perf_counter() + duration_s
+
+        async def worker() -> None:
+            nonlocal done, errors
+            while time.perf_counter() < deadline:
+                try:
+                    r = await client.post(url + "/v1/completions", content=body,
+                                          headers={"content-type": "application/json"})
+                    done += r.status_code == 200
+                    errors += r.status_code != 200
+                except httpx.HTTPError:
+                    errors += 1
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return done, errors
+
+
+def throughput(fleet: Fleet, engines: Sequence[Process], policy: str, duration_s: float,
+               concurrency: int) -> dict[str, float]:
+    gateway = fleet.start_gateway(f"kvreuse:{policy}:throughput", engines, policy=policy)
+    cpu0, t0 = cpu_seconds(gateway.pid), time.perf_counter()
+    done, errors = asyncio.run(_closed_loop(gateway.url, duration_s, concurrency))
+    wall = time.perf_counter() - t0
+    cpu = cpu_seconds(gateway.pid) - cpu0
+    fleet.forget(gateway)
+    return {"req_per_s": done / wall, "errors": errors, "gateway_cpu_share": cpu / wall,
+            "req_per_gateway_cpu_s": done / cpu if cpu else float("nan")}
+
+
+# ---------------------------------------------------------------------------- report
+
+
+def print_table(rows: Sequence[RunRow]) -> None:
+    print(f"{'scenario':10} {'router':26} {'hit rate':>8} {'p50 ms':>8} {'p95 ms':>8} "
+          f"{'max/mean':>8} {'reqs':>6} {'lost':>5}")
+    for row in rows:
+        print_table_row(row)
+
+
+def verdicts(rows: Sequence[RunRow], cost: dict[str, dict[str, float]]) -> list[str]:
+    out = []
+    for scenario in dict.fromkeys(r.scenario for r in rows):
+        mine = [r for r in rows if r.scenario == scenario and r.router.startswith("kvreuse:")
+                and not r.error]
+        peers = [r for r in rows if r.scenario == scenario and r.router in PEERS
+                 and not r.error]
+        if not mine or not peers:
+            out.append(f"[skip] {scenario}: need kvreuse and peer runs")
+            continue
+        best = max(mine, key=lambda r: r.hit_rate)
+        peer = max(peers, key=lambda r: r.hit_rate)
+        gain = (best.hit_rate - peer.hit_rate) * 100
+        ok = gain >= 10 and best.p95_ms <= peer.p95_ms
+        out.append(f"[{'PASS' if ok else 'FAIL'}] {scenario}: best kvreuse {best.router} "
+                   f"{best.hit_rate:.1%} vs best peer {peer.router} {peer.hit_rate:.1%} "
+                   f"({gain:+.1f} points, target >= +10); p95 {best.p95_ms:.0f} ms vs "
+                   f"{peer.p95_ms:.0f} ms (target <=)")
+    lat = cost.get("added_latency")
+    if lat:
+        ok = lat["added_p50_ms"] <= 1 and lat["added_p99_ms"] <= 3 and not lat["lost"]
+        out.append(f"[{'PASS' if ok else 'FAIL'}] added latency at {lat['rate']:.0f} req/s: "
+                   f"p50 {lat['added_p50_ms']:+.2f} ms (<= 1), p99 {lat['added_p99_ms']:+.2f} ms "
+                   f"(<= 3)")
+    thr = cost.get("throughput")
+    if thr:
+        ok = thr["req_per_s"] >= 1000
+        out.append(f"[{'PASS' if ok else 'FAIL'}] one gateway process proxied "
+                   f"{thr['req_per_s']:.0f} req/s (>= 1000) using {thr['gateway_cpu_share']:.2f} "
+                   f"CPU; {thr['req_per_gateway_cpu_s']:.0f} requests per gateway CPU-second")
+    return out
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument("--cache-tokens", type=int, default=32_768)
+    parser.add_argument("--prefill-tokens-per-s", type=float, default=20_000.0)
+    parser.add_argument("--rate", type=float, default=16.0, help="req/s of each scenario")
+    parser.add_argument("--warmup", type=float, default=10.0)
+    parser.add_argument("--duration", type=float, default=20.0, help="measured seconds per run")
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--scenarios", default="belgavi,contracts,surge")
+    parser.add_argument("--routers", default="all",
+                        help="comma list: direct, peers' names, kvreuse:POLICY; 'all'")
+    parser.add_argument("--overhead-rate", type=float, default=200.0)
+    parser.add_argument("--overhead-duration", type=float, default=10.0)
+    parser.add_argument("--overhead-policy", default="cache_aware")
+    parser.add_argument("--throughput-duration", type=float, default=8.0)
+    parser.add_argument("--throughput-concurrency", type=int, default=64)
+    parser.add_argument("--skip-cost", action="store_true", help="skip the gateway-cost runs")
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--quick", action="store_true", help="smoke run: short, few routers")
+    parser.add_argument("--json", type=Path, help="write every figure here")
+    parser.add_argument("--workdir", type=Path, help="process logs (default: a temp dir)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.warmup, args.duration = 4.0, 6.0
+        args.overhead_duration, args.throughput_duration = 3.0, 3.0
+        if args.routers == "all":
+            args.routers = "direct,sglang-router,kvreuse:round_robin,kvreuse:cache_aware"
+    return args
+
+
+def router_list(spec: str) -> list[str]:
+    if spec != "all":
+        return [name.strip() for name in spec.split(",") if name.strip()]
+    names = ["direct", *PEERS, *(f"kvreuse:{p}" for p in DESCRIPTIONS)]
+    if not peers_available():
+        print("peer routers not installed (run `make peers`): running kvreuse only",
+              file=sys.stderr)
+        names = [n for n in names if n not in PEERS]
+    return names
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    routers = router_list(args.routers)
+    scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+    estimate = (args.warmup + args.duration + 6) * len(routers) * len(scenarios)
+    print(f"# {len(routers)} routers x {len(scenarios)} scenarios, about {estimate / 60:.0f} min"
+          f" plus the gateway-cost runs", flush=True)
+    spec = EngineSpec(model=MODEL, cache_tokens=args.cache_tokens,
+                      prefill_tokens_per_s=args.prefill_tokens_per_s)
+    rows: list[RunRow] = []
+    cost: dict[str, dict[str, float]] = {}
+    with Fleet(args.workdir) as fleet:
+        print(f"# logs in {fleet.workdir}", flush=True)
+        engines = fleet.start_engines(args.replicas, spec)
+        for scenario in scenarios:
+            calls = scenario_calls(scenario, rate=args.rate, warmup_s=args.warmup,
+                                   duration_s=args.duration, seed=args.seed,
+                                   max_tokens=args.max_tokens)
+            for router in routers:
+                row = measure(fleet, engines, router, scenario, calls, args.warmup)
+                rows.append(row)
+                if len(rows) == 1:
+                    print_table([])
+                print_table_row(row)
+        for engine in engines:
+            fleet.forget(engine)
+        if not args.skip_cost:
+            # Cheap engines: the question is what the router adds, not the engines' queueing.
+            light = EngineSpec(model=MODEL, events=False, overhead_ms=2.0, tpot_ms=1.0)
+            engines = fleet.start_engines(args.replicas, light)
+            cost["added_latency"] = added_latency(fleet, engines, args.overhead_policy,
+                                                  args.overhead_rate, args.overhead_duration)
+            for engine in engines:
+                fleet.forget(engine)
+            fast = EngineSpec(model=MODEL, events=False, overhead_ms=0.0, tpot_ms=0.0,
+                              prefill_tokens_per_s=1e9)
+            engines = fleet.start_engines(args.replicas, fast)
+            cost["throughput"] = throughput(fleet, engines, args.overhead_policy,
+                                            args.throughput_duration,
+                                            args.throughput_concurrency)
+    print()
+    for line in verdicts(rows, cost):
+        print(line)
+    for name, figures in cost.items():
+        print(f"# {name}: " + ", ".join(f"{k}={v:.2f}" for k, v in figures.items()))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                         "runs": [asdict(r) for r in rows], "cost": cost},
+                                        indent=2))
+    return 0
+
+
+def print_table_row(row: RunRow) -> None:
+    note = f"  ({row.error})" if row.error else ""
+    print(f"{row.scenario:10} {row.router:26} {row.hit_rate:8.1%} {row.p50_ms:8.1f} "
+          f"{row.p95_ms:8.1f} {row.max_over_mean:8.2f} {row.requests:6d} {row.lost:5d}{note}",
+          flush=True)
+
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,294 @@
+"""An open-loop OpenAI client for the load benchmarks and multi-process tests.
+
+Traffic comes from :mod:`kvreuse.sim.workloads` (the simulator's seeded generators), turned into
+HTTP bodies every router understands: each token id becomes one 4-character ASCII word, so a
+``kvreuse engine`` without a tokenizer (one token per 4 bytes) sees exactly the generated token
+sequence, and text-based routers (sglang-router's character trees) see the same prefix structure.
+Chats are sent to ``/v1/chat/completions`` as system / user / assistant messages (each turn
+repeats the history), documents to ``/v1/completions``.
+
+Requests are fired at their arrival times whatever the server does (open loop, so a slow router
+is not rewarded with less traffic), streamed, and timed client-side: TTFT is the time to the
+first SSE ``data:`` chunk. Hit rates are read from the engines' own ``/metrics`` counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import httpx
+
+from kvreuse.gateway.upstreams import parse_prometheus
+from kvreuse.sim.requests import SimRequest
+from kvreuse.sim.workloads import ChatWorkload, DocumentWorkload
+from kvreuse.tokens import TOKEN_BYTES, unpack
+
+ALPHABET = "".join(chr(c) for c in range(33, 127) if chr(c) not in "\"\\<|>")
+"""Printable ASCII without JSON escapes or the approximate chat template's ``<|`` markers."""
+
+
+def token_word(token: int) -> str:
+    """Four ASCII characters naming ``token`` (ids beyond 89**4 wrap). O(1)."""
+    base = len(ALPHABET)
+    out = []
+    for _ in range(4):
+        token, digit = divmod(token, base)
+        out.append(ALPHABET[digit])
+    return "".join(out)
+
+
+def tokens_text(tokens: bytes) -> str:
+    """The text whose 4-byte approximation is exactly ``tokens``. O(n)."""
+    return "".join(token_word(t) for t in unpack(tokens))
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One request of a workload: when, where, what."""
+
+    at_s: float
+    path: str
+    body: bytes
+    tenant: str = ""
+    session: str = ""
+    measured: bool = True
+    prompt_tokens: int = 0
+
+
+def document_calls(workload: DocumentWorkload, seed: int, *, model: str,
+                   max_tokens: int) -> list[Call]:
+    """The contract library: each question is its document plus the question."""
+    calls = []
+    for request in workload.generate(seed):
+        body = {"model": model, "prompt": tokens_text(request.tokens), "max_tokens": max_tokens,
+                "stream": True, "temperature": 0}
+        calls.append(Call(request.arrival_s, "/v1/completions", json.dumps(body).encode(),
+                          request.tenant or "", request.session_id or "", request.measured,
+                          request.prompt_len))
+    return calls
+
+
+def _chat_messages(request: SimRequest, workload: ChatWorkload) -> list[dict[str, str]]:
+    """Cut a generated chat prompt back into its messages (fixed user/answer lengths)."""
+    system, user, answer = (workload.system_tokens, workload.user_tokens[0],
+                            workload.answer_tokens[0])
+    buf = request.tokens
+    words = [token_word(t) for t in unpack(buf)]
+    messages = [{"role": "system", "content": "".join(words[:system])}]
+    pos = system
+    while pos + user < len(words):
+        messages.append({"role": "user", "content": "".join(words[pos : pos + user])})
+        messages.append({"role": "assistant",
+                         "content": "".join(words[pos + user : pos + user + answer])})
+        pos += user + answer
+    messages.append({"role": "user", "content": "".join(words[pos:])})
+    assert pos + user == len(buf) // TOKEN_BYTES, "chat prompt is not system + turns + user"
+    return messages
+
+
+def chat_calls(workload: ChatWorkload, seed: int, *, model: str, max_tokens: int) -> list[Call]:
+    """Multi-turn chats: every turn resends the whole history as messages."""
+    if workload.user_tokens[0] != workload.user_tokens[1] or (
+            workload.answer_tokens[0] != workload.answer_tokens[1]):
+        raise ValueError("chat_calls needs fixed user_tokens and answer_tokens lengths")
+    calls = []
+    for request in workload.generate(seed):
+        body = {"model": model, "messages": _chat_messages(request, workload),
+                "max_tokens": max_tokens, "stream": True, "temperature": 0}
+        calls.append(Call(request.arrival_s, "/v1/chat/completions", json.dumps(body).encode(),
+                          request.tenant or "", request.session_id or "", request.measured,
+                          request.prompt_len))
+    return calls
+
+
+# ---------------------------------------------------------------------------- running
+
+
+@dataclass(slots=True)
+class Result:
+    """What the client saw of one call."""
+
+    call: Call
+    target: str
+    status: int = 0
+    ttft_s: float | None = None  # None: no first byte (the request was lost)
+    total_s: float = 0.0
+    error: str = ""
+    upstream: str = ""
+
+
+async def _one(client: httpx.AsyncClient, call: Call, target: str,
+               headers: Mapping[str, str]) -> Result:
+    result = Result(call, target)
+    started = time.perf_counter()
+    hdrs = {"content-type": "application/json", **headers}
+    if call.session:
+        hdrs["x-session-id"] = call.session
+    try:
+        async with client.stream("POST", target + call.path, content=call.body,
+                                 headers=hdrs) as response:
+            result.status = response.status_code
+            result.upstream = response.headers.get("x-kvreuse-upstream", "")
+            if response.status_code != 200:
+                result.error = (await response.aread())[:300].decode(errors="replace")
+            else:
+                async for chunk in response.aiter_raw():
+                    if chunk and result.ttft_s is None:
+                        result.ttft_s = time.perf_counter() - started
+                        if b'"error"' in chunk:
+                            result.error = chunk[:300].decode(errors="replace")
+    except httpx.HTTPError as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    result.total_s = time.perf_counter() - started
+    return result
+
+
+async def run_calls(
+    calls: Sequence[Call],
+    pick: Callable[[int, Call], str],
+    *,
+    headers: Callable[[Call], Mapping[str, str]] | None = None,
+    max_connections: int = 2048,
+    timeout_s: float = 120.0,
+    on_tick: Callable[[float], None] | None = None,
+) -> list[Result]:
+    """Fire every call at its ``at_s`` (seconds from now) at the URL ``pick(i, call)`` returns;
+    wait for all. ``on_tick(elapsed)`` runs about every 0.5 s (fault injection hooks in)."""
+    # httpcore scans every pooled connection for each request, so one big pool costs
+    # O(connections) per request; many small pools keep the client's own overhead flat.
+    per_pool = 32
+    limits = httpx.Limits(max_connections=per_pool, max_keepalive_connections=per_pool)
+    timeout = httpx.Timeout(timeout_s, connect=10.0)
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [await stack.enter_async_context(httpx.AsyncClient(timeout=timeout,
+                                                                     limits=limits))
+                   for _ in range(max(max_connections // per_pool, 1))]
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        tasks: list[asyncio.Task[Result]] = []
+        next_tick = 0.0
+        for i, call in enumerate(calls):
+            delay = start + call.at_s - loop.time()
+            while on_tick is not None and delay > 0 and next_tick <= call.at_s:
+                await asyncio.sleep(max(start + next_tick - loop.time(), 0))
+                on_tick(loop.time() - start)
+                next_tick += 0.5
+                delay = start + call.at_s - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            extra = headers(call) if headers is not None else {}
+            client = clients[i % len(clients)]
+            tasks.append(loop.create_task(_one(client, call, pick(i, call), extra)))
+        return list(await asyncio.gather(*tasks))
+
+
+# ---------------------------------------------------------------------------- measuring
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCounters:
+    """An engine's prefix-cache counters (vLLM's meaning: tokens looked up / served)."""
+
+    queries: float = 0.0
+    hits: float = 0.0
+
+    def minus(self, other: EngineCounters) -> EngineCounters:
+        return EngineCounters(self.queries - other.queries, self.hits - other.hits)
+
+
+def scrape(urls: Sequence[str], timeout_s: float = 5.0) -> dict[str, EngineCounters]:
+    """Each engine's ``vllm:prefix_cache_{queries,hits}_total`` now (missing: zeros)."""
+    out = {}
+    for url in urls:
+        try:
+            text = httpx.get(url.rstrip("/") + "/metrics", timeout=timeout_s).text
+        except httpx.HTTPError:
+            out[url] = EngineCounters()
+            continue
+        values = parse_prometheus(text)
+        out[url] = EngineCounters(values.get("vllm:prefix_cache_queries_total", 0.0),
+                                  values.get("vllm:prefix_cache_hits_total", 0.0))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class FleetHits:
+    """Fleet token hit rate and how evenly the prompt tokens were spread."""
+
+    hit_rate: float
+    queries: float
+    max_over_mean_load: float
+    per_engine_queries: tuple[float, ...] = field(default=())
+
+
+def fleet_hits(before: Mapping[str, EngineCounters],
+               after: Mapping[str, EngineCounters]) -> FleetHits:
+    deltas = [after[u].minus(before.get(u, EngineCounters())) for u in after]
+    queries = sum(d.queries for d in deltas)
+    hits = sum(d.hits for d in deltas)
+    loads = [d.queries for d in deltas]
+    mean = queries / len(loads) if loads else 0.0
+    return FleetHits(hits / queries if queries else 0.0, queries,
+                     max(loads) / mean if mean else 0.0, tuple(loads))
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (``q`` in [0, 100]); NaN for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = max(math.ceil(q / 100 * len(ordered)), 1)
+    return ordered[rank - 1]
+
+
+@dataclass(frozen=True, slots=True)
+class LatencySummary:
+    count: int
+    lost: int
+    p50_ms: float
+    p95_ms: float
+    p99_ms: float
+
+    @staticmethod
+    def of(results: Sequence[Result]) -> LatencySummary:
+        measured = [r for r in results if r.call.measured]
+        ttfts = [r.ttft_s * 1000 for r in measured if r.ttft_s is not None and not r.error]
+        lost = sum(1 for r in measured if r.ttft_s is None or r.status != 200)
+        return LatencySummary(len(measured), lost, percentile(ttfts, 50), percentile(ttfts, 95),
+                              percentile(ttfts, 99))
+
+
+@dataclass(frozen=True, slots=True)
+class Measured:
+    """A run's fleet hits (after warm-up), client latencies and raw results."""
+
+    hits: FleetHits
+    latency: LatencySummary
+    results: tuple[Result, ...]
+
+
+def measure_run(calls: Sequence[Call], targets: Sequence[str], engine_urls: Sequence[str],
+                *, warmup_s: float,
+                on_tick: Callable[[float], None] | None = None) -> Measured:
+    """Send ``calls`` spread round robin over ``targets`` (gateways, or the engines themselves)
+    and read the engines' counters at the end of warm-up and after the last answer."""
+    snapshots: dict[str, dict[str, EngineCounters]] = {"start": scrape(engine_urls)}
+
+    def tick(elapsed: float) -> None:
+        if elapsed >= warmup_s and "warm" not in snapshots:
+            snapshots["warm"] = {}
+            future = asyncio.get_running_loop().run_in_executor(None, scrape, engine_urls)
+            future.add_done_callback(lambda f: snapshots.__setitem__("warm", f.result()))
+        if on_tick is not None:
+            on_tick(elapsed)
+
+    results = asyncio.run(run_calls(calls, lambda i, call: targets[i % len(targets)],
+                                    on_tick=tick))
+    hits = fleet_hits(snapshots.get("warm") or snapshots["start"], scrape(engine_urls))
+    return Measured(hits, LatencySummary.of(results), tuple(results))
