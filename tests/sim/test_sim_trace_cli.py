@@ -138,3 +138,25 @@ def test_simulate_trace_bad_line_exits_with_its_location(
     assert main(["simulate", "--trace", str(trace), "--cache-tokens", "5000"]) == 1
     err = capsys.readouterr().err
     assert "t.jsonl:2" in err and "hash_ids" in err
+
+
+def test_scenario_report_links_each_run_to_the_lab(tmp_path: Path) -> None:
+    """A belgavi report links each run to the lab view of the same run."""
+    report = tmp_path / "b.html"
+    args = ["simulate", "--scenario", "belgavi", "--policy", "cache_aware", "--replicas", "3",
+            "--scale", "0.2", "--report", str(report)]
+    assert main(args) == 0
+    page = report.read_text()
+    assert "open in lab" in page
+    assert "http://127.0.0.1:8765/?routing=cache_aware&amp;replicas=3" in page
+
+
+def test_trace_report_has_no_lab_link(tmp_path: Path) -> None:
+    """Trace runs cannot be shown in the lab, so their rows say so instead of linking."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(GOOD + "\n")
+    report = tmp_path / "r.html"
+    args = ["simulate", "--trace", str(trace), "--replicas", "1", "--cache-tokens", "100000",
+            "--policy", "round_robin", "--report", str(report)]
+    assert main(args) == 0
+    assert "open in lab" not in report.read_text()

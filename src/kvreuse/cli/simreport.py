@@ -120,6 +120,18 @@ def _sweep(plt: Any, rows: Sequence[ScenarioRun]) -> str:
     return _png(fig)
 
 
+def _lab_link(scenario: str, row: ScenarioRun, seed: int) -> str:
+    """An anchor to the lab's view of this run, or a dash when the lab cannot show it."""
+    from kvreuse.web.links import lab_url_for_run
+
+    spec = row.spec
+    url = lab_url_for_run(
+        scenario, spec.policy, spec.replicas, seed=seed, variant=spec.variant,
+        options=dict(spec.options),
+    )
+    return f"<a href='{html.escape(url)}'>open in lab</a>" if url else "-"
+
+
 def write_report(
     path: Path,
     scenario: Scenario,
@@ -127,8 +139,12 @@ def write_report(
     bounds: Bounds,
     sweep: Sequence[ScenarioRun],
     parameters: dict[str, Any],
+    *,
+    seed: int = 0,
 ) -> None:
-    """Render and write the page. Raises :class:`ConfigError` without matplotlib."""
+    """Render and write the page. Raises :class:`ConfigError` without matplotlib.
+
+    Each run links to the same view in ``kvreuse lab`` where the lab can show it."""
     plt = _pyplot()
     images = [
         ("Hit rate and p95 TTFT per policy", _per_policy(plt, rows)),
@@ -147,7 +163,7 @@ def write_report(
             f"{r.summary.ttft_p50_s:.3f}", f"{r.summary.ttft_p95_s:.3f}",
             f"{r.summary.max_over_mean_load:.2f}", f"{r.summary.evicted_tokens:,}",
             r.summary.requests,
-        )) + "</tr>"
+        )) + f"<td>{_lab_link(scenario.name, r, seed)}</td></tr>"
         for r in rows
     )
     verdicts = "".join(
@@ -175,7 +191,9 @@ img{{max-width:100%}}</style></head><body>
 <h1>{esc(scenario.name)}</h1><p>{esc(scenario.summary)}</p>
 <table><tr><th>run</th><th>replicas</th><th>token hit</th><th>request hit</th>
 <th>prefill GPU-s/1k</th><th>TTFT p50 s</th><th>TTFT p95 s</th><th>max/mean load</th>
-<th>evicted tokens</th><th>requests</th></tr>{table_rows}</table>
+<th>evicted tokens</th><th>requests</th><th>lab</th></tr>{table_rows}</table>
+<p>Lab links open this run in <code>kvreuse lab</code> (start it first; it serves on
+127.0.0.1).</p>
 <p>Bounds over {bounds.replicas} x {bounds.cache_tokens:,} tokens: infinite cache
 {bounds.infinite_hit_rate:.1%}, pooled LRU {bounds.pooled_lru_hit_rate:.1%}.</p>
 <ul>{verdicts}</ul>{figures}

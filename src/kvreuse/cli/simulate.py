@@ -216,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
         from kvreuse.cli.simreport import write_report
 
         sweep = _sweep(scenario, rows, traffic, args)
-        write_report(args.report, scenario, rows, bounds, sweep, parameters)
+        write_report(args.report, scenario, rows, bounds, sweep, parameters, seed=args.seed)
         console.print(f"report: {args.report}")
     return 0
 

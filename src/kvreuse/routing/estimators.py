@@ -128,7 +128,7 @@ class ApproxTrees:
             if not alive:
                 break
             key = child.key
-            whole = buf[pos : pos + len(key)] == key
+            whole = buf.startswith(key, pos)
             if not whole:  # the match ends inside this edge: split so the touch is exact
                 common = common_prefix_tokens(key, buf[pos : pos + len(key)]) * TOKEN_BYTES
                 child = self._split(child, common)
@@ -167,7 +167,7 @@ class ApproxTrees:
             if child is None:
                 child = node.children[first] = _Node(buf[pos:end], node, self._new_id())
                 self._num_nodes += 1
-            elif buf[pos : pos + len(child.key)] != child.key:
+            elif not buf.startswith(child.key, pos):
                 key = child.key
                 common = common_prefix_tokens(key, buf[pos : pos + len(key)]) * TOKEN_BYTES
                 child = self._split(child, common)

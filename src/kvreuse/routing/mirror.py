@@ -111,7 +111,7 @@ class CacheMirror:
             alive = held
             key = child.key
             klen = len(key)
-            if buf[pos : pos + klen] == key:
+            if buf.startswith(key, pos):
                 pos += klen
                 children_get = child.children.get
                 continue
@@ -160,7 +160,7 @@ class CacheMirror:
                 gained += end - pos
                 break
             key = child.key
-            if buf[pos : pos + len(key)] != key:
+            if not buf.startswith(key, pos):
                 common = common_prefix_tokens(key, buf[pos : pos + len(key)]) * TOKEN_BYTES
                 child = self._split(child, common)
             if not child.holders & bit:
@@ -178,7 +178,7 @@ class CacheMirror:
             if child is None:
                 break
             key = child.key
-            if buf[pos : pos + len(key)] != key:
+            if not buf.startswith(key, pos):
                 common = common_prefix_tokens(key, buf[pos : pos + len(key)]) * TOKEN_BYTES
                 if pos + common <= keep:
                     break  # the path leaves the tree before the removed range

@@ -28,7 +28,7 @@ idle cache evicted; the replica then waits for a finish (see :mod:`kvreuse.sim.r
 KV events. With a ``sink`` both publish path events (:mod:`kvreuse.routing.events`): a
 :class:`KvStored` when prompt (or prompt + output) enters the cache, a :class:`KvRemoved` per
 evicted radix leaf (through ``RadixIndex(on_evict=...)``) or per block hash whose last copy was
-reused; the block model translates vLLM's hash-named events back to token paths here.
+reused (the block model translates vLLM's hash-named events back to token paths).
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from kvreuse.sim.replica import ReplicaConfig
 
 KvSink = Callable[[KvEvent], None]
+
 
 class Job:
     """A request's mutable state inside its replica (engine-internal; records are frozen).

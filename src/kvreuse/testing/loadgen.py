@@ -19,7 +19,7 @@ import contextlib
 import json
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import httpx
@@ -121,6 +121,7 @@ class Result:
     total_s: float = 0.0
     error: str = ""
     upstream: str = ""
+    cached_tokens: int | None = None  # from the usage chunk, when the caller asked for it
 
 
 async def _one(client: httpx.AsyncClient, call: Call, target: str,
@@ -138,15 +139,78 @@ async def _one(client: httpx.AsyncClient, call: Call, target: str,
             if response.status_code != 200:
                 result.error = (await response.aread())[:300].decode(errors="replace")
             else:
+                tail = b""
                 async for chunk in response.aiter_raw():
                     if chunk and result.ttft_s is None:
                         result.ttft_s = time.perf_counter() - started
-                        if b'"error"' in chunk:
-                            result.error = chunk[:300].decode(errors="replace")
+                    if b'"error"' in chunk:
+                        result.error = chunk[:300].decode(errors="replace")
+                    tail = (tail + chunk)[-4096:]
+                result.cached_tokens = _cached_tokens(tail)
     except httpx.HTTPError as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     result.total_s = time.perf_counter() - started
     return result
+
+
+def _cached_tokens(tail: bytes) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` from the last usage chunk of a stream."""
+    for line in reversed(tail.split(b"\n")):
+        if line.startswith(b"data:") and b'"usage"' in line:
+            try:
+                usage = json.loads(line[5:]).get("usage") or {}
+            except ValueError:
+                return None
+            details = usage.get("prompt_tokens_details") or {}
+            cached = details.get("cached_tokens")
+            return cached if isinstance(cached, int) else None
+    return None
+
+
+async def run_stream(
+    calls: Iterable[Call],
+    pick: Callable[[int, Call], str],
+    on_result: Callable[[Result], None],
+    *,
+    headers: Callable[[Call], Mapping[str, str]] | None = None,
+    max_connections: int = 2048,
+    timeout_s: float = 120.0,
+    on_tick: Callable[[float], None] | None = None,
+) -> int:
+    """Like :func:`run_calls` for long runs: calls may be generated lazily and each result goes
+    to ``on_result`` instead of being kept. Returns the number of calls sent."""
+    per_pool = 32
+    limits = httpx.Limits(max_connections=per_pool, max_keepalive_connections=per_pool)
+    timeout = httpx.Timeout(timeout_s, connect=10.0)
+    pending: set[asyncio.Task[Result]] = set()
+    sent = 0
+
+    def done(task: asyncio.Task[Result]) -> None:
+        pending.discard(task)
+        on_result(task.result())
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [await stack.enter_async_context(httpx.AsyncClient(timeout=timeout,
+                                                                     limits=limits))
+                   for _ in range(max(max_connections // per_pool, 1))]
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        next_tick = 0.0
+        for i, call in enumerate(calls):
+            while on_tick is not None and next_tick <= call.at_s:
+                await asyncio.sleep(max(start + next_tick - loop.time(), 0))
+                on_tick(loop.time() - start)
+                next_tick += 0.5
+            delay = start + call.at_s - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            extra = headers(call) if headers is not None else {}
+            task = loop.create_task(_one(clients[i % len(clients)], call, pick(i, call), extra))
+            pending.add(task)
+            task.add_done_callback(done)
+            sent += 1
+        while pending:
+            await asyncio.sleep(0.05)
+    return sent
 
 
 async def run_calls(

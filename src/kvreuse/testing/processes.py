@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -34,6 +35,22 @@ def free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+def free_listen_port() -> int:
+    """A free port below Linux's ephemeral range, for an endpoint that peers keep *connecting*
+    to before it listens: ZeroMQ retries such connects, and a retry from an ephemeral source
+    port equal to the target port connects the socket to itself and takes the port."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20_000, 32_000)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port between 20000 and 32000 on 127.0.0.1")
 
 
 @dataclass
@@ -121,6 +138,7 @@ class EngineSpec:
     overhead_ms: float = 15.0
     tpot_ms: float = 5.0
     events: bool = True
+    events_bound_by_gateway: bool = False  # the engine connects; one gateway binds the port
     tokenizer: str | None = None
     extra_args: tuple[str, ...] = ()
 
@@ -173,8 +191,11 @@ class Fleet:
                 "--prefill-tokens-per-s", str(spec.prefill_tokens_per_s),
                 "--overhead-ms", str(spec.overhead_ms), "--tpot-ms", str(spec.tpot_ms)]
         if spec.events:
-            # tcp://*:P makes the engine bind (vLLM's rule), so any number of gateways connect.
-            argv += ["--kv-events", f"tcp://*:{events_port}", "--kv-events-topic", "kv-events"]
+            # tcp://*:P makes the engine bind (vLLM's rule), so any number of gateways connect;
+            # tcp://127.0.0.1:P makes it connect to the one gateway that binds P.
+            host = "127.0.0.1" if spec.events_bound_by_gateway else "*"
+            argv += ["--kv-events", f"tcp://{host}:{events_port}", "--kv-events-topic",
+                     "kv-events"]
         if spec.tokenizer:
             argv += ["--tokenizer", spec.tokenizer]
         return argv + list(spec.extra_args)
@@ -182,11 +203,12 @@ class Fleet:
     def start_engine(self, name: str, spec: EngineSpec, *, port: int | None = None,
                      events_port: int | None = None, wait: bool = True) -> Process:
         port = port or free_port()
-        events_port = events_port or free_port()
+        events_port = events_port or free_listen_port()
         proc = self.spawn(name, self.engine_argv(spec, port, events_port),
                           url=f"http://127.0.0.1:{port}", port=port)
         if spec.events:
             proc.extra["events"] = f"tcp://127.0.0.1:{events_port}"
+            proc.extra["events_bind"] = "true" if spec.events_bound_by_gateway else "false"
         if wait:
             wait_http(proc)
         return proc
@@ -206,7 +228,8 @@ class Fleet:
         for engine in engines:
             flag = f"{engine.url},name={engine.name}"
             if events and "events" in engine.extra:
-                flag += f",events={engine.extra['events']},bind=false,topic=kv-events"
+                bind = engine.extra.get("events_bind", "false")
+                flag += f",events={engine.extra['events']},bind={bind},topic=kv-events"
             argv += ["--upstream", flag]
         return argv + list(extra_args)
 

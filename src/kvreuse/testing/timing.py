@@ -108,8 +108,12 @@ def first_token(client: httpx.Client, url: str, body: Mapping[str, object],
     return ttft, cached
 
 
-def probe(url: str, *, samples: int, secret: Callable[[int], str], cold: Callable[[int], str],
-          suffix: str, model: str, victim: Mapping[str, str], attacker: Mapping[str, str],
+Prompt = str | list[int]
+"""Text, or token ids (vLLM and ``kvreuse engine`` both take ``prompt: [ids]``)."""
+
+
+def probe(url: str, *, samples: int, secret: Callable[[int], Prompt],
+          cold: Callable[[int], Prompt], suffix: Prompt, model: str, victim: Mapping[str, str], attacker: Mapping[str, str],
           max_tokens: int = 1) -> ProbeResult:
     """Run the experiment of the module docstring against ``url`` (a gateway or an engine).
     ``secret(i)`` and ``cold(i)`` give prompts of equal length, all distinct."""
@@ -120,7 +124,7 @@ def probe(url: str, *, samples: int, secret: Callable[[int], str], cold: Callabl
         for i in range(samples):
             body = {"model": model, "max_tokens": max_tokens, "temperature": 0}
             first_token(client, url, {**body, "prompt": secret(i)}, victim)
-            probes = [("cached", secret(i) + suffix), ("cold", cold(i) + suffix)]
+            probes = [("cached", _join(secret(i), suffix)), ("cold", _join(cold(i), suffix))]
             for kind, prompt in probes if i % 2 == 0 else probes[::-1]:
                 ttft, cached = first_token(client, url, {**body, "prompt": prompt}, attacker)
                 if kind == "cached":
@@ -130,3 +134,11 @@ def probe(url: str, *, samples: int, secret: Callable[[int], str], cold: Callabl
                     cold_ms.append(ttft)
     return ProbeResult(tuple(cached_ms), tuple(cold_ms), leaked,
                        mann_whitney_less(cached_ms, cold_ms))
+
+
+def _join(prompt: Prompt, suffix: Prompt) -> Prompt:
+    if isinstance(prompt, str) and isinstance(suffix, str):
+        return prompt + suffix
+    if isinstance(prompt, list) and isinstance(suffix, list):
+        return prompt + suffix
+    raise TypeError("prompt and suffix must both be text or both be token ids")
