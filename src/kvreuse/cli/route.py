@@ -65,6 +65,15 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--max-body-bytes", type=int)
     parser.add_argument("--upstream-api-key", help="Bearer key the upstreams expect")
     parser.add_argument("--seed", type=int, help="seed of randomized policies")
+    parser.add_argument(
+        "--shared-index", metavar="redis://HOST:PORT/DB",
+        help="share the approximate prefix index with other gateways through Redis "
+        "(cache_aware policies; every gateway must list the same upstreams)",
+    )
+    parser.add_argument(
+        "--shared-index-capacity-blocks", type=int, default=1 << 20, metavar="N",
+        help="blocks the shared index keeps per upstream before evicting (default 1048576)",
+    )
     parser.add_argument("--log-level", default="warning")
     parser.set_defaults(func=run)
 
@@ -111,6 +120,12 @@ def run(args: argparse.Namespace) -> int:
     from kvreuse.gateway.app import Gateway
 
     gateway = Gateway(build_config(args))
+    if args.shared_index:
+        from kvreuse.gateway.shared_index import attach
+
+        if args.shared_index_capacity_blocks < 1:
+            raise ConfigError("--shared-index-capacity-blocks must be >= 1")
+        attach(gateway, args.shared_index, capacity_blocks=args.shared_index_capacity_blocks)
     uvicorn.run(gateway.app, host=args.host, port=args.port, log_level=args.log_level,
                 access_log=False)
     return 0
