@@ -94,7 +94,7 @@ def run(policy_name: str, tokenizer: HFPromptTokenizer, messages: list[dict[str,
         if turn >= 5:
             samples.append((finished - tokenized) * 1e6)
             token_share.append((tokenized - started) / max(finished - tokenized, 1e-9))
-        chosen = plan.candidates[0]
+        chosen = plan.first
         router.committed(plan, chosen)
         router.first_byte(plan, chosen)
         router.finished(plan, chosen)

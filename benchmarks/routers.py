@@ -30,6 +30,8 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -48,10 +50,12 @@ from kvreuse.testing.loadgen import (
     run_calls,
     scrape,
 )
-from kvreuse.testing.processes import EngineSpec, Fleet, Process, peers_available
+from kvreuse.testing.processes import EngineSpec, Fleet, Process, peers_available, wait_http
 
 PEERS = ("sglang-router", "vllm-router", "vllm-router-kv", "smg")
 MODEL = "sim"
+VLLM_MODEL = "tiny-llama"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 # ---------------------------------------------------------------------------- traffic
@@ -61,6 +65,13 @@ def scenario_calls(name: str, *, rate: float, warmup_s: float, duration_s: float
                    seed: int, max_tokens: int) -> list[Call]:
     from kvreuse.testing.loadgen import chat_calls, document_calls
 
+    if name == "vllm-chat":
+        # Small enough for the tiny model's 2,048-token window once BPE splits the words.
+        chats = ChatWorkload(tenants=(Tenant("belgavi", rate),), duration_s=duration_s,
+                             warmup_s=warmup_s, system_prompts=3, system_tokens=120,
+                             turns=(3, 3), user_tokens=(20, 20), answer_tokens=(30, 30),
+                             gap_s=(2.0, 3.0), model=VLLM_MODEL)
+        return chat_calls(chats, seed, model=VLLM_MODEL, max_tokens=max_tokens)
     if name == "belgavi":
         chats = ChatWorkload(tenants=(Tenant("belgavi", rate),), duration_s=duration_s,
                              warmup_s=warmup_s, system_prompts=6, system_tokens=1500,
@@ -107,19 +118,25 @@ def reset_caches(engines: Sequence[Process]) -> None:
             time.sleep(0.1)  # requests of the previous run still draining
 
 
-def start_router(fleet: Fleet, router: str, engines: Sequence[Process]) -> Process | None:
+def start_router(fleet: Fleet, router: str, engines: Sequence[Process],
+                 gateway_args: Sequence[str] = (), block_size: int = 16) -> Process | None:
     if router == "direct":
         return None
     if router.startswith("kvreuse:"):
-        return fleet.start_gateway(router, engines, policy=router.split(":", 1)[1])
-    return fleet.start_peer(router, engines)
+        policy = router.split(":", 1)[1]
+        extra = list(gateway_args)
+        if policy in ("cache_aware", "cache_aware_sglang", "exact"):
+            extra += ["--policy-option", f"block_size={block_size}"]
+        return fleet.start_gateway(router, engines, policy=policy, extra_args=extra)
+    return fleet.start_peer(router, engines, block_size=block_size)
 
 
 def measure(fleet: Fleet, engines: Sequence[Process], router: str, scenario: str,
-            calls: Sequence[Call], warmup_s: float) -> RunRow:
+            calls: Sequence[Call], warmup_s: float, gateway_args: Sequence[str] = (),
+            block_size: int = 16) -> RunRow:
     reset_caches(engines)
     try:
-        proc = start_router(fleet, router, engines)
+        proc = start_router(fleet, router, engines, gateway_args, block_size)
     except RuntimeError as exc:
         return RunRow(scenario, router, float("nan"), float("nan"), float("nan"),
                       float("nan"), 0, 0, str(exc).splitlines()[0])
@@ -212,16 +229,48 @@ async def _closed_loop(url: str, duration_s: float, concurrency: int) -> tuple[i
     return done, errors
 
 
+def wrk_rate(url: str, workdir: Path, duration_s: float, concurrency: int) -> tuple[float, int]:
+    """Requests/s and non-2xx answers that wrk (C, two threads) gets from ``url``."""
+    script = workdir / "post.lua"
+    body = json.dumps({"model": MODEL, "prompt": "ping" * 8, "max_tokens": 1})
+    script.write_text(f"wrk.method = 'POST'\nwrk.body = '{body}'\n"
+                      "wrk.headers['Content-Type'] = 'application/json'\n")
+    out = subprocess.run(["wrk", "-t2", f"-c{concurrency}", f"-d{max(int(duration_s), 1)}s",
+                          "-s", str(script), url + "/v1/completions"],
+                         capture_output=True, text=True, check=True).stdout
+    rate = next(float(line.split()[1]) for line in out.splitlines()
+                if line.startswith("Requests/sec"))
+    bad = 0
+    for line in out.splitlines():
+        if "Non-2xx" in line:
+            bad += int(line.split()[-1])
+        elif line.strip().startswith("Socket errors:"):
+            bad += sum(int(part.strip(",")) for part in line.split() if part.strip(",").isdigit())
+    return rate, bad
+
+
 def throughput(fleet: Fleet, engines: Sequence[Process], policy: str, duration_s: float,
                concurrency: int) -> dict[str, float]:
+    """Closed loop of tiny requests through one gateway: wrk when installed (``make peers``),
+    else a Python client (which then limits the figure itself)."""
     gateway = fleet.start_gateway(f"kvreuse:{policy}:throughput", engines, policy=policy)
+    figures: dict[str, float] = {}
     cpu0, t0 = cpu_seconds(gateway.pid), time.perf_counter()
-    done, errors = asyncio.run(_closed_loop(gateway.url, duration_s, concurrency))
-    wall = time.perf_counter() - t0
+    if shutil.which("wrk"):
+        rate, errors = wrk_rate(gateway.url, fleet.workdir, duration_s, concurrency)
+        done = rate * (time.perf_counter() - t0)
+        figures["engine_alone_req_per_s"] = wrk_rate(engines[0].url, fleet.workdir,
+                                                     duration_s / 2, concurrency)[0]
+    else:
+        done, errors = asyncio.run(_closed_loop(gateway.url, duration_s, concurrency))
+    wall = time.perf_counter() - t0 - (duration_s / 2 if "engine_alone_req_per_s" in figures
+                                       else 0.0)
     cpu = cpu_seconds(gateway.pid) - cpu0
     fleet.forget(gateway)
-    return {"req_per_s": done / wall, "errors": errors, "gateway_cpu_share": cpu / wall,
-            "req_per_gateway_cpu_s": done / cpu if cpu else float("nan")}
+    figures.update({"req_per_s": done / wall, "errors": errors,
+                    "gateway_cpu_share": cpu / wall,
+                    "req_per_gateway_cpu_s": done / cpu if cpu else float("nan")})
+    return figures
 
 
 # ---------------------------------------------------------------------------- report
@@ -267,6 +316,35 @@ def verdicts(rows: Sequence[RunRow], cost: dict[str, dict[str, float]]) -> list[
     return out
 
 
+def vllm_section(fleet: Fleet, args: argparse.Namespace, routers: Sequence[str]
+                 ) -> list[RunRow]:
+    """The same comparison on two real vLLM replicas (tiny random Llama, CPU), at low rate."""
+    python = os.environ.get("KVREUSE_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
+    if not Path(python).exists():
+        print(f"# --vllm: no vLLM interpreter at {python} (make vllm-env)", file=sys.stderr)
+        return []
+    model = Path(os.environ.get("KVREUSE_TINY_MODEL", ROOT / "build" / "tiny-llama")).resolve()
+    subprocess.run([python, str(ROOT / "tests" / "vllm" / "build_tiny_model.py"), str(model)],
+                   check=True, capture_output=True)
+    replicas = [fleet.start_vllm(f"vllm{i}", python, str(model)) for i in range(2)]
+    for replica in replicas:
+        wait_http(replica, "/v1/models", timeout_s=600)
+    time.sleep(1.0)
+    calls = scenario_calls("vllm-chat", rate=args.vllm_rate, warmup_s=args.warmup,
+                           duration_s=args.duration, seed=args.seed, max_tokens=4)
+    chosen = [r for r in routers if r in ("direct", *PEERS, "kvreuse:round_robin",
+                                          "kvreuse:cache_aware", "kvreuse:exact")]
+    rows = []
+    for router in chosen:
+        row = measure(fleet, replicas, router, "vllm-chat", calls, args.warmup,
+                      gateway_args=["--tokenizer", str(model)], block_size=32)
+        rows.append(row)
+        print_table_row(row)
+    for replica in replicas:
+        fleet.forget(replica)
+    return rows
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -288,6 +366,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--skip-cost", action="store_true", help="skip the gateway-cost runs")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="smoke run: short, few routers")
+    parser.add_argument("--vllm", action="store_true",
+                        help="also compare on 2 real vLLM replicas (KVREUSE_VLLM_PYTHON)")
+    parser.add_argument("--vllm-only", action="store_true", help="only the vLLM comparison")
+    parser.add_argument("--vllm-rate", type=float, default=2.0)
     parser.add_argument("--json", type=Path, help="write every figure here")
     parser.add_argument("--workdir", type=Path, help="process logs (default: a temp dir)")
     args = parser.parse_args(argv)
@@ -323,7 +405,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     cost: dict[str, dict[str, float]] = {}
     with Fleet(args.workdir) as fleet:
         print(f"# logs in {fleet.workdir}", flush=True)
-        engines = fleet.start_engines(args.replicas, spec)
+        if args.vllm or args.vllm_only:
+            rows += vllm_section(fleet, args, routers)
+        if args.vllm_only:
+            scenarios, args.skip_cost = [], True
+        engines = fleet.start_engines(args.replicas, spec) if scenarios else []
         for scenario in scenarios:
             calls = scenario_calls(scenario, rate=args.rate, warmup_s=args.warmup,
                                    duration_s=args.duration, seed=args.seed,

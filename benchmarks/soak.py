@@ -326,6 +326,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "retries": summed(final, "kvreuse_gateway_retries_total"),
         "rogue_frames_sent": rogue.sent, "gateway_alive": gateway_alive,
         "cpu_seconds": cpu,
+        "gateway_rss_mb_every_5s": [round(v / 2**20, 1) for v in rss],
         "errors": tally.errors, "cross_tenant_examples": tally.leaks,
     }
     checks = [
@@ -351,6 +352,9 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{figures['ttft_p99_ms']:.1f} ms; KV events received "
           f"{figures['kv_events_received']:.0f}, dropped {figures['kv_events_dropped']:.0f}; "
           f"retries {figures['retries']:.0f}; rogue frames {rogue.sent}")
+    step = max(len(rss) // 12, 1)
+    print(f"# gateway RSS MiB, every ~{5 * step} s: "
+          + " ".join(f"{v / 2**20:.0f}" for v in rss[::step]))
     print("# CPU seconds used: " + ", ".join(f"{k} {v:.0f}" for k, v in cpu.items())
           + f" (of {2 * wall:.0f} available on 2 cores)")
     if tally.errors:

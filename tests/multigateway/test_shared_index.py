@@ -54,7 +54,7 @@ def test_capacity_bounds_blocks_and_evicts_tails_before_roots() -> None:
     index = SharedPrefixIndex(block_size=2, capacity_blocks=5)
     shared = list(range(4))
     for conv in range(4):
-        index.record(view(shared + [100 + conv * 2, 101 + conv * 2]), "a", float(conv))
+        index.record(view([*shared, 100 + conv * 2, 101 + conv * 2]), "a", float(conv))
     index.check_invariants()
     assert index.size_blocks("a") == 5
     assert index.predict(view(shared), ["a"], 9.0) == {"a": 4}

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from kvreuse.testing.processes import Fleet, Process, free_port, wait_http
-from kvreuse.testing.timing import probe
+from kvreuse.testing.timing import ProbeResult, probe
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLES = 30
@@ -111,7 +111,7 @@ def test_vllm_tenant_salts_hide_another_tenants_prompt(replica: tuple[Fleet, Pro
     assert result.test.p_less > 1e-3
 
 
-def report(label: str, result: object) -> None:
-    print(label, json.dumps({k: getattr(result, k) for k in ("median_gap_ms",
-                                                               "cross_tenant_cached_tokens")}),
-          getattr(result, "test"))
+def report(label: str, result: ProbeResult) -> None:
+    print(label, json.dumps({"median_gap_ms": result.median_gap_ms,
+                             "cross_tenant_cached_tokens": result.cross_tenant_cached_tokens}),
+          result.test)

@@ -58,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kvreuse.engine.replica import EngineConfig
     from kvreuse.engine.server import build_engine
+    from kvreuse.gateway.asgi import server_stack
     from kvreuse.gateway.prompts import load_prompt_tokenizer
 
     if args.block_size < 1:
@@ -84,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
         shape=args.kv_events_shape,
         int_hashes=not args.kv_events_bytes_hashes,
     )
+    stack = server_stack()
     uvicorn.run(engine.app, host=args.host, port=args.port, log_level=args.log_level,
-                access_log=False)
+                access_log=False, loop=stack.loop, http=stack.http)
     return 0

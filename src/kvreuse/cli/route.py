@@ -118,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvreuse.gateway.app import Gateway
+    from kvreuse.gateway.asgi import server_stack
 
     gateway = Gateway(build_config(args))
     if args.shared_index:
@@ -126,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
         if args.shared_index_capacity_blocks < 1:
             raise ConfigError("--shared-index-capacity-blocks must be >= 1")
         attach(gateway, args.shared_index, capacity_blocks=args.shared_index_capacity_blocks)
+    stack = server_stack()
     uvicorn.run(gateway.app, host=args.host, port=args.port, log_level=args.log_level,
-                access_log=False)
+                access_log=False, loop=stack.loop, http=stack.http)
     return 0

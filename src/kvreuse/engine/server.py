@@ -11,19 +11,30 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvreuse.engine.publisher import EventPublisher
 from kvreuse.engine.replica import EngineConfig, SimulatedReplica
 from kvreuse.errors import InputFormatError
+from kvreuse.gateway.asgi import (
+    ASGIApp,
+    ClientGone,
+    Receive,
+    Scope,
+    Send,
+    read_body,
+    send_error,
+    send_json,
+    until_disconnect,
+)
 from kvreuse.gateway.prompts import HFPromptTokenizer, PromptTokenizer, approximate_tokens
 from kvreuse.gateway.validation import (
     ENDPOINT_KINDS,
@@ -37,6 +48,7 @@ from kvreuse.tokens import TokenBuffer, pack, unpack
 
 FILLER = "lorem ipsum dolor sit amet, consectetur adipiscing elit, sed do eiusmod tempor. "
 DEFAULT_MAX_TOKENS = 16
+MAX_BODY_BYTES = 64 * 1024 * 1024
 
 
 class _VllmMetrics:
@@ -93,10 +105,10 @@ class EngineApp:
         else:
             self._filler = unpack(approximate_tokens(FILLER))
             self._piece = _approx_piece
-        self.app = Starlette(
+        # The generate endpoints are served by __call__ on bare ASGI (they are the hot path of
+        # every load benchmark); Starlette serves the rest.
+        self._starlette = Starlette(
             routes=[
-                Route("/v1/completions", self.generate, methods=["POST"]),
-                Route("/v1/chat/completions", self.generate, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics, methods=["GET"]),
@@ -104,6 +116,19 @@ class EngineApp:
             ],
             lifespan=self._lifespan,
         )
+        self.app: ASGIApp = self
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            kind = ENDPOINT_KINDS.get(scope["path"])
+            if kind is not None:
+                if scope["method"] == "POST":
+                    await self._generate(receive, send, kind)
+                else:
+                    await send_json(send, 405, {"detail": "Method Not Allowed"},
+                                    [(b"allow", b"POST")])
+                return
+        await self._starlette(scope, receive, send)
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -148,10 +173,10 @@ class EngineApp:
             template_kwargs=parsed.template_kwargs,
         )
 
-    async def generate(self, request: Request) -> Response:
-        kind = ENDPOINT_KINDS[request.url.path]
+    async def _generate(self, receive: Receive, send: Send, kind: str) -> None:
         try:
-            parsed = parse_request(kind, parse_json_body(await request.body()))
+            parsed = parse_request(kind, parse_json_body(
+                await read_body(receive, MAX_BODY_BYTES, None)))
             if parsed.model != self.replica.config.model:
                 raise RequestError(
                     f"the model {parsed.model!r} does not exist; this engine serves "
@@ -161,19 +186,22 @@ class EngineApp:
                 parsed.body["prompt"]) > 1 and not isinstance(parsed.body["prompt"][0], int):
                 raise RequestError("the simulated engine serves one prompt per request", "prompt")
             tokens = self._tokens(parsed)
+        except ClientGone:
+            return
         except RequestError as exc:
-            return JSONResponse(exc.body(), status_code=exc.status)
+            await send_error(send, exc)
+            return
         except InputFormatError as exc:
-            error = RequestError(str(exc), exc.where)
-            return JSONResponse(error.body(), status_code=400)
+            await send_error(send, RequestError(str(exc), exc.where))
+            return
         identity = CacheIdentity(cache_salt=parsed.cache_salt)
         max_tokens = parsed.max_tokens or DEFAULT_MAX_TOKENS
         request_id = self.replica.new_request_id()
         try:
             prefilled = await self.replica.prefill(request_id, tokens, identity, max_tokens)
         except InputFormatError as exc:
-            error = RequestError(str(exc), exc.where)
-            return JSONResponse(error.body(), status_code=400)
+            await send_error(send, RequestError(str(exc), exc.where))
+            return
         completion_id = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
         usage = {
             "prompt_tokens": prefilled.prompt_tokens,
@@ -182,10 +210,9 @@ class EngineApp:
             "prompt_tokens_details": {"cached_tokens": prefilled.cached_tokens},
         }
         if parsed.stream:
-            return StreamingResponse(
-                self._stream(parsed, completion_id, request_id, tokens, max_tokens, usage),
-                media_type="text/event-stream",
-            )
+            await self._relay(receive, send, self._stream(parsed, completion_id, request_id,
+                                                          tokens, max_tokens, usage))
+            return
         output: list[int] = []
         try:
             async for token_id in self.replica.decode(max_tokens, self._filler):
@@ -195,7 +222,25 @@ class EngineApp:
             raise
         await self.replica.finish(request_id, tokens, output)
         text = "".join(self._piece(t) for t in output)
-        return JSONResponse(self._whole(parsed, completion_id, text, usage))
+        await send_json(send, 200, self._whole(parsed, completion_id, text, usage))
+
+    @staticmethod
+    async def _relay(receive: Receive, send: Send, stream: AsyncGenerator[bytes, None]) -> None:
+        """Send an SSE stream; when the client leaves, stop and close the generator (which
+        aborts the request and frees its blocks, as vLLM does)."""
+        async def pump() -> None:
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
+            async for chunk in stream:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        try:
+            await until_disconnect(receive, pump())
+        except OSError:  # a server that reports the gone client by raising (ASGI spec 2.4)
+            pass
+        finally:
+            await stream.aclose()
 
     def _whole(
         self, parsed: ParsedRequest, completion_id: str, text: str, usage: dict[str, Any]
@@ -217,7 +262,7 @@ class EngineApp:
         tokens: TokenBuffer,
         max_tokens: int,
         usage: dict[str, Any],
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         chat = parsed.kind == "chat"
         obj = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())

@@ -24,7 +24,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 from prometheus_client import generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -32,6 +31,16 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvreuse.errors import ConfigError, InputFormatError, KvreuseError
+from kvreuse.gateway.asgi import (
+    ASGIApp,
+    ClientGone,
+    Receive,
+    Scope,
+    Send,
+    read_body,
+    send_error,
+    send_json,
+)
 from kvreuse.gateway.config import GatewayConfig
 from kvreuse.gateway.metrics import GatewayMetrics, GatewayState, TokenTally
 from kvreuse.gateway.prompts import PromptTokenizer, load_prompt_tokenizer
@@ -39,6 +48,7 @@ from kvreuse.gateway.proxy import Forwarder
 from kvreuse.gateway.router import Router
 from kvreuse.gateway.subscriber import EventSubscriber
 from kvreuse.gateway.tenants import Tenant, Tenants, load_tenants
+from kvreuse.gateway.upstream_client import UpstreamError, UpstreamPool
 from kvreuse.gateway.upstreams import UpstreamState, parse_prometheus
 from kvreuse.gateway.validation import (
     ENDPOINT_KINDS,
@@ -50,6 +60,14 @@ from kvreuse.identity import CacheIdentity
 from kvreuse.routing import RoutingPolicy, build_policy
 
 log = logging.getLogger("kvreuse.gateway")
+
+NO_UPSTREAM = {"error": {"message": "no upstream is admitted for this request (all ejected, or "
+                         "none in the tenant's subset)", "type": "ServiceUnavailable",
+                         "param": None, "code": 503}}
+
+# Requests open at once per upstream; more wait for a connection. vLLM serves hundreds of
+# concurrent streams per replica, so this only bounds a runaway, it does not shape load.
+MAX_UPSTREAM_CONNECTIONS = 1024
 
 
 class Gateway:
@@ -92,12 +110,15 @@ class Gateway:
         self.subscribers: list[EventSubscriber] = []
         self._ids = itertools.count()
         self._tasks: list[asyncio.Task[None]] = []
-        self._client: httpx.AsyncClient | None = None
+        # Per upstream, two pools: proxied requests, and probes/scrapes/model lists, so that a
+        # probe never queues behind requests when the request pool is at its limit.
+        self._pools: dict[str, UpstreamPool] = {}
+        self._control: dict[str, UpstreamPool] = {}
         self.forwarder: Forwarder | None = None
-        self.app = Starlette(
+        self._identities: dict[str | None, CacheIdentity] = {}
+        # The generate endpoints are served by __call__ itself; Starlette serves the rest.
+        self._starlette = Starlette(
             routes=[
-                Route("/v1/completions", self.generate, methods=["POST"]),
-                Route("/v1/chat/completions", self.generate, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/ready", self.ready, methods=["GET"]),
@@ -105,19 +126,28 @@ class Gateway:
             ],
             lifespan=self._lifespan,
         )
+        self.app: ASGIApp = self
 
     # ------------------------------------------------------------------ lifecycle
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
         config = self.config
-        self._client = httpx.AsyncClient(
-            timeout=httpx.Timeout(config.read_timeout_s, connect=config.connect_timeout_s),
-            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
-        )
+        auth = ({"authorization": f"Bearer {config.upstream_api_key}"}
+                if config.upstream_api_key else {})
+        for upstream in self.upstreams:
+            url = upstream.config.url
+            self._pools[upstream.name] = UpstreamPool(
+                url, max_connections=MAX_UPSTREAM_CONNECTIONS,
+                connect_timeout_s=config.connect_timeout_s,
+                read_timeout_s=config.read_timeout_s,
+                headers={"content-type": "application/json", **auth})
+            self._control[upstream.name] = UpstreamPool(
+                url, max_connections=4, connect_timeout_s=config.connect_timeout_s,
+                read_timeout_s=config.connect_timeout_s, headers=auth)
         self.forwarder = Forwarder(
-            self._client, self.router, self.metrics, self.tallies, policy_name=self.policy.name,
-            retries=config.retries, upstream_api_key=config.upstream_api_key,
+            self._pools, self.router, self.metrics, self.tallies, policy_name=self.policy.name,
+            retries=config.retries,
         )
         loop = asyncio.get_running_loop()
         for upstream in self.upstreams:
@@ -137,7 +167,8 @@ class Gateway:
             for task in self._tasks:
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
-            await self._client.aclose()
+            for pool in (*self._pools.values(), *self._control.values()):
+                await pool.aclose()
 
     def _subscriber(self, upstream: UpstreamState) -> EventSubscriber:
         name = upstream.name
@@ -150,14 +181,17 @@ class Gateway:
             stats=self.router.streams[name],
         )
 
+    async def _get(self, upstream: UpstreamState, path: str) -> tuple[int, bytes]:
+        """GET on the control pool; raises UpstreamError."""
+        response = await self._control[upstream.name].request("GET", path)
+        return response.status, await response.read()
+
     async def _probe_loop(self, upstream: UpstreamState) -> None:
-        assert self._client is not None
-        url = upstream.config.url.rstrip("/") + "/health"
         while True:
             try:
-                response = await self._client.get(url, timeout=self.config.connect_timeout_s)
-                ok = response.status_code == 200
-            except httpx.HTTPError:
+                status, _ = await self._get(upstream, "/health")
+                ok = status == 200
+            except UpstreamError:
                 ok = False
             if ok and upstream.record_success(probe=True):
                 log.warning("upstream %s re-admitted", upstream.name)
@@ -166,20 +200,16 @@ class Gateway:
             await asyncio.sleep(self.config.health_interval_s)
 
     async def _scrape_loop(self, upstream: UpstreamState) -> None:
-        assert self._client is not None
-        url = upstream.config.url.rstrip("/") + "/metrics"
         while True:
-            await self.scrape(upstream, url)
+            await self.scrape(upstream)
             await asyncio.sleep(self.config.metrics_interval_s)
 
-    async def scrape(self, upstream: UpstreamState, url: str | None = None) -> None:
+    async def scrape(self, upstream: UpstreamState) -> None:
         """Read one upstream's /metrics now (also used by tests to avoid waiting)."""
-        assert self._client is not None
-        target = url or upstream.config.url.rstrip("/") + "/metrics"
-        with contextlib.suppress(httpx.HTTPError):
-            response = await self._client.get(target, timeout=self.config.connect_timeout_s)
-            if response.status_code == 200:
-                upstream.update_engine(parse_prometheus(response.text))
+        with contextlib.suppress(UpstreamError, UnicodeDecodeError):
+            status, text = await self._get(upstream, "/metrics")
+            if status == 200:
+                upstream.update_engine(parse_prometheus(text.decode()))
 
     # ------------------------------------------------------------------ endpoints
 
@@ -197,18 +227,11 @@ class Gateway:
                         media_type="text/plain; version=0.0.4")
 
     async def models(self, request: Request) -> Response:
-        assert self._client is not None
-        client = self._client
-
-        headers = {} if self.forwarder is None else {
-            k: v for k, v in self.forwarder.headers.items() if k == "authorization"}
-
         async def fetch(upstream: UpstreamState) -> list[dict[str, Any]]:
             try:
-                response = await client.get(upstream.config.url.rstrip("/") + "/v1/models",
-                                            headers=headers)
-                data = response.json().get("data", []) if response.status_code == 200 else []
-            except (httpx.HTTPError, ValueError, AttributeError):
+                status, raw = await self._get(upstream, "/v1/models")
+                data = json.loads(raw).get("data", []) if status == 200 else []
+            except (UpstreamError, ValueError, AttributeError):
                 return []
             return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
 
@@ -219,33 +242,44 @@ class Gateway:
                 merged.setdefault(model["id"], model)
         return JSONResponse({"object": "list", "data": list(merged.values())})
 
-    def _authenticate(self, request: Request) -> Tenant | None:
-        if self.tenants is None:
-            return None
-        tenant = self.tenants.authenticate(request.headers.get("authorization"))
-        if tenant is None:
-            raise RequestError("unknown or missing API key: send Authorization: Bearer KEY",
-                               "authorization", 401)
-        return tenant
+    # ------------------------------------------------------------------ the hot path (bare ASGI)
 
-    async def _read_body(self, request: Request) -> bytes:
-        limit = self.config.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise RequestError(f"the body is larger than {limit} bytes", "body", 413)
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise RequestError(f"the body is larger than {limit} bytes", "body", 413)
-            chunks.append(chunk)
-        return b"".join(chunks)
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The ASGI entry point (what :attr:`app` is, unless something wraps it)."""
+        if scope["type"] == "http":
+            path = scope["path"]
+            kind = ENDPOINT_KINDS.get(path)
+            if kind is not None:
+                if scope["method"] == "POST":
+                    await self._generate(scope, receive, send, path, kind)
+                else:
+                    await send_json(send, 405, {"detail": "Method Not Allowed"},
+                                    [(b"allow", b"POST")])
+                return
+        await self._starlette(scope, receive, send)
 
-    async def generate(self, request: Request) -> Response:
-        path = request.url.path
+    def _identity(self, salt: str | None) -> CacheIdentity:
+        """One CacheIdentity per salt, reused: requests of a tenant share it. O(1)."""
+        identity = self._identities.get(salt)
+        if identity is None:
+            if len(self._identities) >= 4096:  # caller-chosen salts are unbounded
+                self._identities.clear()
+            identity = self._identities[salt] = CacheIdentity(cache_salt=salt)
+        return identity
+
+    async def _generate(self, scope: Scope, receive: Receive, send: Send, path: str,
+                        kind: str) -> None:
+        authorization = session_id = declared = None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                authorization = value.decode("latin-1")
+            elif name == b"content-length":
+                declared = value
+            elif name == b"x-session-id":
+                session_id = value.decode("latin-1")
         try:
-            tenant = self._authenticate(request)
-            raw = await self._read_body(request)
+            tenant = self._authenticate(authorization)
+            raw = await read_body(receive, self.config.max_body_bytes, declared)
             body = parse_json_body(raw)
             if self.tenants is not None and "cache_salt" in body:
                 if self.tenants.caller_salt == "reject":
@@ -253,35 +287,45 @@ class Gateway:
                         "cache_salt is set by the gateway from your API key; remove it",
                         "cache_salt")
                 del body["cache_salt"]
-            parsed = parse_request(ENDPOINT_KINDS[path], body)
+            parsed = parse_request(kind, body)
             salt = tenant.cache_salt if tenant is not None else parsed.cache_salt
             if tenant is not None:
                 body["cache_salt"] = salt
             # Only a tenant's salt changes the body; otherwise the caller's bytes go upstream.
             forwarded = json.dumps(body).encode() if self.tenants is not None else raw
             plan = self.router.plan(
-                parsed, f"gw-{next(self._ids)}-{time.monotonic_ns()}",
-                CacheIdentity(cache_salt=salt),
+                parsed, f"gw-{next(self._ids)}-{time.monotonic_ns()}", self._identity(salt),
                 tenant=tenant.name if tenant else None,
                 allowed=tenant.upstreams if tenant else None,
-                session_id=request.headers.get("x-session-id"),
+                session_id=session_id,
             )
+        except ClientGone:
+            return
         except RequestError as exc:
-            self.metrics.rejected.labels(str(exc.status)).inc()
-            return JSONResponse(exc.body(), status_code=exc.status)
+            self.metrics.reject(exc.status)
+            await send_error(send, exc)
+            return
         except InputFormatError as exc:
-            error = RequestError(str(exc), exc.where or "body")
-            self.metrics.rejected.labels("400").inc()
-            return JSONResponse(error.body(), status_code=400)
+            self.metrics.reject(400)
+            await send_error(send, RequestError(str(exc), exc.where or "body"))
+            return
         except KvreuseError as exc:  # e.g. a chat request and a tokenizer without a template
-            self.metrics.rejected.labels("400").inc()
-            return JSONResponse(RequestError(str(exc), None).body(), status_code=400)
+            self.metrics.reject(400)
+            await send_error(send, RequestError(str(exc), None))
+            return
         if plan is None:
-            self.metrics.rejected.labels("503").inc()
-            return JSONResponse(
-                {"error": {"message": "no upstream is admitted for this request (all ejected, "
-                           "or none in the tenant's subset)", "type": "ServiceUnavailable",
-                           "param": None, "code": 503}}, status_code=503)
+            self.metrics.reject(503)
+            await send_json(send, 503, NO_UPSTREAM)
+            return
         self.metrics.decision_seconds.observe(plan.decision_s)
         assert self.forwarder is not None
-        return await self.forwarder.forward(path, forwarded, parsed, plan)
+        await self.forwarder.forward(receive, send, path, forwarded, parsed, plan)
+
+    def _authenticate(self, authorization: str | None) -> Tenant | None:
+        if self.tenants is None:
+            return None
+        tenant = self.tenants.authenticate(authorization)
+        if tenant is None:
+            raise RequestError("unknown or missing API key: send Authorization: Bearer KEY",
+                               "authorization", 401)
+        return tenant

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -174,3 +175,21 @@ class GatewayMetrics:
             ["status"], registry=self.registry,
         )
         self.registry.register(_StateCollector(state))
+        # labels() hashes and locks on every call; the hot path keeps the children it made.
+        self._request_children: dict[tuple[str, str, str, str], Any] = {}
+        self._rejected_children: dict[int, Any] = {}
+
+    def count_request(self, upstream: str, policy: str, branch: str, status: str) -> None:
+        """One finished (or failed) request. O(1)."""
+        key = (upstream, policy, branch, status)
+        child = self._request_children.get(key)
+        if child is None:
+            child = self._request_children[key] = self.requests.labels(*key)
+        child.inc()
+
+    def reject(self, status: int) -> None:
+        """A request refused before routing, by HTTP status. O(1)."""
+        child = self._rejected_children.get(status)
+        if child is None:
+            child = self._rejected_children[status] = self.rejected.labels(str(status))
+        child.inc()

@@ -14,17 +14,25 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-import httpx
-from starlette.responses import JSONResponse, Response, StreamingResponse
-
+from kvreuse.gateway.asgi import (
+    RawHeaders,
+    Receive,
+    Send,
+    send_bytes,
+    send_json,
+    until_disconnect,
+)
 from kvreuse.gateway.metrics import GatewayMetrics, TokenTally
 from kvreuse.gateway.router import Candidate, Plan, Router
+from kvreuse.gateway.upstream_client import UpstreamError, UpstreamPool, UpstreamResponse
 from kvreuse.gateway.validation import ParsedRequest
 
 log = logging.getLogger("kvreuse.gateway.proxy")
+
+CLIENT_LEFT = 499  # nginx's status for "the client closed the connection first"; metrics only
 
 
 class UsageScanner:
@@ -66,106 +74,117 @@ def cached_tokens_of(usage: dict[str, Any] | None) -> tuple[int, int] | None:
     return (prompt, cached) if isinstance(cached, int) else None
 
 
+def usage_of(content: bytes) -> dict[str, Any] | None:
+    """The ``usage`` object of a whole JSON response, or None. O(bytes)."""
+    if b'"usage"' not in content:  # errors and engines that report none: skip the decode
+        return None
+    try:
+        decoded = json.loads(content)
+    except ValueError:
+        return None
+    usage = decoded.get("usage") if isinstance(decoded, dict) else None
+    return usage if isinstance(usage, dict) else None
+
+
 def sse_error(message: str, status: int = 502) -> bytes:
     body = {"error": {"message": message, "type": "upstream_error", "code": status}}
     return b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"
 
 
 class Forwarder:
-    """Sends planned requests upstream; one per gateway."""
+    """Sends planned requests upstream and answers the client's ASGI ``send``; one per
+    gateway."""
 
     def __init__(
         self,
-        client: httpx.AsyncClient,
+        pools: Mapping[str, UpstreamPool],
         router: Router,
         metrics: GatewayMetrics,
         tallies: dict[str, TokenTally],
         *,
         policy_name: str,
         retries: int,
-        upstream_api_key: str | None = None,
     ) -> None:
-        self.client = client
+        self.pools = pools
         self.router = router
         self.metrics = metrics
         self.tallies = tallies
         self.policy_name = policy_name
         self.retries = retries
-        self.headers = {"content-type": "application/json"}
-        if upstream_api_key:
-            self.headers["authorization"] = f"Bearer {upstream_api_key}"
+        self._names = {name: name.encode("latin-1") for name in pools}
 
-    async def forward(self, path: str, body: bytes, parsed: ParsedRequest, plan: Plan) -> Response:
+    async def forward(self, receive: Receive, send: Send, path: str, body: bytes,
+                      parsed: ParsedRequest, plan: Plan) -> None:
         failures: list[str] = []
-        last_error: Response | None = None
-        for attempt, candidate in enumerate(plan.candidates[: self.retries + 1]):
+        last_error: tuple[int, bytes, bytes | None] | None = None
+        for attempt, candidate in enumerate(self.router.candidates(plan, self.retries + 1)):
             upstream = candidate.upstream
             if attempt:
                 self.metrics.retries.labels(upstream.name).inc()
             self.router.committed(plan, candidate)
             try:
-                request = self.client.build_request(
-                    "POST", upstream.config.url.rstrip("/") + path, content=body,
-                    headers={**self.headers, "x-request-id": plan.request.request_id},
-                )
-                response = await self.client.send(request, stream=True)
-            except httpx.HTTPError as exc:
-                failures.append(self._failed(plan, candidate, f"{type(exc).__name__}: {exc}"))
+                response = await self.pools[upstream.name].request(
+                    "POST", path, body, {"x-request-id": plan.request.request_id})
+            except UpstreamError as exc:
+                failures.append(self._failed(plan, candidate, exc.kind, str(exc)))
                 continue
-            if response.status_code >= 500:
+            if response.status >= 500:
                 content = await self._read_quietly(response)
-                failures.append(self._failed(plan, candidate, f"HTTP {response.status_code}"))
-                last_error = Response(content, response.status_code,
-                                      media_type=response.headers.get("content-type"))
+                failures.append(self._failed(plan, candidate, "HTTP", str(response.status)))
+                last_error = (response.status, content, response.header_bytes(b"content-type"))
                 continue
-            if parsed.stream and response.status_code == 200:
-                stream = response.aiter_raw()
+            if parsed.stream and response.status == 200:
+                stream = response.chunks()
                 try:
                     first = await stream.__anext__()
                 except StopAsyncIteration:
                     first = b""
-                except httpx.HTTPError as exc:
+                except UpstreamError as exc:
                     await response.aclose()
-                    failures.append(self._failed(plan, candidate, f"stream broke: {exc}"))
+                    failures.append(self._failed(plan, candidate, "stream", f"broke: {exc}"))
                     continue
-                return self._stream(plan, candidate, response, first, stream)
+                await self._stream(receive, send, plan, candidate, response, first, stream)
+                return
             try:
-                content = await response.aread()
-            except httpx.HTTPError as exc:
-                failures.append(self._failed(plan, candidate, f"body broke: {exc}"))
+                content = await response.read()
+            except UpstreamError as exc:
+                failures.append(self._failed(plan, candidate, "body", f"broke: {exc}"))
                 continue
-            finally:
-                await response.aclose()
-            return self._whole(plan, candidate, response, content)
+            await self._whole(send, plan, candidate, response, content)
+            return
         if last_error is not None:
-            return last_error
+            status, content, content_type = last_error
+            await send_bytes(send, status, content,
+                             [(b"content-type", content_type)] if content_type else [])
+            return
         message = "no upstream answered: " + "; ".join(failures) if failures else (
             "no upstream to try")
-        return JSONResponse(
-            {"error": {"message": message, "type": "upstream_error", "param": None,
-                       "code": 502}}, status_code=502)
+        await send_json(send, 502, {"error": {"message": message, "type": "upstream_error",
+                                              "param": None, "code": 502}})
 
     # ------------------------------------------------------------------ outcomes
 
-    def _failed(self, plan: Plan, candidate: Candidate, why: str) -> str:
+    def _failed(self, plan: Plan, candidate: Candidate, kind: str, detail: str) -> str:
         upstream = candidate.upstream
         self.router.first_byte(plan, candidate)
         self.router.finished(plan, candidate)
         if upstream.record_failure():
             log.warning("upstream %s ejected after %d failures", upstream.name,
                         upstream.failures)
-        kind = why.split(":")[0].split(" ")[0]
         self.metrics.upstream_errors.labels(upstream.name, kind).inc()
-        self.metrics.requests.labels(upstream.name, self.policy_name, candidate.branch,
-                                     "upstream_error").inc()
-        return f"{upstream.name}: {why}"
+        self.metrics.count_request(upstream.name, self.policy_name, candidate.branch,
+                                   "upstream_error")
+        return f"{upstream.name}: {kind} {detail}"
 
-    def _headers(self, candidate: Candidate, response: httpx.Response) -> dict[str, str]:
-        return {
-            "x-kvreuse-upstream": candidate.upstream.name,
-            "x-kvreuse-branch": candidate.branch,
-            "x-kvreuse-predicted-cached-tokens": str(candidate.predicted_cached_tokens),
-        }
+    def _headers(self, candidate: Candidate, content_type: bytes | None) -> RawHeaders:
+        headers = [
+            (b"x-kvreuse-upstream", self._names[candidate.upstream.name]),
+            (b"x-kvreuse-branch", candidate.branch.encode()),
+            (b"x-kvreuse-predicted-cached-tokens", b"%d" % candidate.predicted_cached_tokens),
+        ]
+        if content_type is not None:
+            headers.append((b"content-type", content_type))
+        return headers
 
     def _done(self, plan: Plan, candidate: Candidate, status: int,
               usage: dict[str, Any] | None) -> None:
@@ -173,62 +192,69 @@ class Forwarder:
         self.router.finished(plan, candidate)
         if status < 500:
             upstream.record_success(probe=False)
-        self.metrics.requests.labels(upstream.name, self.policy_name, candidate.branch,
-                                     str(status)).inc()
+        self.metrics.count_request(upstream.name, self.policy_name, candidate.branch,
+                                   str(status))
         counted = cached_tokens_of(usage)
         if counted is not None:
-            tally = self.tallies.setdefault(upstream.name, TokenTally())
+            tally = self.tallies.get(upstream.name)
+            if tally is None:
+                tally = self.tallies[upstream.name] = TokenTally()
             tally.prompt_tokens += counted[0]
             tally.cached_tokens += counted[1]
             tally.predicted_tokens += candidate.predicted_cached_tokens
             tally.requests_with_usage += 1
 
-    def _whole(self, plan: Plan, candidate: Candidate, response: httpx.Response,
-               content: bytes) -> Response:
+    async def _whole(self, send: Send, plan: Plan, candidate: Candidate,
+                     response: UpstreamResponse, content: bytes) -> None:
         self.router.first_byte(plan, candidate)
-        usage = None
-        if response.status_code == 200:
-            try:
-                decoded = json.loads(content)
-                usage = decoded.get("usage") if isinstance(decoded, dict) else None
-            except ValueError:
-                usage = None
-        self._done(plan, candidate, response.status_code, usage)
-        return Response(content, response.status_code, headers=self._headers(candidate, response),
-                        media_type=response.headers.get("content-type"))
+        usage = usage_of(content) if response.status == 200 else None
+        self._done(plan, candidate, response.status, usage)
+        await send_bytes(send, response.status, content,
+                         self._headers(candidate, response.header_bytes(b"content-type")))
 
-    def _stream(self, plan: Plan, candidate: Candidate, response: httpx.Response, first: bytes,
-                rest: AsyncIterator[bytes]) -> StreamingResponse:
+    async def _stream(self, receive: Receive, send: Send, plan: Plan, candidate: Candidate,
+                      response: UpstreamResponse, first: bytes,
+                      rest: AsyncIterator[bytes]) -> None:
+        """Relay the stream chunk by chunk; the request is done when the upstream's stream
+        ends, breaks (an SSE error event ends the client's stream) or the client leaves (the
+        upstream connection is then closed, which makes vLLM abort the request)."""
         self.router.first_byte(plan, candidate)
         scanner = UsageScanner()
+        upstream = candidate.upstream
+        content_type = response.header_bytes(b"content-type") or b"text/event-stream"
 
-        async def relay() -> AsyncIterator[bytes]:
+        async def relay() -> int:
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": self._headers(candidate, content_type)})
             status = 200
             try:
                 scanner.feed(first)
-                yield first
+                await send({"type": "http.response.body", "body": first, "more_body": True})
                 async for chunk in rest:
                     scanner.feed(chunk)
-                    yield chunk
-            except httpx.HTTPError as exc:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            except UpstreamError as exc:
                 status = 502
-                candidate.upstream.record_failure()
-                self.metrics.upstream_errors.labels(candidate.upstream.name, "midstream").inc()
-                yield sse_error(f"upstream {candidate.upstream.name} failed mid-stream: {exc}")
-            finally:
-                await response.aclose()
-                self._done(plan, candidate, status, scanner.usage)
+                upstream.record_failure()
+                self.metrics.upstream_errors.labels(upstream.name, "midstream").inc()
+                await send({"type": "http.response.body", "more_body": True, "body": sse_error(
+                    f"upstream {upstream.name} failed mid-stream: {exc}")})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return status
 
-        return StreamingResponse(relay(), status_code=200,
-                                 headers=self._headers(candidate, response),
-                                 media_type=response.headers.get("content-type",
-                                                                 "text/event-stream"))
-
-    @staticmethod
-    async def _read_quietly(response: httpx.Response) -> bytes:
+        status: int | None = None
         try:
-            return await response.aread()
-        except httpx.HTTPError:
-            return b""
+            status = await until_disconnect(receive, relay())
+        except OSError:  # a server that reports the gone client by raising (ASGI spec 2.4)
+            status = None
         finally:
             await response.aclose()
+            self._done(plan, candidate, CLIENT_LEFT if status is None else status,
+                       scanner.usage)
+
+    @staticmethod
+    async def _read_quietly(response: UpstreamResponse) -> bytes:
+        try:
+            return await response.read()
+        except UpstreamError:
+            return b""

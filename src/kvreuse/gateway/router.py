@@ -1,17 +1,19 @@
 """The routing core of the gateway: tokens, policy, candidates, and what the policy learns.
 
 A :class:`Router` turns a parsed request into a :class:`Plan`: the request's token ids (as the
-engine will see them), the policy's choice first and the other eligible upstreams after it as
-retry candidates. It tells the policy what was committed (``on_routed``), what finished
-(``on_finished``) and what the upstreams' KV events say (``on_kv_event``, translated by each
-upstream's :class:`~kvreuse.gateway.event_index.EventIndex`). The policy objects are those of
+engine will see them) and the policy's choice; :meth:`Router.candidates` yields that choice and,
+only if it fails before its first byte, the other eligible upstreams as retry candidates
+(ordered then, on the loads of that moment, so the common case pays for no ordering). It
+tells the policy what was committed (``on_routed``), what finished (``on_finished``) and what
+the upstreams' KV events say (``on_kv_event``, translated by each upstream's
+:class:`~kvreuse.gateway.event_index.EventIndex`). The policy objects are those of
 :mod:`kvreuse.routing`, exactly as the simulator builds them.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvreuse.errors import ConfigError
@@ -45,10 +47,12 @@ class Candidate:
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """A routed request: its view for the policy, and upstreams in the order to try them."""
+    """A routed request: its view for the policy, the policy's choice, the upstreams it was
+    allowed to go to (retry candidates come from these) and the decision's duration."""
 
     request: RequestView
-    candidates: tuple[Candidate, ...]
+    first: Candidate
+    eligible: tuple[UpstreamState, ...]
     decision_s: float
 
 
@@ -112,10 +116,10 @@ class Router:
             request_id, tokens, num_tokens(tokens), identity, tenant,
             session_id or parsed.session_id,
         )
-        eligible = [
+        eligible = tuple(
             u for u in self.upstreams.values()
             if u.healthy and (allowed is None or u.name in allowed)
-        ]
+        )
         if not eligible:
             return None
         fleet = FleetView(tuple(u.load() for u in eligible), self.clock())
@@ -124,15 +128,28 @@ class Router:
             return None
         chosen = self.upstreams[decision.replica]
         first = Candidate(chosen, decision.branch, self._predicted(request, decision))
-        rest = sorted(
-            (u for u in eligible if u is not chosen),
-            key=lambda u: (-self._index_match(request, u.name),
-                           self.cost.queue_delay_s(u.load())),
-        )
-        candidates = (first, *(
-            Candidate(u, "retry", self._index_match(request, u.name)) for u in rest
-        ))
-        return Plan(request, candidates, time.perf_counter() - started)
+        return Plan(request, first, eligible, time.perf_counter() - started)
+
+    def candidates(self, plan: Plan, limit: int) -> Iterator[Candidate]:
+        """At most ``limit`` upstreams to try, in order: the policy's choice, then (computed
+        only when asked for, i.e. after the choice failed) the other eligible ones, most
+        cached prompt tokens first, then least predicted queueing. O(n log n) for n
+        eligible, plus one index match each in exact mode."""
+        if limit < 1:
+            return
+        yield plan.first
+        if limit == 1:
+            return
+        chosen = plan.first.upstream
+        ranked = []
+        for upstream in plan.eligible:
+            if upstream is not chosen and upstream.healthy:
+                cached = self._index_match(plan.request, upstream.name)
+                ranked.append((-cached, self.cost.queue_delay_s(upstream.load()),
+                               upstream.name, upstream))
+        ranked.sort(key=lambda entry: entry[:3])
+        for negated, _, _, upstream in ranked[: limit - 1]:
+            yield Candidate(upstream, "retry", -negated)
 
     def _index_match(self, request: RequestView, name: str) -> int:
         index = self.indexes.get(name)

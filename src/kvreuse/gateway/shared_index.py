@@ -24,9 +24,9 @@ Two halves:
   reads the retained tail first. Redis is never on a request's path: routing stays local and a
   Redis outage only makes the index as local as a lone gateway's (counted in :attr:`stats`).
 
-Wiring (see /work/notes/issue5_needs_from_gateway.md): build the index, give it to the
-policy as its approximate estimator, and run :meth:`RedisIndexSync.run` beside the app
-(:func:`attach` does both for an existing :class:`~kvreuse.gateway.app.Gateway`).
+Wiring: ``kvreuse route --shared-index redis://HOST:PORT/DB`` calls :func:`attach`, which gives
+the policy the index as its approximate estimator and runs :meth:`RedisIndexSync.run` in the
+app's lifespan.
 """
 
 from __future__ import annotations
@@ -347,37 +347,3 @@ def describe(sync: RedisIndexSync) -> str:
                        "malformed": s.malformed, "redis_errors": s.redis_errors,
                        "blocks": sync.index.size_blocks()})
 
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m kvreuse.gateway.shared_index --redis URL [--capacity-blocks N] -- ROUTE
-    ARGS``: ``kvreuse route ROUTE ARGS`` with its approximate index shared through Redis (a
-    stand-in until ``kvreuse route`` has the flag itself)."""
-    import argparse
-    import sys
-
-    import uvicorn
-
-    from kvreuse.cli import route
-    from kvreuse.gateway.app import Gateway
-
-    args = list(sys.argv[1:] if argv is None else argv)
-    split = args.index("--") if "--" in args else len(args)
-    own = argparse.ArgumentParser(prog="python -m kvreuse.gateway.shared_index")
-    own.add_argument("--redis", required=True, help="redis://127.0.0.1:PORT/DB")
-    own.add_argument("--capacity-blocks", type=int, default=1 << 20)
-    own.add_argument("--block-size", type=int, default=16)
-    own.add_argument("--stream-maxlen", type=int, default=50_000)
-    mine = own.parse_args(args[:split])
-    parser = argparse.ArgumentParser(prog="kvreuse")
-    route.register(parser.add_subparsers(dest="command"))
-    route_args = parser.parse_args(["route", *args[split + 1 :]])
-    gateway = Gateway(route.build_config(route_args))
-    attach(gateway, mine.redis, capacity_blocks=mine.capacity_blocks,
-           block_size=mine.block_size, stream_maxlen=mine.stream_maxlen)
-    uvicorn.run(gateway.app, host=route_args.host, port=route_args.port,
-                log_level=route_args.log_level, access_log=False, lifespan="on")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -15,7 +15,6 @@ first SSE ``data:`` chunk. Hit rates are read from the engines' own ``/metrics``
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import math
 import time
@@ -27,6 +26,7 @@ import httpx
 from kvreuse.gateway.upstreams import parse_prometheus
 from kvreuse.sim.requests import SimRequest
 from kvreuse.sim.workloads import ChatWorkload, DocumentWorkload
+from kvreuse.testing.rawhttp import RawClient
 from kvreuse.tokens import TOKEN_BYTES, unpack
 
 ALPHABET = "".join(chr(c) for c in range(33, 127) if chr(c) not in "\"\\<|>")
@@ -124,32 +124,27 @@ class Result:
     cached_tokens: int | None = None  # from the usage chunk, when the caller asked for it
 
 
-async def _one(client: httpx.AsyncClient, call: Call, target: str,
+async def _one(client: RawClient, call: Call, target: str,
                headers: Mapping[str, str]) -> Result:
     result = Result(call, target)
-    started = time.perf_counter()
     hdrs = {"content-type": "application/json", **headers}
     if call.session:
         hdrs["x-session-id"] = call.session
-    try:
-        async with client.stream("POST", target + call.path, content=call.body,
-                                 headers=hdrs) as response:
-            result.status = response.status_code
-            result.upstream = response.headers.get("x-kvreuse-upstream", "")
-            if response.status_code != 200:
-                result.error = (await response.aread())[:300].decode(errors="replace")
-            else:
-                tail = b""
-                async for chunk in response.aiter_raw():
-                    if chunk and result.ttft_s is None:
-                        result.ttft_s = time.perf_counter() - started
-                    if b'"error"' in chunk:
-                        result.error = chunk[:300].decode(errors="replace")
-                    tail = (tail + chunk)[-4096:]
-                result.cached_tokens = _cached_tokens(tail)
-    except httpx.HTTPError as exc:
-        result.error = f"{type(exc).__name__}: {exc}"
+    started = time.perf_counter()
+    reply = await client.post(target + call.path, call.body, hdrs)
     result.total_s = time.perf_counter() - started
+    result.status = reply.status
+    result.upstream = reply.headers.get("x-kvreuse-upstream", "")
+    if reply.first_byte_at is not None and reply.status == 200:
+        result.ttft_s = reply.first_byte_at - started
+    if reply.error:
+        result.error = reply.error
+    elif reply.status != 200:
+        result.error = reply.tail[:300].decode(errors="replace")
+    elif reply.saw_error_event:
+        result.error = reply.tail[-300:].decode(errors="replace")
+    else:
+        result.cached_tokens = _cached_tokens(reply.tail)
     return result
 
 
@@ -173,25 +168,20 @@ async def run_stream(
     on_result: Callable[[Result], None],
     *,
     headers: Callable[[Call], Mapping[str, str]] | None = None,
-    max_connections: int = 2048,
     timeout_s: float = 120.0,
     on_tick: Callable[[float], None] | None = None,
 ) -> int:
     """Like :func:`run_calls` for long runs: calls may be generated lazily and each result goes
     to ``on_result`` instead of being kept. Returns the number of calls sent."""
-    per_pool = 32
-    limits = httpx.Limits(max_connections=per_pool, max_keepalive_connections=per_pool)
-    timeout = httpx.Timeout(timeout_s, connect=10.0)
     pending: set[asyncio.Task[Result]] = set()
     sent = 0
 
     def done(task: asyncio.Task[Result]) -> None:
         pending.discard(task)
         on_result(task.result())
-    async with contextlib.AsyncExitStack() as stack:
-        clients = [await stack.enter_async_context(httpx.AsyncClient(timeout=timeout,
-                                                                     limits=limits))
-                   for _ in range(max(max_connections // per_pool, 1))]
+
+    client = RawClient(timeout_s=timeout_s)
+    try:
         loop = asyncio.get_running_loop()
         start = loop.time()
         next_tick = 0.0
@@ -204,12 +194,17 @@ async def run_stream(
             if delay > 0:
                 await asyncio.sleep(delay)
             extra = headers(call) if headers is not None else {}
-            task = loop.create_task(_one(clients[i % len(clients)], call, pick(i, call), extra))
+            task = loop.create_task(_one(client, call, pick(i, call), extra))
             pending.add(task)
             task.add_done_callback(done)
             sent += 1
         while pending:
             await asyncio.sleep(0.05)
+            if on_tick is not None and loop.time() - start >= next_tick:
+                on_tick(loop.time() - start)
+                next_tick += 0.5
+    finally:
+        await client.close()
     return sent
 
 
@@ -218,21 +213,13 @@ async def run_calls(
     pick: Callable[[int, Call], str],
     *,
     headers: Callable[[Call], Mapping[str, str]] | None = None,
-    max_connections: int = 2048,
     timeout_s: float = 120.0,
     on_tick: Callable[[float], None] | None = None,
 ) -> list[Result]:
     """Fire every call at its ``at_s`` (seconds from now) at the URL ``pick(i, call)`` returns;
     wait for all. ``on_tick(elapsed)`` runs about every 0.5 s (fault injection hooks in)."""
-    # httpcore scans every pooled connection for each request, so one big pool costs
-    # O(connections) per request; many small pools keep the client's own overhead flat.
-    per_pool = 32
-    limits = httpx.Limits(max_connections=per_pool, max_keepalive_connections=per_pool)
-    timeout = httpx.Timeout(timeout_s, connect=10.0)
-    async with contextlib.AsyncExitStack() as stack:
-        clients = [await stack.enter_async_context(httpx.AsyncClient(timeout=timeout,
-                                                                     limits=limits))
-                   for _ in range(max(max_connections // per_pool, 1))]
+    client = RawClient(timeout_s=timeout_s)
+    try:
         loop = asyncio.get_running_loop()
         start = loop.time()
         tasks: list[asyncio.Task[Result]] = []
@@ -247,9 +234,10 @@ async def run_calls(
             if delay > 0:
                 await asyncio.sleep(delay)
             extra = headers(call) if headers is not None else {}
-            client = clients[i % len(clients)]
             tasks.append(loop.create_task(_one(client, call, pick(i, call), extra)))
         return list(await asyncio.gather(*tasks))
+    finally:
+        await client.close()
 
 
 # ---------------------------------------------------------------------------- measuring

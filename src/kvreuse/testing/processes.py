@@ -244,9 +244,7 @@ class Fleet:
         argv = self.gateway_argv(engines, port, policy=policy, events=events,
                                  extra_args=extra_args)
         if shared_index:
-            # Until `kvreuse route --shared-index` exists, the module's launcher wires it.
-            argv = [argv[0], "-m", "kvreuse.gateway.shared_index", "--redis", shared_index,
-                    "--", *argv[4:]]
+            argv += ["--shared-index", shared_index]
         proc = self.spawn(name, argv, url=f"http://127.0.0.1:{port}", port=port)
         if wait:
             wait_http(proc)
@@ -254,7 +252,8 @@ class Fleet:
 
     # ------------------------------------------------------------------ peers and redis
 
-    def peer_argv(self, kind: str, engines: Sequence[Process], port: int) -> list[str]:
+    def peer_argv(self, kind: str, engines: Sequence[Process], port: int,
+                  block_size: int = 16) -> list[str]:
         """Launch lines of the peer routers, every listener bound to 127.0.0.1."""
         py = str(PEERS_VENV / "bin" / "python")
         urls = [e.url for e in engines]
@@ -274,16 +273,40 @@ class Fleet:
             for engine in engines:
                 sources += ["--kv-event-source", f"{engine.url}={engine.extra['events']}"]
             return [str(PEERS_VENV / "bin" / "vllm-router"), "--policy", "kv_aware",
-                    "--worker-urls", *urls, *sources, "--kv-event-block-size", "16",
-                    *common, "--log-level", "warning"]
+                    "--worker-urls", *urls, *sources, "--kv-event-block-size",
+                    str(block_size), *common, "--log-level", "warning"]
         raise ValueError(f"unknown peer router {kind!r}")
 
     def start_peer(self, kind: str, engines: Sequence[Process], *,
-                   env: dict[str, str] | None = None) -> Process:
+                   env: dict[str, str] | None = None, block_size: int = 16) -> Process:
         port = free_port()
-        proc = self.spawn(kind, self.peer_argv(kind, engines, port), env=env,
+        proc = self.spawn(kind, self.peer_argv(kind, engines, port, block_size), env=env,
                           url=f"http://127.0.0.1:{port}", port=port)
         wait_http(proc, "/health", timeout_s=60.0)
+        return proc
+
+    def start_vllm(self, name: str, python: str, model_dir: str, *,
+                   block_size: int = 32, max_model_len: int = 2048) -> Process:
+        """A real vLLM replica (the CPU recipe of tests/vllm): prefix caching, prompt-token
+        details, KV events on a publisher it binds (so gateways and peers connect), the
+        development endpoints (``/reset_prefix_cache``). Returns at once; wait with
+        :func:`wait_http` on ``/v1/models`` (40-100 s on two cores)."""
+        import json
+
+        port, events_port = free_port(), free_listen_port()
+        kv_events = {"enable_kv_cache_events": True, "publisher": "zmq",
+                     "endpoint": f"tcp://*:{events_port}", "topic": "kv-events"}
+        argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+                "--served-model-name", "tiny-llama", "--host", "127.0.0.1", "--port", str(port),
+                "--dtype", "float32", "--max-model-len", str(max_model_len),
+                "--block-size", str(block_size), "--enable-prefix-caching",
+                "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(kv_events),
+                "--enforce-eager", "-O0", "--max-num-seqs", "16"]
+        env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1",
+               "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "OMP_NUM_THREADS": "1"}
+        proc = self.spawn(name, argv, env=env, url=f"http://127.0.0.1:{port}", port=port)
+        proc.extra["events"] = f"tcp://127.0.0.1:{events_port}"
+        proc.extra["events_bind"] = "false"
         return proc
 
     def start_redis(self) -> Process:

@@ -113,7 +113,8 @@ Prompt = str | list[int]
 
 
 def probe(url: str, *, samples: int, secret: Callable[[int], Prompt],
-          cold: Callable[[int], Prompt], suffix: Prompt, model: str, victim: Mapping[str, str], attacker: Mapping[str, str],
+          cold: Callable[[int], Prompt], suffix: Prompt, model: str,
+          victim: Mapping[str, str], attacker: Mapping[str, str],
           max_tokens: int = 1) -> ProbeResult:
     """Run the experiment of the module docstring against ``url`` (a gateway or an engine).
     ``secret(i)`` and ``cold(i)`` give prompts of equal length, all distinct."""

@@ -1,0 +1,312 @@
+"""Proxy overhead of one ``kvreuse route`` process: throughput and added latency.
+
+Targets (issue 5): at least 1,000 req/s proxied by ONE gateway process, and at most 1 ms p50 /
+3 ms p99 of latency added against going to the engines directly, at 200 req/s.
+
+Starts ``--engines`` ``kvreuse engine`` replicas with zero-cost timing (no prefill overhead, no
+time per output token: what is measured is HTTP and the gateway, not a simulated GPU) and one
+``kvreuse route`` in front of them, all subprocesses on free 127.0.0.1 ports, then:
+
+(a) **throughput**: a closed loop of ``--connections`` keep-alive clients for ``--duration``
+    seconds, against one engine directly (the peer figure of the same run) and through the
+    gateway; with ``wrk`` when installed (``apt-get install -y wrk``), else an asyncio client.
+    The gateway's CPU seconds per request are read from /proc, a figure that depends less on
+    what else the machine runs than req/s does.
+(b) **added latency**: an open loop at ``--rate`` req/s through the gateway and, interleaved
+    with it in the same seconds, the same rate sent directly to the engines (round robin);
+    latency is timed from each request's *scheduled* start (no coordinated omission). Added
+    latency = gateway percentile - direct percentile.
+
+Requests are short completions (``max_tokens`` 1) over ``--prompts`` distinct prompts that
+share a system-like prefix, so cache-aware policies have real matching to do. Prints the
+figures and PASS/FAIL per target, stops every process it started.
+
+    .venv/bin/python benchmarks/gateway_throughput.py [--policy cache_aware] [--engines 2]
+        [--connections 32] [--duration 8] [--rate 200] [--latency-seconds 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvreuse.gateway.upstream_client import UpstreamError, UpstreamPool
+from kvreuse.testing.processes import EngineSpec, Fleet, Process
+
+TARGET_RPS = 1000.0
+TARGET_ADDED_P50_MS = 1.0
+TARGET_ADDED_P99_MS = 3.0
+ZERO_COST = EngineSpec(model="sim", cache_tokens=262_144, block_size=16,
+                       prefill_tokens_per_s=1e9, overhead_ms=0.0, tpot_ms=0.0, events=False)
+
+
+def prompt_bodies(count: int, seed: int = 0) -> list[bytes]:
+    rng = random.Random(seed)
+    words = ["route", "cache", "prefix", "token", "engine", "block", "tenant", "salt"]
+    shared = " ".join(rng.choice(words) for _ in range(60))
+    return [json.dumps({"model": "sim", "prompt": f"{shared} question {i}: "
+                        + " ".join(rng.choice(words) for _ in range(12)),
+                        "max_tokens": 1}).encode() for i in range(count)]
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, from /proc/PID/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# ---------------------------------------------------------------------------------- (a) closed loop
+
+
+@dataclass(frozen=True, slots=True)
+class Throughput:
+    target: str
+    requests: int
+    errors: int
+    seconds: float
+    tool: str
+
+    @property
+    def rps(self) -> float:
+        return self.requests / self.seconds
+
+
+WRK_SCRIPT = """
+bodies = {%s}
+counter = 0
+request = function()
+  counter = counter + 1
+  return wrk.format("POST", "/v1/completions", {["Content-Type"]="application/json"},
+                    bodies[(counter %% #bodies) + 1])
+end
+"""
+
+
+def closed_loop_wrk(name: str, url: str, bodies: list[bytes], connections: int,
+                    duration_s: float, workdir: Path) -> Throughput:
+    script = workdir / "bodies.lua"
+    quoted = ",".join("[==[" + b.decode() + "]==]" for b in bodies)
+    script.write_text(WRK_SCRIPT % quoted)
+    out = subprocess.run(
+        ["wrk", "-t1", f"-c{connections}", f"-d{duration_s:g}s", "-s", str(script),
+         url + "/v1/completions"], capture_output=True, text=True, check=True).stdout
+    requests = errors = 0
+    seconds = duration_s
+    for line in out.splitlines():
+        parts = line.split()
+        if "requests in" in line:
+            requests = int(parts[0])
+            seconds = float(parts[3].rstrip("s,"))
+        elif line.strip().startswith("Non-2xx"):
+            errors += int(parts[-1])
+        elif line.strip().startswith("Socket errors"):
+            errors += sum(int(p.rstrip(",")) for p in parts[3::2])
+    return Throughput(name, requests - errors, errors, seconds, "wrk")
+
+
+async def _closed_loop_asyncio(url: str, bodies: list[bytes], connections: int,
+                               duration_s: float) -> tuple[int, int, float]:
+    pool = UpstreamPool(url, max_connections=connections,
+                        headers={"content-type": "application/json"})
+    done = errors = 0
+    stop = time.monotonic() + duration_s
+
+    async def client(index: int) -> None:
+        nonlocal done, errors
+        n = index
+        while time.monotonic() < stop:
+            n += connections
+            try:
+                response = await pool.request("POST", "/v1/completions", bodies[n % len(bodies)])
+                await response.read()
+                ok = response.status == 200
+            except UpstreamError:
+                ok = False
+            done += ok
+            errors += not ok
+
+    started = time.monotonic()
+    await asyncio.gather(*(client(i) for i in range(connections)))
+    elapsed = time.monotonic() - started
+    await pool.aclose()
+    return done, errors, elapsed
+
+
+def closed_loop(name: str, url: str, bodies: list[bytes], connections: int, duration_s: float,
+                workdir: Path, use_wrk: bool) -> Throughput:
+    if use_wrk:
+        return closed_loop_wrk(name, url, bodies, connections, duration_s, workdir)
+    done, errors, elapsed = run_async(_closed_loop_asyncio(url, bodies, connections, duration_s))
+    return Throughput(name, done, errors, elapsed, "asyncio client")
+
+
+# ---------------------------------------------------------------------------------- (b) open loop
+
+
+@dataclass(frozen=True, slots=True)
+class Latencies:
+    target: str
+    sent: int
+    errors: int
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def _open_loop(gateway: str, engines: list[str], bodies: list[bytes], rate: float,
+                     seconds: float, warmup_s: float) -> list[Latencies]:
+    headers = {"content-type": "application/json"}
+    gw_pool = UpstreamPool(gateway, max_connections=256, headers=headers)
+    direct = [UpstreamPool(url, max_connections=256, headers=headers) for url in engines]
+    samples: dict[str, list[float]] = {"gateway": [], "direct": []}
+    failed = {"gateway": 0, "direct": 0}
+    loop = asyncio.get_running_loop()
+    tasks: list[asyncio.Task[None]] = []
+
+    async def one(kind: str, pool: UpstreamPool, body: bytes, scheduled: float,
+                  record: bool) -> None:
+        try:
+            response = await pool.request("POST", "/v1/completions", body)
+            await response.read()
+            ok = response.status == 200
+        except UpstreamError:
+            ok = False
+        if record:
+            if ok:
+                samples[kind].append((time.perf_counter() - scheduled) * 1000.0)
+            else:
+                failed[kind] += 1
+
+    interval = 1.0 / rate
+    # perf_counter, not loop.time(): uvloop's clock ticks in whole milliseconds.
+    start = time.perf_counter() + 0.05
+    total = int((seconds + warmup_s) * rate)
+    for i in range(total):
+        scheduled = start + i * interval
+        delay = scheduled - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        record = i >= warmup_s * rate
+        body = bodies[i % len(bodies)]
+        # Each tick sends one request through the gateway and one straight to an engine, so
+        # both see the same moments of the machine (other processes, GC, timer jitter).
+        tasks.append(loop.create_task(one("gateway", gw_pool, body, scheduled, record)))
+        tasks.append(loop.create_task(
+            one("direct", direct[i % len(direct)], body, scheduled, record)))
+        if len(tasks) > 4096:
+            tasks = [t for t in tasks if not t.done()]
+    await asyncio.gather(*tasks)
+    for pool in (gw_pool, *direct):
+        await pool.aclose()
+    out = []
+    for kind in ("direct", "gateway"):
+        values = samples[kind] or [float("nan")]
+        out.append(Latencies(kind, len(samples[kind]) + failed[kind], failed[kind],
+                             percentile(values, 0.5), percentile(values, 0.9),
+                             percentile(values, 0.99)))
+    return out
+
+
+def run_async(coro):  # type: ignore[no-untyped-def]
+    try:
+        import uvloop
+
+        return uvloop.run(coro)
+    except ImportError:
+        return asyncio.run(coro)
+
+
+# ---------------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--policy", default="cache_aware")
+    parser.add_argument("--engines", type=int, default=2)
+    parser.add_argument("--connections", type=int, default=32)
+    parser.add_argument("--duration", type=float, default=8.0, help="seconds per closed loop")
+    parser.add_argument("--rate", type=float, default=200.0, help="open-loop req/s")
+    parser.add_argument("--latency-seconds", type=float, default=15.0)
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--no-wrk", action="store_true", help="use the asyncio client")
+    args = parser.parse_args(argv)
+
+    use_wrk = shutil.which("wrk") is not None and not args.no_wrk
+    bodies = prompt_bodies(args.prompts)
+    workdir = Path(tempfile.mkdtemp(prefix="kvreuse-gwbench-"))
+    print(f"gateway throughput: policy {args.policy}, {args.engines} zero-cost engines, "
+          f"{os.cpu_count()} CPUs, load generator {'wrk' if use_wrk else 'asyncio client'}")
+    with Fleet(workdir) as fleet:
+        spec = ZERO_COST if args.policy != "exact" else dataclasses.replace(ZERO_COST,
+                                                                            events=True)
+        engines = fleet.start_engines(args.engines, spec)
+        gateway: Process = fleet.start_gateway(
+            "gateway", engines, policy=args.policy,
+            extra_args=["--metrics-interval", "0", "--health-interval", "2"])
+        # Warm both paths (connections, memo caches, lazy imports).
+        closed_loop("warmup", gateway.url, bodies, args.connections, 1.0, workdir, use_wrk)
+
+        direct = closed_loop("direct (one engine)", engines[0].url, bodies, args.connections,
+                             args.duration, workdir, use_wrk)
+        cpu_before = cpu_seconds(gateway.pid)
+        proxied = closed_loop("through the gateway", gateway.url, bodies, args.connections,
+                              args.duration, workdir, use_wrk)
+        gateway_cpu = cpu_seconds(gateway.pid) - cpu_before
+        print(f"\n(a) closed loop, {args.connections} keep-alive connections, "
+              f"{args.duration:g} s each ({proxied.tool})")
+        for t in (direct, proxied):
+            print(f"    {t.target:24s} {t.rps:8.0f} req/s  ({t.requests} ok, {t.errors} errors)")
+        per_request_us = gateway_cpu / max(proxied.requests, 1) * 1e6
+        print(f"    gateway CPU: {gateway_cpu:.2f} s = {per_request_us:.0f} us per request "
+              f"(ceiling at one full core: {1e6 / per_request_us:,.0f} req/s); gateway / "
+              f"direct-to-one-engine throughput: {proxied.rps / direct.rps:.2f}")
+
+        lat = run_async(_open_loop(gateway.url, [e.url for e in engines], bodies, args.rate,
+                                   args.latency_seconds, warmup_s=1.0))
+        print(f"\n(b) open loop, {args.rate:g} req/s through the gateway + {args.rate:g} req/s "
+              f"direct, interleaved, {args.latency_seconds:g} s (latency from scheduled start)")
+        for entry in lat:
+            print(f"    {entry.target:8s} p50 {entry.p50_ms:6.2f} ms  p90 {entry.p90_ms:6.2f} ms "
+                  f" p99 {entry.p99_ms:6.2f} ms  ({entry.sent} sent, {entry.errors} errors)")
+        by = {entry.target: entry for entry in lat}
+        added_p50 = by["gateway"].p50_ms - by["direct"].p50_ms
+        added_p99 = by["gateway"].p99_ms - by["direct"].p99_ms
+        print(f"    added by the gateway: p50 {added_p50:+.2f} ms, p99 {added_p99:+.2f} ms")
+        if not gateway.alive():
+            print(gateway.log_tail())
+
+    errors = proxied.errors + by["gateway"].errors
+    verdicts = [
+        (f">= {TARGET_RPS:,.0f} req/s proxied by one gateway", proxied.rps >= TARGET_RPS,
+         f"{proxied.rps:,.0f} req/s"),
+        (f"added p50 <= {TARGET_ADDED_P50_MS:g} ms at {args.rate:g} req/s",
+         added_p50 <= TARGET_ADDED_P50_MS, f"{added_p50:.2f} ms"),
+        (f"added p99 <= {TARGET_ADDED_P99_MS:g} ms at {args.rate:g} req/s",
+         added_p99 <= TARGET_ADDED_P99_MS, f"{added_p99:.2f} ms"),
+        ("no failed request through the gateway", errors == 0, f"{errors} errors"),
+    ]
+    print("\ntargets")
+    for text, ok, figure in verdicts:
+        print(f"    {'PASS' if ok else 'FAIL'}  {text}: {figure}")
+    shutil.rmtree(workdir, ignore_errors=True)
+    return 0 if all(ok for _, ok, _ in verdicts) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

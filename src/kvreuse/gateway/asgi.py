@@ -1,0 +1,125 @@
+"""Bare ASGI for the gateway's hot path (``POST /v1/completions`` and ``/v1/chat/completions``).
+
+Every proxied request passes here, so these endpoints skip Starlette's request and response
+objects and middleware stack (URL parsing, header multidicts, exception wrappers: about a tenth
+of the gateway's CPU per request, measured in benchmarks/gateway_throughput.py) and speak ASGI
+messages directly. The other endpoints (/health, /ready, /metrics, /v1/models) stay on Starlette.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Coroutine, Iterable
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvreuse.gateway.validation import RequestError
+
+__all__ = ["ASGIApp", "ClientGone", "Message", "RawHeaders", "Receive", "Scope", "Send",
+           "ServerStack", "read_body", "send_bytes", "send_error", "send_json", "server_stack",
+           "until_disconnect"]
+
+RawHeaders = list[tuple[bytes, bytes]]
+T = TypeVar("T")
+
+JSON_TYPE = (b"content-type", b"application/json")
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request body was complete."""
+
+
+async def read_body(receive: Receive, limit: int, declared: bytes | None) -> bytes:
+    """The request body; :class:`RequestError` (413) past ``limit`` bytes, :class:`ClientGone`
+    when the client leaves first. O(body)."""
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise RequestError(f"the body is larger than {limit} bytes", "body", 413)
+    message = await receive()
+    if message["type"] != "http.request":
+        raise ClientGone
+    body: bytes = message.get("body", b"")
+    if not message.get("more_body", False):  # the usual case: one message holds it all
+        if len(body) > limit:
+            raise RequestError(f"the body is larger than {limit} bytes", "body", 413)
+        return body
+    chunks, size = [body], len(body)
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            raise ClientGone
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise RequestError(f"the body is larger than {limit} bytes", "body", 413)
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def send_bytes(send: Send, status: int, body: bytes,
+                     headers: Iterable[tuple[bytes, bytes]] = ()) -> None:
+    """A whole response: status, ``headers`` plus content-length, then the body."""
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-length", b"%d" % len(body)), *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def send_json(send: Send, status: int, value: Any,
+                    headers: Iterable[tuple[bytes, bytes]] = ()) -> None:
+    await send_bytes(send, status, json.dumps(value).encode(), (JSON_TYPE, *headers))
+
+
+async def send_error(send: Send, error: RequestError) -> None:
+    """OpenAI's error shape, as vLLM answers."""
+    await send_json(send, error.status, error.body())
+
+
+async def until_disconnect(receive: Receive, work: Coroutine[Any, Any, T]) -> T | None:
+    """Run ``work`` (which sends a streamed response) to its end, unless the client disconnects
+    first: then ``work`` is cancelled and None returned.
+
+    uvicorn (ASGI spec 2.3) drops messages sent to a gone client without telling the sender, so
+    a stream would run on for nobody; the only signal is ``http.disconnect`` on ``receive``.
+    Costs two tasks per stream, which is why whole responses do without it."""
+    loop = asyncio.get_running_loop()
+    task = loop.create_task(work)
+    watcher = loop.create_task(_disconnected(receive))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this handler itself was cancelled (shutdown)
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.wait((task,))  # let its cleanup run; its CancelledError stays in it
+    return None
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+@dataclass(frozen=True, slots=True)
+class ServerStack:
+    """uvicorn's ``loop`` and ``http`` options."""
+
+    loop: Literal["uvloop", "asyncio"]
+    http: Literal["httptools", "h11"]
+
+
+def server_stack() -> ServerStack:
+    """uvloop and httptools when installed (the gateway extra installs both; together they
+    about double a process's requests per second against asyncio and h11), else the
+    pure-Python pair."""
+    import importlib.util
+
+    fast_loop = importlib.util.find_spec("uvloop") is not None
+    fast_http = importlib.util.find_spec("httptools") is not None
+    return ServerStack("uvloop" if fast_loop else "asyncio", "httptools" if fast_http else "h11")
