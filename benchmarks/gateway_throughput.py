@@ -12,10 +12,15 @@ time per output token: what is measured is HTTP and the gateway, not a simulated
     gateway; with ``wrk`` when installed (``apt-get install -y wrk``), else an asyncio client.
     The gateway's CPU seconds per request are read from /proc, a figure that depends less on
     what else the machine runs than req/s does.
+(c) **upstream client alone** (why the gateway has its own): from this process, a closed
+    loop of ``--connections`` concurrent requests to the engines with httpx (one shared
+    ``AsyncClient``, as the gateway had; one ``AsyncClient`` per upstream with 64 connections)
+    and with ``kvreuse.gateway.upstream_client.UpstreamPool``; CPU microseconds per request.
 (b) **added latency**: an open loop at ``--rate`` req/s through the gateway and, interleaved
     with it in the same seconds, the same rate sent directly to the engines (round robin);
-    latency is timed from each request's *scheduled* start (no coordinated omission). Added
-    latency = gateway percentile - direct percentile.
+    the sender never waits for answers (no coordinated omission) and each latency is timed from
+    the moment its request is handed to the socket (how late the sender was against the
+    schedule is printed apart). Added latency = gateway percentile - direct percentile.
 
 Requests are short completions (``max_tokens`` 1) over ``--prompts`` distinct prompts that
 share a system-like prefix, so cache-aware policies have real matching to do. Prints the
@@ -38,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -176,11 +182,15 @@ async def _open_loop(gateway: str, engines: list[str], bodies: list[bytes], rate
     direct = [UpstreamPool(url, max_connections=256, headers=headers) for url in engines]
     samples: dict[str, list[float]] = {"gateway": [], "direct": []}
     failed = {"gateway": 0, "direct": 0}
+    lateness: list[float] = []
     loop = asyncio.get_running_loop()
     tasks: list[asyncio.Task[None]] = []
 
     async def one(kind: str, pool: UpstreamPool, body: bytes, scheduled: float,
                   record: bool) -> None:
+        started = time.perf_counter()
+        if record and kind == "gateway":
+            lateness.append((started - scheduled) * 1000.0)
         try:
             response = await pool.request("POST", "/v1/completions", body)
             await response.read()
@@ -189,7 +199,7 @@ async def _open_loop(gateway: str, engines: list[str], bodies: list[bytes], rate
             ok = False
         if record:
             if ok:
-                samples[kind].append((time.perf_counter() - scheduled) * 1000.0)
+                samples[kind].append((time.perf_counter() - started) * 1000.0)
             else:
                 failed[kind] += 1
 
@@ -220,6 +230,8 @@ async def _open_loop(gateway: str, engines: list[str], bodies: list[bytes], rate
         out.append(Latencies(kind, len(samples[kind]) + failed[kind], failed[kind],
                              percentile(values, 0.5), percentile(values, 0.9),
                              percentile(values, 0.99)))
+    out.append(Latencies("sender lateness", len(lateness), 0, percentile(lateness, 0.5),
+                         percentile(lateness, 0.9), percentile(lateness, 0.99)))
     return out
 
 
@@ -230,6 +242,67 @@ def run_async(coro):  # type: ignore[no-untyped-def]
         return uvloop.run(coro)
     except ImportError:
         return asyncio.run(coro)
+
+
+# ---------------------------------------------------------------------------------- (c) clients
+
+
+async def _client_cost(kind: str, urls: list[str], bodies: list[bytes], concurrency: int,
+                       seconds: float) -> tuple[float, float]:
+    """(requests per second, CPU microseconds per request) of one client implementation."""
+    import httpx
+
+    headers = {"content-type": "application/json"}
+    one: Callable[[int], Awaitable[None]]
+    closers: list[Callable[[], Awaitable[None]]] = []
+    if kind == "UpstreamPool":
+        pools = [UpstreamPool(url, headers=headers) for url in urls]
+        closers = [pool.aclose for pool in pools]
+
+        async def one(n: int) -> None:
+            response = await pools[n % len(pools)].request("POST", "/v1/completions",
+                                                           bodies[n % len(bodies)])
+            await response.read()
+    else:
+        if kind == "httpx, one client":
+            shared = httpx.AsyncClient(limits=httpx.Limits(max_connections=1024,
+                                                           max_keepalive_connections=256))
+            clients = [shared] * len(urls)
+        else:
+            clients = [httpx.AsyncClient(limits=httpx.Limits(max_connections=64,
+                                                             max_keepalive_connections=64))
+                       for _ in urls]
+        closers = [client.aclose for client in set(clients)]
+        targets = [url + "/v1/completions" for url in urls]
+
+        async def one(n: int) -> None:
+            client = clients[n % len(clients)]
+            request = client.build_request("POST", targets[n % len(targets)],
+                                           content=bodies[n % len(bodies)], headers=headers)
+            response = await client.send(request, stream=True)
+            await response.aread()
+            await response.aclose()
+
+    done = 0
+    stop = time.monotonic() + seconds
+
+    async def worker(index: int) -> None:
+        nonlocal done
+        n = index
+        while time.monotonic() < stop:
+            await one(n)
+            n += concurrency
+            done += 1
+
+    cpu, wall = time.process_time(), time.monotonic()
+    await asyncio.gather(*(worker(i) for i in range(concurrency)))
+    cpu, wall = time.process_time() - cpu, time.monotonic() - wall
+    for close in closers:
+        await close()
+    return done / wall, cpu / max(done, 1) * 1e6
+
+
+CLIENTS = ("httpx, one client", "httpx, one per upstream", "UpstreamPool")
 
 
 # ---------------------------------------------------------------------------------- main
@@ -245,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--latency-seconds", type=float, default=15.0)
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--no-wrk", action="store_true", help="use the asyncio client")
+    parser.add_argument("--client-seconds", type=float, default=3.0,
+                        help="seconds per client in (c); 0 skips it")
     args = parser.parse_args(argv)
 
     use_wrk = shutil.which("wrk") is not None and not args.no_wrk
@@ -262,8 +337,10 @@ def main(argv: list[str] | None = None) -> int:
         # Warm both paths (connections, memo caches, lazy imports).
         closed_loop("warmup", gateway.url, bodies, args.connections, 1.0, workdir, use_wrk)
 
+        engine_before = cpu_seconds(engines[0].pid)
         direct = closed_loop("direct (one engine)", engines[0].url, bodies, args.connections,
                              args.duration, workdir, use_wrk)
+        engine_cpu = cpu_seconds(engines[0].pid) - engine_before
         cpu_before = cpu_seconds(gateway.pid)
         proxied = closed_loop("through the gateway", gateway.url, bodies, args.connections,
                               args.duration, workdir, use_wrk)
@@ -273,21 +350,32 @@ def main(argv: list[str] | None = None) -> int:
         for t in (direct, proxied):
             print(f"    {t.target:24s} {t.rps:8.0f} req/s  ({t.requests} ok, {t.errors} errors)")
         per_request_us = gateway_cpu / max(proxied.requests, 1) * 1e6
-        print(f"    gateway CPU: {gateway_cpu:.2f} s = {per_request_us:.0f} us per request "
-              f"(ceiling at one full core: {1e6 / per_request_us:,.0f} req/s); gateway / "
-              f"direct-to-one-engine throughput: {proxied.rps / direct.rps:.2f}")
+        engine_us = engine_cpu / max(direct.requests, 1) * 1e6
+        print(f"    CPU per request: gateway {per_request_us:.0f} us (one full core would proxy "
+              f"{1e6 / per_request_us:,.0f} req/s), engine {engine_us:.0f} us (direct run)")
+        print(f"    gateway / direct-to-one-engine throughput: {proxied.rps / direct.rps:.2f}; "
+              f"load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
 
         lat = run_async(_open_loop(gateway.url, [e.url for e in engines], bodies, args.rate,
                                    args.latency_seconds, warmup_s=1.0))
         print(f"\n(b) open loop, {args.rate:g} req/s through the gateway + {args.rate:g} req/s "
-              f"direct, interleaved, {args.latency_seconds:g} s (latency from scheduled start)")
+              f"direct, interleaved, {args.latency_seconds:g} s")
         for entry in lat:
-            print(f"    {entry.target:8s} p50 {entry.p50_ms:6.2f} ms  p90 {entry.p90_ms:6.2f} ms "
-                  f" p99 {entry.p99_ms:6.2f} ms  ({entry.sent} sent, {entry.errors} errors)")
+            count = (f"({entry.sent} sent, {entry.errors} errors)"
+                     if entry.target != "sender lateness" else "(behind schedule, not counted)")
+            print(f"    {entry.target:16s} p50 {entry.p50_ms:6.2f} ms  p90 {entry.p90_ms:6.2f} ms "
+                  f" p99 {entry.p99_ms:6.2f} ms  {count}")
         by = {entry.target: entry for entry in lat}
         added_p50 = by["gateway"].p50_ms - by["direct"].p50_ms
         added_p99 = by["gateway"].p99_ms - by["direct"].p99_ms
         print(f"    added by the gateway: p50 {added_p50:+.2f} ms, p99 {added_p99:+.2f} ms")
+        if args.client_seconds > 0:
+            print(f"\n(c) upstream client alone: {args.connections} concurrent requests from "
+                  f"one process to the engines, {args.client_seconds:g} s each")
+            for kind in CLIENTS:
+                rps, us = run_async(_client_cost(kind, [e.url for e in engines], bodies,
+                                                 args.connections, args.client_seconds))
+                print(f"    {kind:24s} {us:7.0f} us CPU per request  ({rps:,.0f} req/s)")
         if not gateway.alive():
             print(gateway.log_tail())
 

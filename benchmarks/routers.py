@@ -94,6 +94,29 @@ def scenario_calls(name: str, *, rate: float, warmup_s: float, duration_s: float
     raise SystemExit(f"unknown scenario {name!r}: choose belgavi, contracts, surge")
 
 
+def ceiling(calls: Sequence[Call], block_size: int = 16) -> float:
+    """The token hit rate of one infinite cache holding every earlier prompt (no router can do
+    better; outputs are not counted as reusable): whole blocks of each measured prompt's longest
+    match among all prompts sent before it. Prompts are read back from the request bodies."""
+    from kvreuse.gateway.prompts import TextApproximation
+    from kvreuse.index import RadixIndex
+
+    render = TextApproximation()
+    seen = RadixIndex()
+    hits = total = 0
+    for call in calls:
+        body = json.loads(call.body)
+        tokens = (render.completion(body["prompt"]) if "prompt" in body
+                  else render.chat(body["messages"]))
+        matched = seen.match(tokens).length
+        seen.insert(tokens)
+        if call.measured:
+            count = len(tokens) // 4
+            hits += min(matched, count - 1) // block_size * block_size
+            total += count
+    return hits / total if total else 0.0
+
+
 # ---------------------------------------------------------------------------- one run
 
 
@@ -119,7 +142,8 @@ def reset_caches(engines: Sequence[Process]) -> None:
 
 
 def start_router(fleet: Fleet, router: str, engines: Sequence[Process],
-                 gateway_args: Sequence[str] = (), block_size: int = 16) -> Process | None:
+                 gateway_args: Sequence[str] = (), block_size: int = 16,
+                 model: str = MODEL) -> Process | None:
     if router == "direct":
         return None
     if router.startswith("kvreuse:"):
@@ -128,15 +152,15 @@ def start_router(fleet: Fleet, router: str, engines: Sequence[Process],
         if policy in ("cache_aware", "cache_aware_sglang", "exact"):
             extra += ["--policy-option", f"block_size={block_size}"]
         return fleet.start_gateway(router, engines, policy=policy, extra_args=extra)
-    return fleet.start_peer(router, engines, block_size=block_size)
+    return fleet.start_peer(router, engines, block_size=block_size, model=model)
 
 
 def measure(fleet: Fleet, engines: Sequence[Process], router: str, scenario: str,
             calls: Sequence[Call], warmup_s: float, gateway_args: Sequence[str] = (),
-            block_size: int = 16) -> RunRow:
+            block_size: int = 16, model: str = MODEL) -> RunRow:
     reset_caches(engines)
     try:
-        proc = start_router(fleet, router, engines, gateway_args, block_size)
+        proc = start_router(fleet, router, engines, gateway_args, block_size, model)
     except RuntimeError as exc:
         return RunRow(scenario, router, float("nan"), float("nan"), float("nan"),
                       float("nan"), 0, 0, str(exc).splitlines()[0])
@@ -337,7 +361,8 @@ def vllm_section(fleet: Fleet, args: argparse.Namespace, routers: Sequence[str]
     rows = []
     for router in chosen:
         row = measure(fleet, replicas, router, "vllm-chat", calls, args.warmup,
-                      gateway_args=["--tokenizer", str(model)], block_size=32)
+                      gateway_args=["--tokenizer", str(model)], block_size=32,
+                      model=VLLM_MODEL)
         rows.append(row)
         print_table_row(row)
     for replica in replicas:
@@ -396,6 +421,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     routers = router_list(args.routers)
     scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+    if args.vllm_only:
+        scenarios, args.skip_cost = [], True
     estimate = (args.warmup + args.duration + 6) * len(routers) * len(scenarios)
     print(f"# {len(routers)} routers x {len(scenarios)} scenarios, about {estimate / 60:.0f} min"
           f" plus the gateway-cost runs", flush=True)
@@ -407,13 +434,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"# logs in {fleet.workdir}", flush=True)
         if args.vllm or args.vllm_only:
             rows += vllm_section(fleet, args, routers)
-        if args.vllm_only:
-            scenarios, args.skip_cost = [], True
         engines = fleet.start_engines(args.replicas, spec) if scenarios else []
         for scenario in scenarios:
             calls = scenario_calls(scenario, rate=args.rate, warmup_s=args.warmup,
                                    duration_s=args.duration, seed=args.seed,
                                    max_tokens=args.max_tokens)
+            print(f"{scenario:10} {'ceiling (one infinite cache)':26} {ceiling(calls):8.1%}",
+                  flush=True)
             for router in routers:
                 row = measure(fleet, engines, router, scenario, calls, args.warmup)
                 rows.append(row)

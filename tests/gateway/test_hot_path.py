@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import httpx
+import pytest
 
 from .fleet import Engine, RunningGateway, start_engine
 
@@ -70,3 +71,46 @@ def test_client_leaving_mid_stream_frees_gateway_and_engine(gateway_factory: Fac
         assert slow.engine.replica.counters.generation_tokens < 400
     finally:
         slow.server.stop()
+
+
+def test_body_decoding_accepts_and_refuses_as_the_stdlib() -> None:
+    """The fast decoder falls back to json's rules: NaN and lone surrogates are accepted (and
+    written back as json writes them), non-objects and broken JSON are refused naming the
+    body."""
+    from kvreuse.gateway.app import decode_body
+    from kvreuse.gateway.validation import RequestError
+
+    assert decode_body(b'{"model": "m", "n": 2}').value == {"model": "m", "n": 2}
+    lenient = decode_body(b'{"temperature": NaN, "s": "\\ud800"}')
+    assert lenient.value["temperature"] != lenient.value["temperature"]  # NaN, as json gives
+    assert json.loads(lenient.encode())["s"] == "\ud800"  # and re-encoded as json would
+    assert b"NaN" in lenient.encode()
+    for raw in (b"[1, 2]", b"{not json", b"\xff\xfe"):
+        with pytest.raises(RequestError) as refused:
+            decode_body(raw)
+        assert refused.value.param == "body" and refused.value.status == 400
+
+
+def test_usage_is_read_from_whole_and_streamed_responses() -> None:
+    """usage comes out of a completion body and out of the SSE usage chunk; null, absent or
+    malformed usage gives None."""
+    from kvreuse.gateway.proxy import UsageScanner, usage_of
+
+    usage = {"prompt_tokens": 8, "prompt_tokens_details": {"cached_tokens": 4}}
+    assert usage_of(json.dumps({"choices": [], "usage": usage}).encode()) == usage
+    for body in (b'{"usage": null}', b'{"usage": 3}', b'["usage"]', b'{"usage": {'):
+        assert usage_of(body) is None
+    scanner = UsageScanner()
+    event = b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\n"
+    for piece in (b'data: {"choices": [1], "usage": null}\n\n', event[:20], event[20:],
+                  b"data: [DONE]\n\n"):
+        scanner.feed(piece)
+    assert scanner.usage == usage
+
+
+def test_trailing_slash_is_served(engines: list[Engine], gateway_factory: Factory) -> None:
+    """POST /v1/completions/ is the same endpoint, forwarded to the upstream's canonical path."""
+    gateway = gateway_factory(engines, policy="round_robin")
+    response = httpx.post(gateway.url + "/v1/completions/",
+                          json={"model": "sim", "prompt": "slash", "max_tokens": 1})
+    assert response.status_code == 200 and response.json()["object"] == "text_completion"

@@ -7,6 +7,7 @@ transports differ (uvloop's are no subclass of asyncio.Transport).
 from __future__ import annotations
 
 import asyncio
+import random
 import re
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -400,3 +401,90 @@ def test_slow_reader_pauses_the_upstream(run: Callable[..., Any]) -> None:
 
     blocked, total = run(main())
     assert blocked and total == size
+
+
+def test_body_delimited_by_close_is_complete(run: Callable[..., Any]) -> None:
+    """A response with neither content-length nor chunked encoding ends at the close."""
+    async def old_style(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                        index: int) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\nuntil the end")
+        await writer.drain()
+
+    async def main() -> tuple[bytes, int]:
+        script = Script(old_style)
+        pool = UpstreamPool(await script.start())
+        body = await roundtrip(pool)
+        second = await roundtrip(pool)
+        assert second == body
+        await pool.aclose()
+        await script.stop()
+        return body, script.connections
+
+    assert run(main()) == (b"until the end", 2)
+
+
+def test_connection_closed_after_answering_fails_no_queued_request(
+        run: Callable[..., Any]) -> None:
+    """A kept-alive connection the server closes right after answering, while requests queue
+    for it (one connection allowed), is replaced for them: none fails, none waits out the
+    read timeout."""
+    async def first_closes(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                           index: int) -> None:
+        if index > 0:
+            await keep_answering(reader, writer, index)
+        await read_request(reader)
+        writer.write(OK)  # keep-alive as far as the client knows, then closed at once
+        await writer.drain()
+
+    async def main() -> list[bytes]:
+        script = Script(first_closes)
+        pool = UpstreamPool(await script.start(), max_connections=1, read_timeout_s=3.0)
+        bodies = await asyncio.wait_for(
+            asyncio.gather(*(roundtrip(pool) for _ in range(4))), 2.0)
+        await pool.aclose()
+        await script.stop()
+        return bodies
+
+    for _ in range(5):
+        assert run(main()) == [b"ok"] * 4
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_pool_survives_random_cancellations(run: Callable[..., Any], seed: int) -> None:
+    """Seeded stress: requests cancelled at random points (waiting for a slot, mid-request)
+    leak no connection slot, the limit holds, and the pool still serves afterwards."""
+    rng = random.Random(seed)
+
+    async def jittery(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      index: int) -> None:
+        while True:
+            await read_request(reader)
+            await asyncio.sleep(rng.random() * 0.004)
+            writer.write(OK)
+            await writer.drain()
+
+    async def main() -> tuple[int, int, int, list[bytes]]:
+        script = Script(jittery)
+        pool = UpstreamPool(await script.start(), max_connections=4)
+        peak = 0
+        loop = asyncio.get_running_loop()
+        tasks = []
+        for _ in range(120):
+            tasks.append(loop.create_task(roundtrip(pool)))
+            if rng.random() < 0.3:
+                victim = rng.choice(tasks)
+                loop.call_later(rng.random() * 0.01, victim.cancel)
+            peak = max(peak, pool.open_connections)
+            await asyncio.sleep(rng.random() * 0.002)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        after = await asyncio.wait_for(asyncio.gather(*(roundtrip(pool) for _ in range(8))),
+                                       2.0)
+        open_now, idle_now = pool.open_connections, pool.idle_connections
+        await pool.aclose()
+        await script.stop()
+        return peak, open_now, idle_now, after
+
+    peak, open_now, idle_now, after = run(main())
+    assert peak <= 4 and after == [b"ok"] * 8
+    assert open_now == idle_now <= 4  # every open connection is back in the pool

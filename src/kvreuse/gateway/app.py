@@ -3,7 +3,11 @@
 Endpoints: ``POST /v1/completions`` and ``/v1/chat/completions`` (bodies forwarded unchanged
 except ``cache_salt``), ``GET /v1/models`` (union of the healthy upstreams' models),
 ``/health`` (the process is up), ``/ready`` (at least one upstream admitted; 503 otherwise, with
-the reason), ``/metrics`` (Prometheus).
+the reason), ``/metrics`` (Prometheus). The two generate endpoints are the hot path and are
+served on bare ASGI by :meth:`Gateway.__call__` (see :mod:`kvreuse.gateway.asgi`); the others
+go through Starlette. Upstreams are reached through :mod:`kvreuse.gateway.upstream_client`:
+per upstream, one pool for proxied requests and a small one for probes, scrapes and model
+lists, so a probe never queues behind requests.
 
 Background: a health probe per upstream every ``health_interval_s``, a scrape of each
 upstream's ``/metrics`` every ``metrics_interval_s`` (0 turns scraping off), and one KV-event
@@ -24,6 +28,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from prometheus_client import generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -68,6 +73,33 @@ NO_UPSTREAM = {"error": {"message": "no upstream is admitted for this request (a
 # Requests open at once per upstream; more wait for a connection. vLLM serves hundreds of
 # concurrent streams per replica, so this only bounds a runaway, it does not shape load.
 MAX_UPSTREAM_CONNECTIONS = 1024
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DecodedBody:
+    """A request body as a JSON object, and which decoder read it."""
+
+    value: dict[str, Any]
+    by_stdlib: bool  # msgspec refused it (NaN, lone surrogates...): re-encode with json too
+
+    def encode(self) -> bytes:
+        """The (possibly edited) body as JSON again."""
+        if self.by_stdlib:
+            return json.dumps(self.value).encode()
+        return msgspec.json.encode(self.value)
+
+
+def decode_body(raw: bytes) -> DecodedBody:
+    """The request body as a JSON object. msgspec first (about 10x faster than json.loads on
+    a short completion body); anything it refuses goes through :func:`parse_json_body`, so
+    what is accepted and every error message stay exactly the stdlib's."""
+    try:
+        body = msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        body = None
+    if isinstance(body, dict):
+        return DecodedBody(body, by_stdlib=False)
+    return DecodedBody(parse_json_body(raw), by_stdlib=True)
 
 
 class Gateway:
@@ -249,6 +281,9 @@ class Gateway:
         if scope["type"] == "http":
             path = scope["path"]
             kind = ENDPOINT_KINDS.get(path)
+            if kind is None and path.endswith("/"):  # served, where Starlette would redirect
+                path = path.rstrip("/")
+                kind = ENDPOINT_KINDS.get(path)
             if kind is not None:
                 if scope["method"] == "POST":
                     await self._generate(scope, receive, send, path, kind)
@@ -280,7 +315,8 @@ class Gateway:
         try:
             tenant = self._authenticate(authorization)
             raw = await read_body(receive, self.config.max_body_bytes, declared)
-            body = parse_json_body(raw)
+            decoded = decode_body(raw)
+            body = decoded.value
             if self.tenants is not None and "cache_salt" in body:
                 if self.tenants.caller_salt == "reject":
                     raise RequestError(
@@ -292,7 +328,7 @@ class Gateway:
             if tenant is not None:
                 body["cache_salt"] = salt
             # Only a tenant's salt changes the body; otherwise the caller's bytes go upstream.
-            forwarded = json.dumps(body).encode() if self.tenants is not None else raw
+            forwarded = decoded.encode() if self.tenants is not None else raw
             plan = self.router.plan(
                 parsed, f"gw-{next(self._ids)}-{time.monotonic_ns()}", self._identity(salt),
                 tenant=tenant.name if tenant else None,

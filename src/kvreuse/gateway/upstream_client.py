@@ -1,10 +1,11 @@
 """The gateway's upstream leg: a small HTTP/1.1 keep-alive client, one pool per upstream.
 
 Why not httpx: at a thousand proxied requests a second its per-request cost is the gateway's
-budget several times over (measured in benchmarks/gateway_throughput.py and docs/performance.md:
-~1.7 ms of CPU per request with one tuned ``AsyncClient`` per upstream, ~2.7 ms with one shared
-client, against ~0.03 ms here), most of it in the connection pool's scan of every pooled
-connection per request. The upstreams are vLLM-style servers on a trusted network, so a narrow
+budget several times over. With 32 requests in flight on this project's 2-CPU machine
+(benchmarks/gateway_throughput.py, section (c); docs/performance.md), one tuned
+``AsyncClient`` per upstream costs 1.7-2.9 ms of CPU per request and one shared client 3-5 ms,
+most of it in httpcore's scan of every pooled connection for every request; this client costs
+0.02-0.05 ms. The upstreams are vLLM-style servers on a trusted network, so a narrow
 client is enough: requests with a body of known length, responses framed by
 ``content-length``, chunked encoding or close, parsed by ``httptools`` (the parser uvicorn
 uses), on ``asyncio`` transports (uvloop's when installed).
@@ -21,7 +22,8 @@ What it does:
   the upstream (headers, then every body chunk); both raise :class:`UpstreamTimeout`.
 * **Streaming**: :meth:`UpstreamResponse.chunks` yields the body as it arrives (transfer
   decoding undone, content untouched); reading pauses while a slow consumer has more than
-  ``HIGH_WATER_BYTES`` unread, so a slow client cannot make the gateway buffer a stream.
+  ``HIGH_WATER_BYTES`` unread, so a slow client cannot make the gateway buffer a stream
+  (:mod:`kvreuse.gateway.http1` holds the per-connection side).
 * **Failures** raise :class:`UpstreamError` subclasses; a response abandoned before its end
   closes its connection (it cannot be reused mid-message).
 """
@@ -30,274 +32,30 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import ssl
 import time
-from collections.abc import AsyncIterator, Mapping
-from typing import Any, cast
+from collections.abc import Mapping
 from urllib.parse import urlsplit
 
-import httptools
+from kvreuse.errors import ConfigError
+from kvreuse.gateway.http1 import (
+    HIGH_WATER_BYTES,
+    Http1Connection,
+    StaleConnection,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamProtocolError,
+    UpstreamResponse,
+    UpstreamTimeout,
+)
 
-from kvreuse.errors import KvreuseError
+__all__ = ["HIGH_WATER_BYTES", "IDLE_TIMEOUT_S", "UpstreamConnectError", "UpstreamError",
+           "UpstreamPool", "UpstreamProtocolError", "UpstreamResponse", "UpstreamTimeout"]
 
-HIGH_WATER_BYTES = 1 << 20
 IDLE_TIMEOUT_S = 4.0
-
-
-class UpstreamError(KvreuseError):
-    """Talking to an upstream failed (not the caller's mistake); ``kind`` labels metrics."""
-
-    kind = "UpstreamError"
-
-
-class UpstreamConnectError(UpstreamError):
-    """The upstream could not be reached (refused, unreachable, TLS failed)."""
-
-    kind = "ConnectError"
-
-
-class UpstreamTimeout(UpstreamError):
-    """Connecting or waiting for the upstream's bytes took longer than configured."""
-
-    kind = "Timeout"
-
-
-class UpstreamProtocolError(UpstreamError):
-    """The upstream closed the connection mid-response or sent something that is not HTTP."""
-
-    kind = "ProtocolError"
-
-
-class _Stale(UpstreamProtocolError):
-    """A reused connection died before any byte of the response: safe to send again."""
-
-
-class _Connection(asyncio.Protocol):
-    """One TCP (or TLS) connection and the response being read on it."""
-
-    def __init__(self, pool: UpstreamPool) -> None:
-        self.pool = pool
-        self.loop = pool.loop
-        self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpResponseParser(self)
-        self.closed = False
-        self.slot_freed = False  # the pool has counted this connection out
-        self.served = 0  # responses completed on this connection
-        self.idle_since = 0.0
-        self._reset()
-
-    def _reset(self) -> None:
-        self.status = 0
-        self.headers: list[tuple[bytes, bytes]] = []
-        self.body: collections.deque[bytes] = collections.deque()
-        self.buffered = 0
-        self.headers_done = False
-        self.complete = False
-        self.keep_alive = False
-        self.got_bytes = False
-        self.error: UpstreamError | None = None
-        self.waiter: asyncio.Future[None] | None = None
-        self.paused = False
-        self.in_use = False
-
-    # ------------------------------------------------------------------ asyncio.Protocol
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
-
-    def data_received(self, data: bytes) -> None:
-        if not self.in_use:  # bytes nobody asked for: the connection cannot be trusted
-            self.close()
-            return
-        self.got_bytes = True
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self._fail(UpstreamProtocolError(f"malformed HTTP response from {self.pool.url}: "
-                                             f"{exc}"))
-            self.close()
-
-    def eof_received(self) -> bool | None:
-        return None  # close the transport; connection_lost follows
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        self.pool._lost(self)
-        if self.in_use and not self.complete:
-            if not self.got_bytes and self.served:
-                self._fail(_Stale(f"{self.pool.url} closed a kept-alive connection"))
-            else:
-                self._fail(UpstreamProtocolError(
-                    f"{self.pool.url} closed the connection mid-response"
-                    + (f": {exc}" if exc else "")))
-
-    # ------------------------------------------------------------------ httptools callbacks
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name.lower(), value))
-
-    def on_headers_complete(self) -> None:
-        self.status = self.parser.get_status_code()
-        self.headers_done = True
-        self._wake()
-
-    def on_body(self, body: bytes) -> None:
-        self.body.append(body)
-        self.buffered += len(body)
-        if self.buffered > HIGH_WATER_BYTES and not self.paused and self.transport is not None:
-            self.paused = True
-            self.transport.pause_reading()
-        self._wake()
-
-    def on_message_complete(self) -> None:
-        self.complete = True
-        self.keep_alive = self.parser.should_keep_alive()
-        self._wake()
-
-    # ------------------------------------------------------------------ used by the response
-
-    def _wake(self) -> None:
-        waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def _fail(self, error: UpstreamError) -> None:
-        if self.error is None:
-            self.error = error
-        self._wake()
-
-    async def wait(self, timeout_s: float) -> None:
-        """Wait for more of the response; raises its error, or UpstreamTimeout."""
-        if self.error is not None:
-            raise self.error
-        waiter = self.waiter = self.loop.create_future()
-        timer = self.loop.call_later(timeout_s, self._expire, waiter)
-        try:
-            await waiter
-        finally:
-            timer.cancel()
-            self.waiter = None
-        if self.error is not None:
-            raise self.error
-
-    def _expire(self, waiter: asyncio.Future[None]) -> None:
-        if waiter is self.waiter:
-            self._fail(UpstreamTimeout(f"{self.pool.url} sent nothing for "
-                                       f"{self.pool.read_timeout_s:g} s"))
-
-    def take(self) -> bytes:
-        """The body bytes received and not yet taken."""
-        data = b"".join(self.body) if len(self.body) != 1 else self.body[0]
-        self.body.clear()
-        self.buffered = 0
-        if self.paused and self.transport is not None:
-            self.paused = False
-            self.transport.resume_reading()
-        return data
-
-    def send(self, head: bytes, body: bytes) -> None:
-        assert self.transport is not None and not self.in_use, "connection is busy"
-        self._reset()
-        self.in_use = True
-        self.transport.write(head + body if len(body) < 65536 else head)
-        if len(body) >= 65536:
-            self.transport.write(body)
-
-    def done(self) -> None:
-        """The response was read to its end: reuse the connection when the server allows."""
-        self.in_use = False
-        self.served += 1
-        if self.keep_alive and not self.closed:
-            self.pool._release(self)
-        else:
-            self.close()
-
-    def close(self) -> None:
-        self.in_use = False
-        if not self.closed and self.transport is not None:
-            self.closed = True
-            self.transport.close()
-            self.pool._lost(self)
-
-
-class UpstreamResponse:
-    """Status and headers of an upstream's answer; read the body with :meth:`read` or
-    :meth:`chunks`, or drop it with :meth:`aclose` (always safe to call, also twice)."""
-
-    __slots__ = ("_conn", "_timeout_s", "headers", "status")
-
-    def __init__(self, conn: _Connection, timeout_s: float) -> None:
-        self._conn: _Connection | None = conn
-        self._timeout_s = timeout_s
-        self.status = conn.status
-        self.headers = conn.headers
-
-    def header_bytes(self, name: bytes) -> bytes | None:
-        """The first value of a header (name in lower case), as sent."""
-        for header, value in self.headers:
-            if header == name:
-                return value
-        return None
-
-    def header(self, name: str) -> str | None:
-        """The first value of a header (name in lower case), decoded as latin-1."""
-        value = self.header_bytes(name.encode())
-        return None if value is None else value.decode("latin-1")
-
-    async def read(self) -> bytes:
-        """The whole body. O(body)."""
-        conn = self._conn
-        if conn is None:
-            return b""
-        try:
-            while not conn.complete:
-                await conn.wait(self._timeout_s)
-            data = conn.take()
-        except BaseException:
-            self._abandon()
-            raise
-        self._conn = None
-        conn.done()
-        return data
-
-    async def chunks(self) -> AsyncIterator[bytes]:
-        """The body piece by piece as the upstream sends it (empty pieces are skipped)."""
-        conn = self._conn
-        if conn is None:
-            return
-        try:
-            while True:
-                if conn.body:
-                    yield conn.take()
-                    continue
-                if conn.complete:
-                    break
-                await conn.wait(self._timeout_s)
-        except BaseException:
-            self._abandon()
-            raise
-        self._conn = None
-        conn.done()
-
-    async def json(self) -> Any:
-        return json.loads(await self.read())
-
-    async def aclose(self) -> None:
-        """Give the connection back, or close it when the body was not read to the end."""
-        conn = self._conn
-        if conn is None:
-            return
-        if conn.complete and not conn.body:
-            self._conn = None
-            conn.done()
-        else:
-            self._abandon()
-
-    def _abandon(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            conn.close()
+# A request meets a connection the server closed (while idle, or while being handed over) at
+# most this many times before the error reaches the caller; nothing of it was answered.
+STALE_ATTEMPTS = 3
 
 
 class UpstreamPool:
@@ -317,9 +75,11 @@ class UpstreamPool:
         idle_timeout_s: float = IDLE_TIMEOUT_S,
         headers: Mapping[str, str] | None = None,
     ) -> None:
-        assert max_connections >= 1, "max_connections must be >= 1"
+        if max_connections < 1:
+            raise ConfigError(f"max_connections must be >= 1, got {max_connections}")
         parts = urlsplit(url)
-        assert parts.scheme in ("http", "https") and parts.hostname, f"not an http URL: {url}"
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError(f"upstream url must be http(s)://HOST[:PORT][/PATH], got {url!r}")
         self.url = url.rstrip("/")
         self.loop = asyncio.get_running_loop()
         self.host = parts.hostname
@@ -333,9 +93,9 @@ class UpstreamPool:
         self.idle_timeout_s = idle_timeout_s
         fixed = {"host": parts.netloc, "user-agent": "kvreuse-gateway", **(headers or {})}
         self._fixed = "".join(f"{k}: {v}\r\n" for k, v in fixed.items()).encode("latin-1")
-        self._idle: list[_Connection] = []
+        self._idle: list[Http1Connection] = []
         self._open = 0  # connections open or being opened
-        self._waiters: collections.deque[asyncio.Future[_Connection | None]] = (
+        self._waiters: collections.deque[asyncio.Future[Http1Connection | None]] = (
             collections.deque())
         self._closing = False
 
@@ -360,13 +120,16 @@ class UpstreamPool:
             method.encode(), self.base_path, path.encode(), self._fixed, extra, len(body))
         timeout = self.read_timeout_s if timeout_s is None else timeout_s
         conn = await self._acquire()
-        try:
-            return await self._exchange(conn, head, body, timeout)
-        except _Stale:
-            conn = await self._acquire(fresh=True)
-            return await self._exchange(conn, head, body, timeout)
+        for attempt in range(STALE_ATTEMPTS):
+            try:
+                return await self._exchange(conn, head, body, timeout)
+            except StaleConnection:
+                if attempt == STALE_ATTEMPTS - 1:
+                    raise
+                conn = await self._acquire(fresh=True)
+        raise AssertionError("unreachable: the loop returns or raises")
 
-    async def _exchange(self, conn: _Connection, head: bytes, body: bytes,
+    async def _exchange(self, conn: Http1Connection, head: bytes, body: bytes,
                         timeout_s: float) -> UpstreamResponse:
         try:
             conn.send(head, body)
@@ -379,7 +142,7 @@ class UpstreamPool:
 
     # ------------------------------------------------------------------ pool
 
-    async def _acquire(self, *, fresh: bool = False) -> _Connection:
+    async def _acquire(self, *, fresh: bool = False) -> Http1Connection:
         if self._closing:
             raise UpstreamConnectError(f"the pool for {self.url} is closed")
         now = time.monotonic()
@@ -393,7 +156,7 @@ class UpstreamPool:
                 continue
             return conn
         if self._open >= self.max_connections:
-            waiter: asyncio.Future[_Connection | None] = self.loop.create_future()
+            waiter: asyncio.Future[Http1Connection | None] = self.loop.create_future()
             self._waiters.append(waiter)
             try:
                 handed = await waiter
@@ -401,7 +164,7 @@ class UpstreamPool:
                 if not waiter.done() or waiter.cancelled():
                     self._waiters.remove(waiter)
                 elif (handed_over := waiter.result()) is not None:
-                    self._release(handed_over)
+                    self.connection_reusable(handed_over)
                 else:
                     self._open -= 1
                     self._slot_freed()
@@ -411,13 +174,13 @@ class UpstreamPool:
             return await self._connect(reserved=True)  # the freed slot was counted for us
         return await self._connect()
 
-    async def _connect(self, *, reserved: bool = False) -> _Connection:
+    async def _connect(self, *, reserved: bool = False) -> Http1Connection:
         if not reserved:
             self._open += 1
         try:
             _, conn = await asyncio.wait_for(
                 self.loop.create_connection(
-                    lambda: _Connection(self), self.host, self.port, ssl=self.ssl,
+                    lambda: Http1Connection(self), self.host, self.port, ssl=self.ssl,
                     server_hostname=self.host if self.ssl else None),
                 self.connect_timeout_s)
         except BaseException as exc:
@@ -437,7 +200,7 @@ class UpstreamPool:
         if not self._closing and self._pass_on(None):
             self._open += 1
 
-    def _pass_on(self, conn: _Connection | None) -> bool:
+    def _pass_on(self, conn: Http1Connection | None) -> bool:
         """Hand a connection (or, with None, the right to open one) to the first waiter."""
         while self._waiters:
             waiter = self._waiters.popleft()
@@ -446,14 +209,14 @@ class UpstreamPool:
                 return True
         return False
 
-    def _release(self, conn: _Connection) -> None:
+    def connection_reusable(self, conn: Http1Connection) -> None:
         if self._closing:
             conn.close()
         elif not self._pass_on(conn):
             conn.idle_since = time.monotonic()
             self._idle.append(conn)
 
-    def _lost(self, conn: _Connection) -> None:
+    def connection_closed(self, conn: Http1Connection) -> None:
         """A connection closed (either side): free its slot. Called once per connection."""
         if conn.slot_freed:
             return

@@ -253,7 +253,7 @@ class Fleet:
     # ------------------------------------------------------------------ peers and redis
 
     def peer_argv(self, kind: str, engines: Sequence[Process], port: int,
-                  block_size: int = 16) -> list[str]:
+                  block_size: int = 16, model: str = "sim") -> list[str]:
         """Launch lines of the peer routers, every listener bound to 127.0.0.1."""
         py = str(PEERS_VENV / "bin" / "python")
         urls = [e.url for e in engines]
@@ -274,13 +274,15 @@ class Fleet:
                 sources += ["--kv-event-source", f"{engine.url}={engine.extra['events']}"]
             return [str(PEERS_VENV / "bin" / "vllm-router"), "--policy", "kv_aware",
                     "--worker-urls", *urls, *sources, "--kv-event-block-size",
-                    str(block_size), *common, "--log-level", "warning"]
+                    str(block_size), "--kv-event-model", model, *common,
+                    "--log-level", "warning"]
         raise ValueError(f"unknown peer router {kind!r}")
 
     def start_peer(self, kind: str, engines: Sequence[Process], *,
-                   env: dict[str, str] | None = None, block_size: int = 16) -> Process:
+                   env: dict[str, str] | None = None, block_size: int = 16,
+                   model: str = "sim") -> Process:
         port = free_port()
-        proc = self.spawn(kind, self.peer_argv(kind, engines, port, block_size), env=env,
+        proc = self.spawn(kind, self.peer_argv(kind, engines, port, block_size, model), env=env,
                           url=f"http://127.0.0.1:{port}", port=port)
         wait_http(proc, "/health", timeout_s=60.0)
         return proc
