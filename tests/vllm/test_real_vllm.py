@@ -99,6 +99,9 @@ def test_conversation_turns_land_on_the_replica_holding_history(
         hits.append(cached(response))
         messages.append({"role": "assistant",
                          "content": response.json()["choices"][0]["message"]["content"]})
+        # A user reads the answer before the next turn; by then vLLM's KV events for this turn
+        # have reached the gateway. Without the pause the next turn can race them.
+        gateway.events_settled()
     assert len(set(served)) == 1, served
     assert hits[0] == 0 and all(h >= 128 for h in hits[1:]), hits
     other = next(r.name for r in replicas if r.name != served[0])
