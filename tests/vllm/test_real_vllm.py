@@ -130,6 +130,7 @@ def test_exact_index_agrees_with_vllm_cached_tokens(gateway_for: StartGateway,
             path = "/v1/completions"
         response = post(gateway, path, {**body, "max_tokens": 6})
         pairs.append((predicted(response), cached(response)))
+        gateway.events_settled()  # the prediction is exact once this request's events are in
     assert all(p == c for p, c in pairs), pairs
     assert sum(c for _, c in pairs) > 0, pairs
     streams = [s.stats for s in gateway.gateway.subscribers]
@@ -255,6 +256,7 @@ def test_missed_batches_are_replayed_from_vllm(gateway_for: StartGateway,
     gateway = gateway_for([replicas[0]])
     prompt = text(100)
     post(gateway, "/v1/completions", {"prompt": prompt, "max_tokens": 2})
+    gateway.events_settled()
     subscriber = gateway.gateway.subscribers[0]
     last = subscriber.tracker.last_seq
     assert last is not None
@@ -264,6 +266,7 @@ def test_missed_batches_are_replayed_from_vllm(gateway_for: StartGateway,
     # The next batch (new blocks: the prompt grows by whole blocks) reveals the gap.
     longer = prompt + " " + text(60)
     post(gateway, "/v1/completions", {"prompt": longer, "max_tokens": 2})
+    gateway.events_settled()  # the batch that reveals the gap, and the replayed one
     assert subscriber.stats.gaps == 1 and subscriber.stats.repaired_gaps == 1
     assert subscriber.stats.cold_resets == 0
     third = post(gateway, "/v1/completions", {"prompt": longer + " end", "max_tokens": 2})
