@@ -35,7 +35,12 @@ from kvreuse.gateway.asgi import (
     send_json,
     until_disconnect,
 )
-from kvreuse.gateway.prompts import HFPromptTokenizer, PromptTokenizer, approximate_tokens
+from kvreuse.gateway.prompts import (
+    HFPromptTokenizer,
+    PromptTokenizer,
+    approximate_tokens,
+    request_tokens,
+)
 from kvreuse.gateway.validation import (
     ENDPOINT_KINDS,
     ParsedRequest,
@@ -44,7 +49,7 @@ from kvreuse.gateway.validation import (
     parse_request,
 )
 from kvreuse.identity import CacheIdentity
-from kvreuse.tokens import TokenBuffer, pack, unpack
+from kvreuse.tokens import TokenBuffer, unpack
 
 FILLER = "lorem ipsum dolor sit amet, consectetur adipiscing elit, sed do eiusmod tempor. "
 DEFAULT_MAX_TOKENS = 16
@@ -160,18 +165,7 @@ class EngineApp:
         return JSONResponse({"error": {"message": "requests are running"}}, status_code=400)
 
     def _tokens(self, parsed: ParsedRequest) -> TokenBuffer:
-        if parsed.kind == "completion":
-            if isinstance(parsed.prompt, list):
-                return pack(parsed.prompt)
-            assert isinstance(parsed.prompt, str)
-            return self.tokenizer.completion(parsed.prompt)
-        return self.tokenizer.chat(
-            parsed.messages,
-            tools=parsed.tools,
-            add_generation_prompt=parsed.add_generation_prompt,
-            continue_final_message=parsed.continue_final_message,
-            template_kwargs=parsed.template_kwargs,
-        )
+        return request_tokens(self.tokenizer, parsed)
 
     async def _generate(self, receive: Receive, send: Send, kind: str) -> None:
         try:

@@ -24,11 +24,14 @@ import json
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvreuse.errors import ConfigError, InputFormatError
 from kvreuse.lint.tokenizer import special_pattern
 from kvreuse.tokens import TOKEN_BYTES, TokenBuffer, pack
+
+if TYPE_CHECKING:
+    from kvreuse.gateway.validation import ParsedRequest
 
 Messages = Sequence[Mapping[str, Any]]
 
@@ -92,6 +95,23 @@ def approximate_tokens(text: str) -> TokenBuffer:
     raw = text.encode("utf-8")
     pad = -len(raw) % TOKEN_BYTES
     return TokenBuffer(raw + b"\0" * pad if pad else raw)
+
+
+def request_tokens(tokenizer: PromptTokenizer, parsed: ParsedRequest) -> TokenBuffer:
+    """A validated request's prompt as the engine will tokenize it: token-id prompts as given,
+    text through ``tokenizer``, chats rendered and tokenized. Shared by gateway and engine."""
+    if parsed.kind == "completion":
+        if isinstance(parsed.prompt, list):
+            return pack(parsed.prompt)
+        assert isinstance(parsed.prompt, str)
+        return tokenizer.completion(parsed.prompt)
+    return tokenizer.chat(
+        parsed.messages,
+        tools=parsed.tools,
+        add_generation_prompt=parsed.add_generation_prompt,
+        continue_final_message=parsed.continue_final_message,
+        template_kwargs=parsed.template_kwargs,
+    )
 
 
 class TextApproximation:

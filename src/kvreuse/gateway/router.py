@@ -20,7 +20,7 @@ from kvreuse.errors import ConfigError
 from kvreuse.gateway.event_index import EventIndex
 from kvreuse.gateway.kv_events import EventBatch
 from kvreuse.gateway.metrics import IndexSize
-from kvreuse.gateway.prompts import PromptTokenizer
+from kvreuse.gateway.prompts import PromptTokenizer, request_tokens
 from kvreuse.gateway.subscriber import StreamStats
 from kvreuse.gateway.upstreams import UpstreamState
 from kvreuse.gateway.validation import ParsedRequest
@@ -33,7 +33,7 @@ from kvreuse.routing import (
     RoutingDecision,
     RoutingPolicy,
 )
-from kvreuse.tokens import TokenBuffer, num_tokens, pack
+from kvreuse.tokens import TokenBuffer, num_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,18 +85,7 @@ class Router:
 
     def tokens_for(self, parsed: ParsedRequest) -> TokenBuffer:
         """The prompt's token ids, as the engine will tokenize it."""
-        if parsed.kind == "completion":
-            if isinstance(parsed.prompt, list):
-                return pack(parsed.prompt)
-            assert isinstance(parsed.prompt, str)
-            return self.tokenizer.completion(parsed.prompt)
-        return self.tokenizer.chat(
-            parsed.messages,
-            tools=parsed.tools,
-            add_generation_prompt=parsed.add_generation_prompt,
-            continue_final_message=parsed.continue_final_message,
-            template_kwargs=parsed.template_kwargs,
-        )
+        return request_tokens(self.tokenizer, parsed)
 
     def plan(
         self,
