@@ -254,19 +254,19 @@ def test_missed_batches_are_replayed_from_vllm(gateway_for: StartGateway,
     """When the gateway misses batches, vLLM's replay socket fills the gap: the index stays
     exact instead of going cold."""
     gateway = gateway_for([replicas[0]])
+    subscriber = gateway.gateway.subscribers[0]
+    post(gateway, "/v1/completions", {"prompt": text(40), "max_tokens": 2})  # a first batch
+    before = subscriber.tracker.last_seq
+    assert before is not None
     prompt = text(100)
     post(gateway, "/v1/completions", {"prompt": prompt, "max_tokens": 2})
-    gateway.events_settled()
-    subscriber = gateway.gateway.subscribers[0]
-    last = subscriber.tracker.last_seq
-    assert last is not None
-    # Pretend the prompt's batch never arrived: forget it, and rewind the sequence.
+    # Pretend every batch of the prompt never arrived (its prefill and any decode step that
+    # filled a block): forget them, and rewind the sequence to before the prompt.
     gateway.gateway.router.indexes[replicas[0].name].reset()
-    subscriber.tracker.last_seq = last - 1
+    subscriber.tracker.last_seq = before
     # The next batch (new blocks: the prompt grows by whole blocks) reveals the gap.
     longer = prompt + " " + text(60)
     post(gateway, "/v1/completions", {"prompt": longer, "max_tokens": 2})
-    gateway.events_settled()  # the batch that reveals the gap, and the replayed one
     assert subscriber.stats.gaps == 1 and subscriber.stats.repaired_gaps == 1
     assert subscriber.stats.cold_resets == 0
     third = post(gateway, "/v1/completions", {"prompt": longer + " end", "max_tokens": 2})
