@@ -401,3 +401,83 @@ def test_on_evict_sees_each_leaf_with_its_path() -> None:
     index.evict(100)
     assert seen == [[1, 2, 3], [1, 2, 9], [1, 2]]
     checked(index)
+
+
+def test_extend_stores_the_rest_below_a_held_node() -> None:
+    """extend from a matched node stores only the tokens past it and returns the new end."""
+    index = RadixIndex()
+    index.insert([1, 2, 3], now=0.0)
+    held = index.match([1, 2, 3, 4, 5], now=1.0).node
+    end = index.extend(held, [1, 2, 3, 4, 5], now=2.0)
+    assert end.depth_tokens() == 5 and end.parent is held
+    assert index.total_tokens == 5
+    assert index.match([1, 2, 3, 4, 5], now=3.0).length == 5
+    checked(index)
+
+
+def test_extend_touches_the_path_above_the_node() -> None:
+    """extend refreshes the ancestors' access time, as insert from the root would."""
+    index = RadixIndex()
+    index.insert([1, 2], now=0.0)
+    index.insert([1, 2, 3, 4], now=1.0)
+    held = index.match([1, 2, 3, 4], now=1.0).node
+    index.extend(held, [1, 2, 3, 4, 5], now=7.0)
+    node = held
+    while node.parent is not None:
+        assert node.last_access == 7.0
+        node = node.parent
+
+
+def test_extend_from_a_node_that_was_split_since() -> None:
+    """A held node split by a later insert still ends where it did, so extend works from it."""
+    index = RadixIndex()
+    index.insert([1, 2, 3, 4], now=0.0)
+    held = index.match([1, 2, 3, 4], now=0.0).node
+    index.lock(held)
+    index.insert([1, 2, 9], now=1.0)  # splits the [1, 2, 3, 4] edge above the held node
+    end = index.extend(held, [1, 2, 3, 4, 5, 6], now=2.0)
+    assert end.depth_tokens() == 6
+    assert index.match([1, 2, 3, 4, 5, 6], now=3.0).length == 6
+    checked(index)
+
+
+def test_extend_returns_the_node_itself_when_nothing_is_new() -> None:
+    """extend with no tokens past the node stores nothing and returns the deepest match."""
+    index = RadixIndex()
+    index.insert([1, 2, 3], now=0.0)
+    held = index.match([1, 2, 3], now=0.0).node
+    assert index.extend(held, [1, 2, 3], now=1.0) is held
+    assert index.total_tokens == 3
+
+
+def test_extend_rejects_a_node_off_the_path() -> None:
+    """extend from a node that does not end on the tokens' path is a caller mistake."""
+    index = RadixIndex()
+    index.insert([1, 2, 3], now=0.0)
+    held = index.match([1, 2, 3], now=0.0).node
+    with pytest.raises(IndexStateError, match="path"):
+        index.extend(held, [1, 2, 7, 8], now=1.0)
+    with pytest.raises(IndexStateError, match="path"):
+        index.extend(held, [1, 2], now=1.0)
+
+
+def test_extend_of_evicted_node_is_an_error() -> None:
+    """extend from a node eviction removed says to match again."""
+    index = RadixIndex()
+    index.insert([1, 2, 3], now=0.0)
+    held = index.match([1, 2, 3], now=0.0).node
+    index.evict(3)
+    with pytest.raises(IndexStateError, match="match again"):
+        index.extend(held, [1, 2, 3, 4], now=1.0)
+
+
+def test_extend_under_capacity_keeps_the_held_path() -> None:
+    """With a capacity, extend evicts other leaves, never the path it grows."""
+    index = RadixIndex(capacity_tokens=6)
+    index.insert([9, 9, 9], now=0.0)
+    index.insert([1, 2], now=1.0)
+    held = index.match([1, 2], now=2.0).node
+    end = index.extend(held, [1, 2, 3, 4, 5, 6], now=3.0)
+    assert end.depth_tokens() == 6
+    assert index.match([9], now=4.0).length == 0
+    checked(index)

@@ -122,3 +122,32 @@ def test_seeded_stress_matches_reference_without_capacity() -> None:
         index.insert(tokens)
         stored.append(tokens[: len(tokens) - len(tokens) % 2])
         index.check_invariants()
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.tuples(token_lists, st.integers(0, 12)), min_size=1, max_size=10),
+    st.sampled_from([1, 2]),
+    st.sampled_from([None, 8, 20]),
+)
+def test_extend_from_a_held_prefix_equals_insert_from_the_root(
+    steps: list[tuple[list[int], int]], page: int, capacity: int | None
+) -> None:
+    """match a prefix, lock it, extend from it: the tree ends up exactly as after insert."""
+    via_extend = RadixIndex(page_size=page, capacity_tokens=capacity)
+    via_insert = RadixIndex(page_size=page, capacity_tokens=capacity)
+    for now, (tokens, cut) in enumerate(steps):
+        for index in (via_extend, via_insert):
+            held = index.match(tokens[:cut], now=float(now)).node
+            index.lock(held)
+            if index is via_extend:
+                index.extend(held, tokens, now=float(now))
+            else:
+                index.insert(tokens, now=float(now))
+            index.unlock(held)
+            index.check_invariants()
+        assert shape(via_extend) == shape(via_insert)
+
+
+def shape(index: RadixIndex) -> list[tuple[int, list[int], float]]:
+    return [(depth, node.token_ids(), node.last_access) for depth, node in index.walk()]

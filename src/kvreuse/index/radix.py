@@ -152,21 +152,47 @@ class RadixIndex:
         root = self.root(identity)
         root.last_access = when
         node, pos = self._walk(root, buf, when, hit=False, priority=priority)
-        remaining = len(buf) - pos
-        if remaining == 0:
-            return 0
-        if self.capacity_tokens is not None:
-            remaining = self._make_room(node, remaining)
-            if remaining == 0:
-                return 0
-        leaf = RadixNode(buf[pos : pos + remaining], node, root.identity, self._new_id(), when)
-        leaf.priority = priority
-        node.children[leaf.key[: self._page_bytes]] = leaf
-        self._num_nodes += 1
-        stored = remaining // TOKEN_BYTES
-        self._total += stored
-        self._push(leaf)
-        return stored
+        leaf = self._attach(node, buf, pos, when, priority)
+        return 0 if leaf is None else len(leaf.key) // TOKEN_BYTES
+
+    def extend(
+        self,
+        node: RadixNode,
+        tokens: Tokens,
+        now: float | None = None,
+        *,
+        priority: int = 0,
+    ) -> RadixNode:
+        """:meth:`insert` ``tokens`` starting at ``node`` instead of the root; returns the
+        deepest node of the stored path (it ends at the last whole page stored).
+
+        ``node`` must end on the path of ``tokens``: a node :meth:`match` or :meth:`extend`
+        returned for a prefix of the same tokens and kept locked since (a split keeps a node's
+        end). The path above it is touched as :meth:`insert` touches it, so the cache ends up
+        exactly as after ``insert(tokens)``. Callers that hold such a node (a running request
+        growing its own prefix) skip re-comparing the prefix: O(depth) to touch the ancestors
+        plus O(n - d) bytes compared for the d tokens the node already covers.
+        """
+        if node.removed:
+            raise IndexStateError(f"cannot extend {node!r}: it was evicted; match again first")
+        buf: bytes = as_buffer(tokens)
+        usable = len(buf) - len(buf) % self._page_bytes
+        buf = buf[:usable] if usable != len(buf) else buf
+        when = self._now(now)
+        depth = 0
+        above: RadixNode | None = node
+        while above is not None:
+            above.last_access = when
+            if priority > above.priority:
+                above.priority = priority
+            depth += len(above.key)
+            above = above.parent
+        key = node.key
+        if depth > len(buf) or buf[depth - len(key) : depth] != key:
+            raise IndexStateError(f"{node!r} does not end on the path of the tokens to store")
+        end, pos = self._walk(node, buf, when, hit=False, priority=priority, start=depth)
+        leaf = self._attach(end, buf, pos, when, priority)
+        return end if leaf is None else leaf
 
     def lock(self, node: RadixNode) -> None:
         """Pin ``node`` and its ancestors so eviction skips them. O(depth)."""
@@ -302,13 +328,21 @@ class RadixIndex:
         return self._next_id
 
     def _walk(
-        self, node: RadixNode, buf: bytes, when: float, *, hit: bool, priority: int = 0
+        self,
+        node: RadixNode,
+        buf: bytes,
+        when: float,
+        *,
+        hit: bool,
+        priority: int = 0,
+        start: int = 0,
     ) -> tuple[RadixNode, int]:
-        """Follow ``buf`` down from ``node``; returns the deepest node reached and the byte
-        offset matched, splitting an edge the walk ends inside."""
+        """Follow ``buf`` from byte ``start`` down from ``node`` (which ends at ``start``);
+        returns the deepest node reached and the byte offset matched, splitting an edge the walk
+        ends inside."""
         page = self._page_bytes
         end = len(buf) - len(buf) % page
-        pos = 0
+        pos = start
         children_get = node.children.get
         while pos < end:
             child = children_get(buf[pos : pos + page])
@@ -316,7 +350,7 @@ class RadixIndex:
                 break
             key = child.key
             klen = len(key)
-            if buf[pos : pos + klen] == key:
+            if buf.startswith(key, pos):
                 pos += klen
                 child.last_access = when
                 child.hit_count += hit
@@ -335,6 +369,27 @@ class RadixIndex:
             pos += common
             break
         return node, pos
+
+    def _attach(
+        self, node: RadixNode, buf: bytes, pos: int, when: float, priority: int
+    ) -> RadixNode | None:
+        """Hang ``buf[pos:]`` (whole pages) below ``node``, where a walk stopped, evicting
+        first under ``capacity_tokens``; returns the new leaf, or ``None`` if nothing was
+        stored (nothing left, or no room)."""
+        remaining = len(buf) - pos
+        if remaining == 0:
+            return None
+        if self.capacity_tokens is not None:
+            remaining = self._make_room(node, remaining)
+            if remaining == 0:
+                return None
+        leaf = RadixNode(buf[pos : pos + remaining], node, node.identity, self._new_id(), when)
+        leaf.priority = priority
+        node.children[leaf.key[: self._page_bytes]] = leaf
+        self._num_nodes += 1
+        self._total += remaining // TOKEN_BYTES
+        self._push(leaf)
+        return leaf
 
     def _split(self, child: RadixNode, at: int) -> RadixNode:
         """Split ``child``'s edge ``at`` bytes in; returns the new upper node. O(edge)."""

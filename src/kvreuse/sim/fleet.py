@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvreuse.errors import ConfigError
-from kvreuse.routing.base import FleetView, RequestView, RoutingPolicy
+from kvreuse.routing.base import FleetView, RoutingPolicy
 from kvreuse.routing.events import KvEvent
 from kvreuse.sim.engine import (
     Arrival,
@@ -149,14 +149,7 @@ class FleetSimulator:
         request = self._requests[index]
         if index + 1 < len(self._requests):
             self.engine.schedule(self._requests[index + 1].arrival_s, Arrival(index + 1))
-        view = RequestView(
-            str(request.request_id),
-            request.tokens,
-            request.prompt_len,
-            request.identity,
-            request.tenant,
-            request.session_id,
-        )
+        view = request.view
         decision = self.policy.route(view, self.fleet_view(now))
         if decision is None:
             raise ConfigError("the policy found no eligible replica; check tenant pins")
@@ -164,7 +157,6 @@ class FleetSimulator:
         assert replica is not None, f"policy chose unknown replica {decision.replica!r}"
         self.policy.on_routed(view, decision, now)
         job = Job(request, decision.branch, decision.predicted_cached_tokens)
-        job.view = view
         replica.enqueue(job, now)
 
     def _on_prefill_done(self, event: PrefillDone) -> None:
@@ -196,9 +188,7 @@ class FleetSimulator:
 
     def _finished(self, job: Job, replica: int, now: float) -> None:
         request = job.request
-        view = job.view
-        assert view is not None, "a job finished without its request view"
-        self.policy.on_finished(view, self.replicas[replica].replica_id, now)
+        self.policy.on_finished(request.view, self.replicas[replica].replica_id, now)
         self._records.append(
             RequestRecord(
                 request.request_id,

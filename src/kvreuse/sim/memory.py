@@ -37,7 +37,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from kvreuse.index import BlockIndex, RadixIndex, RadixNode
-from kvreuse.routing.base import RequestView
 from kvreuse.routing.events import KvEvent, KvRemoved, KvStored
 from kvreuse.sim.requests import SimRequest
 from kvreuse.tokens import TOKEN_BYTES, TokenBuffer
@@ -65,7 +64,6 @@ class Job:
         "private",
         "prompt_cached",
         "request",
-        "view",
     )
 
     def __init__(self, request: SimRequest, branch: str, predicted: int) -> None:
@@ -78,7 +76,6 @@ class Job:
         self.private = 0
         self.prompt_cached = False
         self.handle: object = None
-        self.view: RequestView | None = None  # what the router was shown, for on_finished
 
 
 class ReplicaMemory(Protocol):
@@ -206,12 +203,14 @@ class RadixMemory:
         request = job.request
         cache = self.cache
         self._now = now
-        cache.insert(request.tokens, request.identity, now)
-        found = cache.match(request.tokens, request.identity, now)
-        cache.lock(found.node)
-        assert isinstance(job.handle, RadixNode), "prefilled before admit"
-        cache.unlock(job.handle)
-        job.handle = found.node
+        held = job.handle
+        assert isinstance(held, RadixNode), "prefilled before admit"
+        # The held node ends at the cached prefix, so the prompt grows from there (no second
+        # walk from the root, and no second "hit" counted on the path).
+        end = cache.extend(held, request.tokens, now)
+        cache.lock(end)
+        cache.unlock(held)
+        job.handle = end
         uncached = request.prompt_len - job.cached
         self.private -= uncached
         job.private -= uncached
@@ -223,14 +222,15 @@ class RadixMemory:
         request = job.request
         cache = self.cache
         self._now = now
-        assert isinstance(job.handle, RadixNode), "released before admit"
+        held = job.handle
+        assert isinstance(held, RadixNode), "released before admit"
         if self._caching:
             output = request.output
             full = request.tokens if output is None else TokenBuffer(request.tokens + output)
-            cache.insert(full, request.identity, now)
+            cache.extend(held, full, now)
             if self._sink is not None and (output is not None or not job.prompt_cached):
                 self._sink(KvStored(self.replica_id, full, request.identity, now))
-        cache.unlock(job.handle)
+        cache.unlock(held)
         job.handle = None
         self.private -= job.private
         job.private = 0

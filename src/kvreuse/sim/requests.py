@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvreuse.identity import DEFAULT_IDENTITY, CacheIdentity
+from kvreuse.routing.base import RequestView
 from kvreuse.tokens import TokenBuffer
 
 
@@ -15,7 +16,9 @@ class SimRequest:
     ``output`` is the answer's token ids when the workload knows them (multi-turn chats reuse
     them in the next prompt); ``None`` means only ``output_len`` is known (traces) and only the
     prompt is inserted into the cache at finish. ``measured`` is false during warm-up: such
-    requests load the fleet and warm caches but are left out of the metrics.
+    requests load the fleet and warm caches but are left out of the metrics. ``view`` is what
+    a router is shown, built once with the request: every simulated run over the workload
+    hands routers the same immutable view.
     """
 
     request_id: int
@@ -28,6 +31,18 @@ class SimRequest:
     tenant: str | None = None
     session_id: str | None = None
     measured: bool = True
+    view: RequestView = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        view = RequestView(
+            str(self.request_id),
+            self.tokens,
+            self.prompt_len,
+            self.identity,
+            self.tenant,
+            self.session_id,
+        )
+        object.__setattr__(self, "view", view)  # frozen: derived once, here
 
 
 @dataclass(frozen=True, slots=True)
