@@ -139,24 +139,37 @@ class CacheAware(PolicyBase):
         return RoutingDecision(spill[0], "spill", spill[1])
 
     def _route_sglang(self, request: RequestView, fleet: FleetView) -> RoutingDecision:
-        loads = [r.in_flight for r in fleet.replicas]
-        high, low = max(loads), min(loads)
         matched = self.predict(request, fleet)
+        # One pass: highest and lowest load (the first least loaded wins ties) and the longest
+        # match (the first wins ties), as sgl-router's iteration order decides.
+        first = fleet.replicas[0]
+        high = low = first.in_flight
+        least = best = first.replica_id
+        best_hit = matched[best]
+        for load in fleet.replicas:
+            in_flight = load.in_flight
+            if in_flight > high:
+                high = in_flight
+            elif in_flight < low:
+                low, least = in_flight, load.replica_id
+            hit = matched[load.replica_id]
+            if hit > best_hit:
+                best, best_hit = load.replica_id, hit
         if high - low > self.balance_abs_threshold and high > low * self.balance_rel_threshold:
-            target = min(fleet.replicas, key=lambda r: r.in_flight).replica_id
-            return RoutingDecision(target, "imbalance", matched[target])
-        order = [r.replica_id for r in fleet.replicas]
-        best = min(order, key=lambda rid: -matched[rid])
-        if request.prompt_tokens and matched[best] / request.prompt_tokens > self.cache_threshold:
-            return RoutingDecision(best, "affinity", matched[best])
-        if self.trees is not None:
-            trees = self.trees
-            smallest = min(order, key=trees.tree_tokens)
-        else:
-            assert self.mirror is not None
-            mirror = self.mirror
-            smallest = min(order, key=mirror.cached_blocks)
+            return RoutingDecision(least, "imbalance", matched[least])
+        if request.prompt_tokens and best_hit / request.prompt_tokens > self.cache_threshold:
+            return RoutingDecision(best, "affinity", best_hit)
+        size = self.trees.tree_tokens if self.trees is not None else self._mirror_blocks
+        smallest, smallest_size = least, -1
+        for load in fleet.replicas:
+            held = size(load.replica_id)
+            if smallest_size < 0 or held < smallest_size:
+                smallest, smallest_size = load.replica_id, held
         return RoutingDecision(smallest, "miss_smallest_tree", matched[smallest])
+
+    def _mirror_blocks(self, replica: ReplicaId) -> int:
+        assert self.mirror is not None
+        return self.mirror.cached_blocks(replica)
 
     def on_routed(self, request: RequestView, decision: RoutingDecision, now: float) -> None:
         if self.trees is not None:

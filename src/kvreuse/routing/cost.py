@@ -53,12 +53,16 @@ class CostRouting(PolicyBase):
             return None
         ids = [r.replica_id for r in fleet.replicas]
         matched = self.estimator.predict(request, ids, fleet.now)
-        cost = self.cost
+        rate, overhead = self.cost.prefill_tokens_per_s, self.cost.overhead_s
+        prompt = request.prompt_tokens
         best_id, best_ttft = ids[0], float("inf")
         for load in fleet.replicas:
             rid = load.replica_id
-            uncached = max(request.prompt_tokens - matched[rid], 0)
-            ttft = cost.queue_delay_s(load) + cost.prefill_s(uncached)
+            uncached = max(prompt - matched[rid], 0)
+            # CostModel.queue_delay_s + CostModel.prefill_s, inlined with the same arithmetic.
+            ttft = (
+                load.queued_prefill_tokens / rate + load.queued_requests * overhead
+            ) + (overhead + uncached / rate)
             if ttft < best_ttft:
                 best_id, best_ttft = rid, ttft
         return RoutingDecision(best_id, "min_ttft", matched[best_id])

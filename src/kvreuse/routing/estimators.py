@@ -87,6 +87,7 @@ class ApproxTrees:
         self._heaps: dict[int, list[_Entry]] = {}
         self._next_id = 0
         self._num_nodes = 0
+        self._singles: dict[int, tuple[int, ...]] = {}
 
     # ------------------------------------------------------------------ queries
 
@@ -107,45 +108,41 @@ class ApproxTrees:
         if root is None:
             return out
         alive = 0
+        bits = self._bits
         for rid in ids:
-            alive |= self._bit(rid)
+            alive |= bits.get(rid) or self._bit(rid)
         ended: dict[int, int] = {}  # bit -> bytes matched
         buf = request.tokens
         end = len(buf) - len(buf) % TOKEN_BYTES
         pos = 0
         node = root
+        singles = self._singles
         while alive and pos < end:
             child = node.children.get(buf[pos : pos + TOKEN_BYTES])
             if child is None:
                 break
             held = alive & child.holders
-            dropped = alive ^ held
-            while dropped:
-                low = dropped & -dropped
-                ended[low] = pos
-                dropped ^= low
-            alive = held
-            if not alive:
-                break
+            if held != alive:
+                for low in singles.get(alive ^ held) or self._split_mask(alive ^ held):
+                    ended[low] = pos
+                alive = held
+                if not alive:
+                    break
             key = child.key
             whole = buf.startswith(key, pos)
             if not whole:  # the match ends inside this edge: split so the touch is exact
                 common = common_prefix_tokens(key, buf[pos : pos + len(key)]) * TOKEN_BYTES
                 child = self._split(child, common)
             stamp = child.stamp
-            bits = alive
-            while bits:
-                low = bits & -bits
+            for low in singles.get(alive) or self._split_mask(alive):
                 stamp[low] = now
-                bits ^= low
             pos += len(child.key)
             node = child
             if not whole:
                 break
-        while alive:
-            low = alive & -alive
-            ended[low] = pos
-            alive ^= low
+        if alive:
+            for low in singles.get(alive) or self._split_mask(alive):
+                ended[low] = pos
         for rid in ids:
             out[rid] = ended.get(self._bits[rid], 0) // TOKEN_BYTES
         return out
@@ -265,6 +262,19 @@ class ApproxTrees:
     def _new_id(self) -> int:
         self._next_id += 1
         return self._next_id
+
+    def _split_mask(self, mask: int) -> tuple[int, ...]:
+        """The single bits of ``mask``, remembered: the walks loop over them on every edge."""
+        bits = []
+        rest = mask
+        while rest:
+            low = rest & -rest
+            bits.append(low)
+            rest ^= low
+        if len(self._singles) > 4096:  # masks seen stay few; bound them anyway
+            self._singles.clear()
+        self._singles[mask] = singles = tuple(bits)
+        return singles
 
     def _split(self, child: _Node, at: int) -> _Node:
         """Cut ``child``'s edge ``at`` bytes in; returns the new upper node. O(edge)."""

@@ -89,10 +89,10 @@ class CacheMirror:
         root = self._root(request.identity, create=False)
         if root is None:
             return out
-        bit_of = self._bit
+        bits = self._bits
         alive = 0
         for rid in ids:
-            alive |= bit_of(rid)
+            alive |= bits.get(rid) or self._bit(rid)
         ended: dict[int, int] = {}  # bit -> bytes matched
         buf = request.tokens
         end = len(buf)

@@ -91,6 +91,7 @@ class FleetSimulator:
         self._decisions: dict[int, tuple[str, int]] = {}
         self._records: list[RequestRecord] = []
         self._snapshot: FleetView | None = None
+        self._load_lag = config.load_lag_s
 
     # ------------------------------------------------------------------ running
 
@@ -133,8 +134,8 @@ class FleetSimulator:
         )
 
     def fleet_view(self, now: float) -> FleetView:
-        lag = self.config.load_lag_s
-        if lag > 0:
+        if self._load_lag > 0:
+            lag = self._load_lag
             if self._snapshot is None:
                 self._snapshot = FleetView(self._board.current(), now)
                 self.engine.schedule(now + lag, LoadSnapshot())

@@ -96,28 +96,27 @@ class LoadBoard:
 
     def __init__(self) -> None:
         self._replicas: list[Replica] = []
-        self._loads: list[ReplicaLoad | None] = []
+        self._loads: list[ReplicaLoad] = []
         self._view: tuple[ReplicaLoad, ...] = ()
-        self._stale = True
+        self._stale: set[int] = set()
 
     def attach(self, replica: Replica) -> None:
         assert replica.index == len(self._replicas), "replicas must attach in index order"
         self._replicas.append(replica)
-        self._loads.append(None)
-        self._stale = True
+        self._loads.append(replica.load())
+        self._stale.add(replica.index)
 
     def changed(self, index: int) -> None:
-        self._loads[index] = None
-        self._stale = True
+        self._stale.add(index)
 
     def current(self) -> tuple[ReplicaLoad, ...]:
-        if self._stale:
-            loads = self._loads
-            for i, load in enumerate(loads):
-                if load is None:
-                    loads[i] = self._replicas[i].load()
-            self._view = tuple(loads)  # type: ignore[arg-type]
-            self._stale = False
+        stale = self._stale
+        if stale:
+            loads, replicas = self._loads, self._replicas
+            for i in stale:
+                loads[i] = replicas[i].load()
+            stale.clear()
+            self._view = tuple(loads)
         return self._view
 
 
@@ -155,6 +154,7 @@ class Replica:
         self._tpot = config.time_per_output_token_s
         self._overhead = config.overhead_s
         self._lpm = config.scheduling == "lpm" and config.prefix_caching
+        self._capacity = self.memory.capacity_tokens
         self._board = board if board is not None else LoadBoard()
         self._board.attach(self)
 
@@ -183,10 +183,10 @@ class Replica:
         request = job.request
         memory = self.memory
         need = memory.footprint(request)
-        if need > memory.capacity_tokens:
+        if need > self._capacity:
             raise ConfigError(
                 f"request {request.request_id} needs {need} tokens of KV (prompt + output) but "
-                f"a replica's pool holds {memory.capacity_tokens}; raise the cache size"
+                f"a replica's pool holds {self._capacity}; raise the cache size"
             )
         idle = self.busy is None and not self.waiting
         # An idle replica admits the request right now, which looks the cache up anyway.
@@ -215,7 +215,7 @@ class Replica:
     def _start_next(self, now: float) -> None:
         if not self.waiting:
             return
-        pos = self._pick(now)
+        pos = self._pick(now) if self._lpm else 0
         job = self.waiting[pos]
         request = job.request
         admitted = self.memory.admit(job, now)
