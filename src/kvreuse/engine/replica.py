@@ -103,10 +103,10 @@ class SimulatedReplica:
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"
 
-    async def prefill(
-        self, request_id: str, tokens: TokenBuffer, identity: CacheIdentity, max_tokens: int
-    ) -> Prefilled:
-        """Queue, admit and prefill one request; the caller must later call :meth:`finish`."""
+    def check_fits(self, tokens: TokenBuffer, max_tokens: int) -> None:
+        """Refuse (InputFormatError naming the field) a request this replica could never serve:
+        an empty prompt, or prompt plus ``max_tokens`` past the context length or the KV pool.
+        Called by :meth:`prefill` and before rendering, so both refuse alike. O(1)."""
         count = num_tokens(tokens)
         if count == 0:
             raise InputFormatError("the prompt is empty", "prompt")
@@ -121,6 +121,13 @@ class SimulatedReplica:
                 f"the request needs {blocks_needed} KV blocks, the replica has "
                 f"{self.config.num_blocks - 1}", "max_tokens"
             )
+
+    async def prefill(
+        self, request_id: str, tokens: TokenBuffer, identity: CacheIdentity, max_tokens: int
+    ) -> Prefilled:
+        """Queue, admit and prefill one request; the caller must later call :meth:`finish`."""
+        self.check_fits(tokens, max_tokens)
+        count = num_tokens(tokens)
         loop = asyncio.get_running_loop()
         arrived = loop.time()
         self.waiting += 1

@@ -3,6 +3,11 @@
 Responses carry vLLM's shapes (``usage.prompt_tokens_details.cached_tokens`` included);
 streams are Server-Sent Events ending in ``data: [DONE]``. Output is filler text, one token
 per ``time_per_output_token_s``.
+
+vLLM's render endpoints (``/v1/completions/render``, ``/v1/chat/completions/render``) answer
+the prompt token ids the generate endpoints would prefill for the same body, in vLLM's
+``GenerateRequest`` shape: a list of them for completions, one object for chats. Routers that
+do not tokenize themselves (vllm-router's ``kv_aware``) ask for them.
 """
 
 from __future__ import annotations
@@ -11,7 +16,8 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -51,9 +57,19 @@ from kvreuse.gateway.validation import (
 from kvreuse.identity import CacheIdentity
 from kvreuse.tokens import TokenBuffer, unpack
 
+RENDER_KINDS = {path + "/render": kind for path, kind in ENDPOINT_KINDS.items()}
 FILLER = "lorem ipsum dolor sit amet, consectetur adipiscing elit, sed do eiusmod tempor. "
 DEFAULT_MAX_TOKENS = 16
 MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedRequest:
+    """A checked request and the prompt token ids the replica prefills for it."""
+
+    parsed: ParsedRequest
+    tokens: TokenBuffer
+    max_tokens: int
 
 
 class _VllmMetrics:
@@ -125,10 +141,15 @@ class EngineApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            kind = ENDPOINT_KINDS.get(scope["path"])
+            path = scope["path"]
+            handler: Callable[[Scope, Receive, Send, str], Awaitable[None]] = self._generate
+            kind = ENDPOINT_KINDS.get(path)
+            if kind is None:
+                kind = RENDER_KINDS.get(path)
+                handler = self._render
             if kind is not None:
                 if scope["method"] == "POST":
-                    await self._generate(receive, send, kind)
+                    await handler(scope, receive, send, kind)
                 else:
                     await send_json(send, 405, {"detail": "Method Not Allowed"},
                                     [(b"allow", b"POST")])
@@ -167,7 +188,9 @@ class EngineApp:
     def _tokens(self, parsed: ParsedRequest) -> TokenBuffer:
         return request_tokens(self.tokenizer, parsed)
 
-    async def _generate(self, receive: Receive, send: Send, kind: str) -> None:
+    async def _prepare(self, receive: Receive, send: Send, kind: str) -> PreparedRequest | None:
+        """Read and check a ``kind`` body and tokenize its prompt; a refusal is answered here
+        (vLLM's error shape naming the field) and gives None, as does a client gone."""
         try:
             parsed = parse_request(kind, parse_json_body(
                 await read_body(receive, MAX_BODY_BYTES, None)))
@@ -180,16 +203,64 @@ class EngineApp:
                 parsed.body["prompt"]) > 1 and not isinstance(parsed.body["prompt"][0], int):
                 raise RequestError("the simulated engine serves one prompt per request", "prompt")
             tokens = self._tokens(parsed)
+            max_tokens = parsed.max_tokens or DEFAULT_MAX_TOKENS
+            self.replica.check_fits(tokens, max_tokens)
         except ClientGone:
-            return
+            return None
         except RequestError as exc:
             await send_error(send, exc)
-            return
+            return None
         except InputFormatError as exc:
             await send_error(send, RequestError(str(exc), exc.where))
+            return None
+        return PreparedRequest(parsed, tokens, max_tokens)
+
+    async def _render(self, scope: Scope, receive: Receive, send: Send, kind: str) -> None:
+        prepared = await self._prepare(receive, send, kind)
+        if prepared is None:
             return
+        parsed = prepared.parsed
+        # vLLM's id: the X-Request-Id header, else the body's request_id, else a fresh uuid.
+        base_id = next((value.decode("latin-1") for name, value in scope["headers"]
+                        if name == b"x-request-id"), None)
+        if base_id is None:
+            body_id = parsed.body.get("request_id")
+            base_id = body_id if isinstance(body_id, str) else uuid.uuid4().hex
+        priority = parsed.body.get("priority")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            priority = 0
+        stream_options = parsed.body.get("stream_options") if parsed.stream else None
+        if stream_options is not None:  # vLLM's StreamOptions, its defaults filled in
+            stream_options = {"include_usage": False, "continuous_usage_stats": False,
+                              **stream_options}
+        rendered = {
+            "request_id": ("cmpl-" if kind == "completion" else "chatcmpl-") + base_id,
+            "token_ids": unpack(prepared.tokens),
+            "token_offsets": None,
+            "features": None,
+            "content_parts": None,
+            # The simulator honours max_tokens only; other sampling fields change nothing here.
+            "sampling_params": {"max_tokens": prepared.max_tokens},
+            "model": parsed.model,
+            "reasoning_ended": None,
+            "reasoning_parser_kwargs": None,
+            "return_token_ids": None,
+            "output_mode": "tokens",
+            "stream": parsed.stream,
+            "stream_options": stream_options,
+            "cache_salt": parsed.cache_salt,
+            "priority": priority,
+            "kv_transfer_params": None,
+            "ec_transfer_params": None,
+        }
+        await send_json(send, 200, [rendered] if kind == "completion" else rendered)
+
+    async def _generate(self, scope: Scope, receive: Receive, send: Send, kind: str) -> None:
+        prepared = await self._prepare(receive, send, kind)
+        if prepared is None:
+            return
+        parsed, tokens, max_tokens = prepared.parsed, prepared.tokens, prepared.max_tokens
         identity = CacheIdentity(cache_salt=parsed.cache_salt)
-        max_tokens = parsed.max_tokens or DEFAULT_MAX_TOKENS
         request_id = self.replica.new_request_id()
         try:
             prefilled = await self.replica.prefill(request_id, tokens, identity, max_tokens)
