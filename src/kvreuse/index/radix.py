@@ -125,9 +125,13 @@ class RadixIndex:
         match ends inside it, so the returned node ends exactly at the match. O(n) bytes compared
         plus O(depth) dict lookups, with n the prompt length.
         """
-        buf = as_buffer(tokens)
-        when = self._now(now)
-        root = self.root(identity)
+        # Fast paths first (a packed buffer, an explicit time, the last identity): these run
+        # several times per simulated request.
+        buf = (tokens if type(tokens) is bytes and not len(tokens) % TOKEN_BYTES
+               else as_buffer(tokens))
+        when = now if now is not None else self._now(None)
+        root = (self._last_root if identity is self._last_identity and self._last_root
+                is not None else self.root(identity))
         root.last_access = when
         node, pos = self._walk(root, buf, when, hit=True)
         return Match(pos // TOKEN_BYTES, node, root.identity)
@@ -175,10 +179,11 @@ class RadixIndex:
         """
         if node.removed:
             raise IndexStateError(f"cannot extend {node!r}: it was evicted; match again first")
-        buf: bytes = as_buffer(tokens)
+        buf: bytes = (tokens if type(tokens) is bytes and not len(tokens) % TOKEN_BYTES
+                      else as_buffer(tokens))
         usable = len(buf) - len(buf) % self._page_bytes
         buf = buf[:usable] if usable != len(buf) else buf
-        when = self._now(now)
+        when = now if now is not None else self._now(None)
         depth = 0
         above: RadixNode | None = node
         while above is not None:
@@ -200,7 +205,7 @@ class RadixIndex:
             raise IndexStateError(f"cannot lock {node!r}: it was evicted; match again first")
         while node.parent is not None:
             if node.lock_ref == 0:
-                self._protected += node.num_tokens
+                self._protected += len(node.key) // TOKEN_BYTES
             node.lock_ref += 1
             node = node.parent
 
@@ -212,7 +217,7 @@ class RadixIndex:
         while node.parent is not None:
             node.lock_ref -= 1
             if node.lock_ref == 0:
-                self._protected -= node.num_tokens
+                self._protected -= len(node.key) // TOKEN_BYTES
                 if not node.children:
                     self._push(node)
             node = node.parent
@@ -383,7 +388,8 @@ class RadixIndex:
             remaining = self._make_room(node, remaining)
             if remaining == 0:
                 return None
-        leaf = RadixNode(buf[pos : pos + remaining], node, node.identity, self._new_id(), when)
+        self._next_id += 1
+        leaf = RadixNode(buf[pos : pos + remaining], node, node.identity, self._next_id, when)
         leaf.priority = priority
         node.children[leaf.key[: self._page_bytes]] = leaf
         self._num_nodes += 1

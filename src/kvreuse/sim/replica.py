@@ -92,25 +92,27 @@ class LoadBoard:
     that replica's :class:`ReplicaLoad` once, however many requests arrive in between. O(1)
     per change, O(changed replicas) per read."""
 
-    __slots__ = ("_loads", "_replicas", "_stale", "_view")
+    __slots__ = ("_loads", "_replicas", "_view", "stale")
 
     def __init__(self) -> None:
         self._replicas: list[Replica] = []
         self._loads: list[ReplicaLoad] = []
         self._view: tuple[ReplicaLoad, ...] = ()
-        self._stale: set[int] = set()
+        self.stale: set[int] = set()
+        """Indexes of replicas whose load moved since the last :meth:`current`; a replica adds
+        its own (``stale.add``, a C call: it happens several times per request)."""
 
     def attach(self, replica: Replica) -> None:
         assert replica.index == len(self._replicas), "replicas must attach in index order"
         self._replicas.append(replica)
         self._loads.append(replica.load())
-        self._stale.add(replica.index)
+        self.stale.add(replica.index)
 
     def changed(self, index: int) -> None:
-        self._stale.add(index)
+        self.stale.add(index)
 
     def current(self) -> tuple[ReplicaLoad, ...]:
-        stale = self._stale
+        stale = self.stale
         if stale:
             loads, replicas = self._loads, self._replicas
             for i in stale:
@@ -157,6 +159,7 @@ class Replica:
         self._capacity = self.memory.capacity_tokens
         self._board = board if board is not None else LoadBoard()
         self._board.attach(self)
+        self._stale = self._board.stale
 
     # ------------------------------------------------------------------ views
 
@@ -195,7 +198,7 @@ class Replica:
         self.queued_prefill_tokens += job.estimate
         self.in_flight += 1
         self.waiting.append(job)
-        self._board.changed(self.index)
+        self._stale.add(self.index)
         if self.busy is None:
             self._start_next(now)
 
@@ -222,7 +225,7 @@ class Replica:
         uncached = request.prompt_len - job.cached
         self.queued_prefill_tokens += uncached - job.estimate
         job.estimate = uncached
-        self._board.changed(self.index)
+        self._stale.add(self.index)
         if not admitted:
             self.blocked_admissions += 1
             return  # waits until a finish frees memory
@@ -243,7 +246,7 @@ class Replica:
         decode_s = request.output_len * self._tpot
         if decode_s > 0:
             self.memory.prefilled(job, now)
-            self._board.changed(self.index)
+            self._stale.add(self.index)
             self.engine.schedule(now + decode_s, Finish(self.index, job))
         else:
             self._complete(job, now)
@@ -258,7 +261,7 @@ class Replica:
         self.memory.release(job, now)
         self.in_flight -= 1
         self.requests_served += 1
-        self._board.changed(self.index)
+        self._stale.add(self.index)
         self._on_finish(job, self.index, now)
 
     def check_invariants(self) -> None:
