@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvreuse.frozen import fast_init
 from kvreuse.identity import CacheIdentity
 from kvreuse.tokens import TOKEN_BYTES, unpack
 
@@ -79,6 +80,7 @@ class RadixNode:
         return f"RadixNode(id={self.node_id}, tokens={self.num_tokens}, lock={self.lock_ref})"
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Match:
     """Result of :meth:`RadixIndex.match`: ``length`` tokens are cached, ending at ``node``."""

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from kvreuse.errors import ConfigError
+from kvreuse.frozen import fast_init
 from kvreuse.identity import DEFAULT_IDENTITY, CacheIdentity
 from kvreuse.routing.events import KvEvent
 from kvreuse.tokens import TokenBuffer
@@ -28,6 +29,7 @@ ReplicaId = str
 """Replicas are named by strings: ``"r0"`` in the simulator, an upstream URL in the gateway."""
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class RequestView:
     """What a router may know about a request. ``tokens`` is packed once by the caller."""
@@ -40,6 +42,7 @@ class RequestView:
     session_id: str | None = None
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class ReplicaLoad:
     """One replica's load as the caller sees it.
@@ -73,6 +76,7 @@ class FleetView:
         return FleetView(tuple(r for r in self.replicas if r.replica_id in keep), self.now)
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class RoutingDecision:
     """Where a request goes and why.

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvreuse.frozen import fast_init
 from kvreuse.identity import DEFAULT_IDENTITY, CacheIdentity
 from kvreuse.tokens import TokenBuffer
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class KvStored:
     """``replica`` now holds KV for every prefix of ``tokens`` under ``identity``."""
@@ -24,6 +26,7 @@ class KvStored:
     time: float = 0.0
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class KvRemoved:
     """``replica`` evicted the tail of ``tokens`` past ``keep_tokens``: it still holds the first

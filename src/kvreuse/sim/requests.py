@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvreuse.frozen import fast_init
 from kvreuse.identity import DEFAULT_IDENTITY, CacheIdentity
 from kvreuse.routing.base import RequestView
 from kvreuse.tokens import TokenBuffer
@@ -45,6 +46,7 @@ class SimRequest:
         object.__setattr__(self, "view", view)  # frozen: derived once, here
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class RequestRecord:
     """The outcome of one request. Times in simulated seconds."""
