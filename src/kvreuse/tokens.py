@@ -90,14 +90,18 @@ def common_prefix_tokens(a: bytes, b: bytes) -> int:
     O(n) bytes copied, O(log n) comparisons: equal-slice checks run at memcmp speed, so a binary
     search over slice equality beats any per-token Python loop.
     """
-    n = min(len(a), len(b)) // TOKEN_BYTES
-    if a[: n * TOKEN_BYTES] == b[: n * TOKEN_BYTES]:
+    if len(a) > len(b):
+        a, b = b, a
+    n = len(a) // TOKEN_BYTES
+    whole = n * TOKEN_BYTES
+    # startswith(prefix, offset) compares in place: only the probe slice of ``a`` is copied.
+    if b.startswith(a if whole == len(a) else a[:whole]):
         return n
     lo, hi = 0, n  # invariant: first lo tokens equal, first hi tokens differ
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        end = mid * TOKEN_BYTES
-        if a[lo * TOKEN_BYTES : end] == b[lo * TOKEN_BYTES : end]:
+        start = lo * TOKEN_BYTES
+        if b.startswith(a[start : mid * TOKEN_BYTES], start):
             lo = mid
         else:
             hi = mid

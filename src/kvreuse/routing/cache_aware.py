@@ -112,29 +112,33 @@ class CacheAware(PolicyBase):
         prompt = request.prompt_tokens
         # One pass: each replica's predicted TTFT (CostModel.queue_delay_s + prefill_s, same
         # arithmetic), the longest match (ties to the faster), the fastest, the least loaded.
+        # Scalar comparisons, first replica wins ties: the longest match (then the faster),
+        # the fastest, the least loaded (queue delay, then in-flight requests).
         rows: list[tuple[str, int, float]] = []
-        best = fastest = least = None
-        best_key: tuple[int, float] = (1, 0.0)
-        least_key: tuple[float, int] = (0.0, 0)
+        best_id = least_id = ""
+        best_hit = least_in_flight = least_hit = -1
+        best_ttft = fastest_ttft = least_delay = 0.0
         for load in fleet.replicas:
             rid = load.replica_id
             hit = matched[rid]
             delay = load.queued_prefill_tokens / rate + load.queued_requests * overhead
             ttft = delay + (overhead + (prompt - hit) / rate)
-            row = (rid, hit, ttft)
-            rows.append(row)
-            if best is None or (-hit, ttft) < best_key:
-                best, best_key = row, (-hit, ttft)
-            if fastest is None or ttft < fastest[2]:
-                fastest = row
-            if least is None or (delay, load.in_flight) < least_key:
-                least, least_key = row, (delay, load.in_flight)
-        assert best is not None and fastest is not None and least is not None
-        if best[1] / max(prompt, 1) <= self.cache_threshold:
-            return RoutingDecision(least[0], "miss_least_load", least[1])
-        limit = fastest[2] + self.spill_threshold_s
-        if best[2] <= limit:
-            return RoutingDecision(best[0], "affinity", best[1])
+            rows.append((rid, hit, ttft))
+            if best_hit < 0:
+                best_id, best_hit, best_ttft, fastest_ttft = rid, hit, ttft, ttft
+                least_id, least_hit, least_delay, least_in_flight = rid, hit, delay, load.in_flight
+                continue
+            if hit > best_hit or (hit == best_hit and ttft < best_ttft):
+                best_id, best_hit, best_ttft = rid, hit, ttft
+            if ttft < fastest_ttft:
+                fastest_ttft = ttft
+            if delay < least_delay or (delay == least_delay and load.in_flight < least_in_flight):
+                least_id, least_hit, least_delay, least_in_flight = rid, hit, delay, load.in_flight
+        if best_hit / max(prompt, 1) <= self.cache_threshold:
+            return RoutingDecision(least_id, "miss_least_load", least_hit)
+        limit = fastest_ttft + self.spill_threshold_s
+        if best_ttft <= limit:
+            return RoutingDecision(best_id, "affinity", best_hit)
         spill = min((r for r in rows if r[2] <= limit), key=lambda r: (-r[1], r[2]))
         return RoutingDecision(spill[0], "spill", spill[1])
 

@@ -103,10 +103,9 @@ class ApproxTrees:
         O(n) bytes compared plus O(depth × replicas)."""
         self._maybe_evict(now)
         ids = list(replicas)
-        out = dict.fromkeys(ids, 0)
         root = self._root(request.identity, create=False)
         if root is None:
-            return out
+            return dict.fromkeys(ids, 0)
         alive = 0
         bits = self._bits
         for rid in ids:
@@ -143,8 +142,9 @@ class ApproxTrees:
         if alive:
             for low in singles.get(alive) or self._split_mask(alive):
                 ended[low] = pos
+        out = {}  # a loop, not a comprehension: 3.11 pays a function frame for one
         for rid in ids:
-            out[rid] = ended.get(self._bits[rid], 0) // TOKEN_BYTES
+            out[rid] = ended.get(bits[rid], 0) // TOKEN_BYTES
         return out
 
     # ------------------------------------------------------------------ updates
