@@ -49,6 +49,42 @@ def test_engine_orders_by_time_then_priority_then_seq() -> None:
     ]
 
 
+def test_streamed_arrivals_pop_where_scheduled_arrivals_would() -> None:
+    """Streamed arrivals interleave with heap events exactly as Arrival events would."""
+
+    def replay(streamed: bool) -> list[Any]:
+        engine = Engine()
+        seen: list[Any] = []
+        times = [0.5, 1.0, 1.0, 2.0]
+
+        def arrive(index: int) -> None:
+            seen.append(("arrival", index, engine.now, len(engine)))
+            if index == 0:
+                engine.schedule(1.0, PrefillDone(0, "p"))
+                engine.schedule(2.0, Finish(0, "f"))
+            if not streamed and index + 1 < len(times):
+                engine.schedule(times[index + 1], Arrival(index + 1))
+
+        handlers: dict[type, Any] = {
+            PrefillDone: lambda e: seen.append(("prefill", engine.now)),
+            Finish: lambda e: seen.append(("finish", engine.now)),
+            Arrival: lambda e: arrive(e.index),
+        }
+        if streamed:
+            engine.run(handlers, times, arrive)
+        else:
+            engine.schedule(times[0], Arrival(0))
+            engine.run(handlers)
+        return seen
+
+    streamed = replay(True)
+    assert [e[:3] for e in streamed] == [e[:3] for e in replay(False)]
+    assert [e[0] for e in streamed] == [
+        "arrival", "prefill", "arrival", "arrival", "finish", "arrival"
+    ]
+    assert streamed[0][3] == 3  # pending work counts the arrivals not yet streamed
+
+
 def test_engine_refuses_the_past() -> None:
     """Scheduling before the current time is a broken invariant."""
     engine = Engine()

@@ -109,8 +109,6 @@ class FleetSimulator:
         self._progress = progress
         self._progress_every = max(progress_every, 1)
         engine = self.engine
-        if requests:
-            engine.schedule(requests[0].arrival_s, Arrival(0))
         handlers: dict[type, Callable[[Any], None]] = {
             Arrival: self._on_arrival,
             PrefillDone: self._on_prefill_done,
@@ -118,7 +116,7 @@ class FleetSimulator:
             KvDelivery: self._on_kv_delivery,
             LoadSnapshot: self._on_snapshot,
         }
-        engine.run(handlers)
+        engine.run(handlers, [r.arrival_s for r in requests], self._arrive)
         assert len(self._records) == len(requests), "a request never finished"
         self._records.sort(key=lambda r: r.request_id)
         return FleetRun(
@@ -145,11 +143,12 @@ class FleetSimulator:
     # ------------------------------------------------------------------ handlers
 
     def _on_arrival(self, event: Arrival) -> None:
+        self._arrive(event.index)
+
+    def _arrive(self, index: int) -> None:
+        """Request ``index`` reaches the router (streamed by the engine, in arrival order)."""
         now = self.engine.now
-        index = event.index
         request = self._requests[index]
-        if index + 1 < len(self._requests):
-            self.engine.schedule(self._requests[index + 1].arrival_s, Arrival(index + 1))
         view = request.view
         decision = self.policy.route(view, self.fleet_view(now))
         if decision is None:
