@@ -481,3 +481,15 @@ def test_extend_under_capacity_keeps_the_held_path() -> None:
     assert end.depth_tokens() == 6
     assert index.match([9], now=4.0).length == 0
     checked(index)
+
+
+def test_match_length_agrees_with_match_and_touches_alike() -> None:
+    """match_length returns match's length and leaves the tree as match would."""
+    index, twin = RadixIndex(), RadixIndex()
+    for tree in (index, twin):
+        tree.insert([1, 2, 3, 4], now=0.0)
+        tree.insert([1, 2, 9], now=1.0)
+    assert index.match_length([1, 2, 3, 7], now=5.0) == twin.match([1, 2, 3, 7], now=5.0).length
+    shape = [(d, n.token_ids(), n.last_access, n.hit_count) for d, n in index.walk()]
+    assert shape == [(d, n.token_ids(), n.last_access, n.hit_count) for d, n in twin.walk()]
+    checked(index)

@@ -136,6 +136,19 @@ class RadixIndex:
         node, pos = self._walk(root, buf, when, hit=True)
         return Match(pos // TOKEN_BYTES, node, root.identity)
 
+    def match_length(
+        self, tokens: Tokens, identity: CacheIdentity | None = None, now: float | None = None
+    ) -> int:
+        """:meth:`match`'s ``length`` alone, with the same touches and split; for callers that
+        only estimate (a replica's queue) and would drop the result object. Same cost."""
+        buf = (tokens if type(tokens) is bytes and not len(tokens) % TOKEN_BYTES
+               else as_buffer(tokens))
+        when = now if now is not None else self._now(None)
+        root = (self._last_root if identity is self._last_identity and self._last_root
+                is not None else self.root(identity))
+        root.last_access = when
+        return self._walk(root, buf, when, hit=True)[1] // TOKEN_BYTES
+
     def insert(
         self,
         tokens: Tokens,

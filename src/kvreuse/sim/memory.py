@@ -172,7 +172,7 @@ class RadixMemory:
     def peek(self, request: SimRequest, now: float) -> int:
         if not self._caching:
             return 0
-        return self.cache.match(request.tokens, request.identity, now).length
+        return self.cache.match_length(request.tokens, request.identity, now)
 
     def admit(self, job: Job, now: float) -> bool:
         request = job.request
