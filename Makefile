@@ -92,7 +92,7 @@ PEERS_VENV ?= .venv-peers
 $(PEERS_VENV)/.installed:
 	$(PYTHON) -m venv $(PEERS_VENV)
 	$(PEERS_VENV)/bin/python -m pip install -q --upgrade pip
-	$(PEERS_VENV)/bin/python -m pip install -q sglang-router vllm-router smg
+	$(PEERS_VENV)/bin/python -m pip install -q sglang-router==0.3.2 vllm-router==0.1.17 smg==1.13.0
 	touch $@
 
 peers: $(PEERS_VENV)/.installed
