@@ -125,6 +125,19 @@ class RadixIndex:
         match ends inside it, so the returned node ends exactly at the match. O(n) bytes compared
         plus O(depth) dict lookups, with n the prompt length.
         """
+        node, pos, identity_of_root = self._match_walk(tokens, identity, now)
+        return Match(pos // TOKEN_BYTES, node, identity_of_root)
+
+    def match_length(
+        self, tokens: Tokens, identity: CacheIdentity | None = None, now: float | None = None
+    ) -> int:
+        """:meth:`match`'s ``length`` alone, with the same touches and split; for callers that
+        only estimate (a replica's queue) and would drop the result object. Same cost."""
+        return self._match_walk(tokens, identity, now)[1] // TOKEN_BYTES
+
+    def _match_walk(
+        self, tokens: Tokens, identity: CacheIdentity | None, now: float | None
+    ) -> tuple[RadixNode, int, CacheIdentity]:
         # Fast paths first (a packed buffer, an explicit time, the last identity): these run
         # several times per simulated request.
         buf = (tokens if type(tokens) is bytes and not len(tokens) % TOKEN_BYTES
@@ -134,20 +147,7 @@ class RadixIndex:
                 is not None else self.root(identity))
         root.last_access = when
         node, pos = self._walk(root, buf, when, hit=True)
-        return Match(pos // TOKEN_BYTES, node, root.identity)
-
-    def match_length(
-        self, tokens: Tokens, identity: CacheIdentity | None = None, now: float | None = None
-    ) -> int:
-        """:meth:`match`'s ``length`` alone, with the same touches and split; for callers that
-        only estimate (a replica's queue) and would drop the result object. Same cost."""
-        buf = (tokens if type(tokens) is bytes and not len(tokens) % TOKEN_BYTES
-               else as_buffer(tokens))
-        when = now if now is not None else self._now(None)
-        root = (self._last_root if identity is self._last_identity and self._last_root
-                is not None else self.root(identity))
-        root.last_access = when
-        return self._walk(root, buf, when, hit=True)[1] // TOKEN_BYTES
+        return node, pos, root.identity
 
     def insert(
         self,
