@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from kvreuse.errors import ConfigError
 from kvreuse.routing.base import (
+    REPLICA_ID,
     CostModel,
     FleetView,
     PolicyBase,
@@ -93,7 +94,7 @@ class CacheAware(PolicyBase):
             raise ConfigError(f"estimator must be 'approx' or 'exact', got {estimator!r}")
 
     def predict(self, request: RequestView, fleet: FleetView) -> dict[ReplicaId, int]:
-        ids = [r.replica_id for r in fleet.replicas]
+        ids = list(map(REPLICA_ID, fleet.replicas))
         if self.trees is not None:
             return self.trees.predict(request, ids, fleet.now)
         assert self.mirror is not None

@@ -13,7 +13,14 @@ what the spill threshold of ``cache_aware`` approximates.
 from __future__ import annotations
 
 from kvreuse.errors import ConfigError
-from kvreuse.routing.base import CostModel, FleetView, PolicyBase, RequestView, RoutingDecision
+from kvreuse.routing.base import (
+    REPLICA_ID,
+    CostModel,
+    FleetView,
+    PolicyBase,
+    RequestView,
+    RoutingDecision,
+)
 from kvreuse.routing.estimators import ApproxTrees
 from kvreuse.routing.events import KvEvent
 from kvreuse.routing.mirror import CacheMirror
@@ -51,7 +58,7 @@ class CostRouting(PolicyBase):
     def route(self, request: RequestView, fleet: FleetView) -> RoutingDecision | None:
         if not fleet.replicas:
             return None
-        ids = [r.replica_id for r in fleet.replicas]
+        ids = list(map(REPLICA_ID, fleet.replicas))
         matched = self.estimator.predict(request, ids, fleet.now)
         rate, overhead = self.cost.prefill_tokens_per_s, self.cost.overhead_s
         prompt = request.prompt_tokens

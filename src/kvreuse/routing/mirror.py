@@ -249,8 +249,10 @@ class CacheMirror:
         if node.parent is None:
             return
         parent = node.parent
-        self._join(node)
-        self._join(parent)
+        if len(node.children) == 1:
+            self._join(node)
+        if len(parent.children) == 1:
+            self._join(parent)
 
     def _join(self, upper: _Edge) -> None:
         """Merge ``upper`` with its only child when both are held by the same replicas."""

@@ -17,7 +17,7 @@ engine's tie rule (see :mod:`kvreuse.sim.engine`) fixes the order of simultaneou
 
 from __future__ import annotations
 
-import itertools
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -103,7 +103,8 @@ class FleetSimulator:
     ) -> FleetRun:
         """Simulate ``requests`` (sorted by arrival) to completion. ``progress(n)`` is called
         every ``progress_every`` finished requests."""
-        if any(b.arrival_s < a.arrival_s for a, b in itertools.pairwise(requests)):
+        arrivals = [r.arrival_s for r in requests]
+        if not all(map(operator.le, arrivals, arrivals[1:])):
             raise ConfigError("requests must be sorted by arrival_s")
         self._requests = requests
         self._progress = progress
@@ -116,9 +117,9 @@ class FleetSimulator:
             KvDelivery: self._on_kv_delivery,
             LoadSnapshot: self._on_snapshot,
         }
-        engine.run(handlers, [r.arrival_s for r in requests], self._arrive)
+        engine.run(handlers, arrivals, self._arrive)
         assert len(self._records) == len(requests), "a request never finished"
-        self._records.sort(key=lambda r: r.request_id)
+        self._records.sort(key=operator.attrgetter("request_id"))
         return FleetRun(
             policy=self.policy.name,
             config=self.config,
