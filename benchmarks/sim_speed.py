@@ -45,14 +45,21 @@ def timed(run: Callable[[], object], repeat: int) -> tuple[list[float], float]:
     return times, cpu
 
 
-def belgavi(scale: float, repeat: int) -> None:
+TARGET_REQ_PER_S = 20_000
+TARGET_TRACE_S = 3.0
+
+
+def belgavi(scale: float, repeat: int) -> list[str]:
+    """Time every policy on belgavi; returns the verdict lines."""
     scenario = get_scenario("belgavi")
     start = time.perf_counter()
     requests = scenario.requests(0, "", scale)
     generate_s = time.perf_counter() - start
     print(f"belgavi x{scale:g}: {len(requests):,} requests generated in {generate_s:.2f} s")
     specs = [(s.policy, s.replicas) for s in scenario.runs if not s.variant]
+    own = list(specs)  # the scenario's own comparison: what `kvreuse simulate --scenario` runs
     specs += [(name, 3) for name in POLICIES if name not in {p for p, _ in specs}]
+    best_rate: dict[tuple[str, int], float] = {}
     for name, replicas in specs:
         options = dict(scenario.policy_options.get(name, {}))
 
@@ -63,17 +70,32 @@ def belgavi(scale: float, repeat: int) -> None:
 
         times, cpu = timed(run, repeat)
         best, median = min(times), statistics.median(times)
+        best_rate[(name, replicas)] = len(requests) / best
         print(
             f"  {name:<20} x{replicas}: best {len(requests) / best:>8,.0f}  median "
             f"{len(requests) / median:>8,.0f} simulated req/s per wall second "
             f"({len(requests) / cpu:,.0f} per CPU second)"
         )
+    slowest_own = min(own, key=lambda spec: best_rate[spec])
+    rate = best_rate[slowest_own]
+    label = ", ".join(f"{p} x{r}" for p, r in own)
+    lines = [f"[{'PASS' if rate >= TARGET_REQ_PER_S else 'FAIL'}] belgavi's own runs ({label}): "
+             f"slowest best {rate:,.0f} req/s ({slowest_own[0]}; target >= "
+             f"{TARGET_REQ_PER_S:,})"]
+    passing = sum(r >= TARGET_REQ_PER_S for r in best_rate.values())
+    slowest = min(best_rate, key=best_rate.__getitem__)
+    lines.append(f"[info] every policy on belgavi: {passing} of {len(best_rate)} at or above "
+                 f"{TARGET_REQ_PER_S:,}; slowest {slowest[0]} x{slowest[1]} at "
+                 f"{best_rate[slowest]:,.0f} req/s")
+    return lines
 
 
-def trace(path: Path, repeat: int, replicas: int = 8, cache_tokens: int = 200_000) -> None:
+def trace(path: Path, repeat: int, replicas: int = 8,
+          cache_tokens: int = 200_000) -> list[str]:
+    """Time every policy over the whole trace; returns the verdict lines."""
     if not path.exists():
         print(f"trace {path} not found; skipping")
-        return
+        return [f"[skip] Mooncake trace: {path} not found"]
     start = time.perf_counter()
     with path.open() as lines:
         requests: Sequence[SimRequest] = parse_trace(lines)
@@ -83,6 +105,7 @@ def trace(path: Path, repeat: int, replicas: int = 8, cache_tokens: int = 200_00
     compute_bounds(requests, replicas, cache_tokens)
     print(f"  bounds (infinite + pooled LRU): {time.perf_counter() - start:.2f} s")
     config = FleetConfig(replicas, ReplicaConfig(pool_tokens=cache_tokens), kv_event_lag_s=0.0)
+    worst = ("", 0.0)
     for name in POLICIES:
 
         def run(name: str = name) -> None:
@@ -93,6 +116,11 @@ def trace(path: Path, repeat: int, replicas: int = 8, cache_tokens: int = 200_00
             f"  {name:<20} x{replicas}: whole trace best {min(times):.2f} s, median "
             f"{statistics.median(times):.2f} s ({len(requests) / min(times):,.0f} req/s)"
         )
+        if min(times) > worst[1]:
+            worst = (name, min(times))
+    ok = worst[1] < TARGET_TRACE_S
+    return [f"[{'PASS' if ok else 'FAIL'}] Mooncake trace over {replicas} replicas: slowest "
+            f"policy {worst[0]} best {worst[1]:.2f} s (target < {TARGET_TRACE_S:g} s)"]
 
 
 if __name__ == "__main__":
@@ -101,6 +129,7 @@ if __name__ == "__main__":
     parser.add_argument("--repeat", type=int, default=3, help="runs per policy")
     args = parser.parse_args()
     print(load_average())
-    belgavi(args.scale, args.repeat)
-    trace(TRACE, args.repeat)
+    verdicts = belgavi(args.scale, args.repeat)
+    verdicts += trace(TRACE, args.repeat)
     print(load_average())
+    print("\n".join(verdicts))
