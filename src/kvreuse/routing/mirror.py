@@ -137,18 +137,21 @@ class CacheMirror:
         """Fold one event into the mirror. O(n) in the event's tokens (a clear: O(tree))."""
         self.events_applied += 1
         bit = self._bits.get(event.replica) or self._bit(event.replica)
-        if isinstance(event, KvCleared):
-            self._clear(bit)
-            return
-        last, root = self._last
-        if event.identity is not last:
-            root = self._root(event.identity, create=True)
-        assert root is not None
         if type(event) is KvStored:
+            last, root = self._last
+            if event.identity is not last:
+                root = self._root(event.identity, create=True)
+            assert root is not None
             self._store(root, event.tokens, bit)
-            return
-        assert isinstance(event, KvRemoved), f"unknown KV event {event!r}"
-        self._remove(root, event.tokens, event.keep_tokens * TOKEN_BYTES, bit)
+        elif type(event) is KvRemoved:
+            last, root = self._last
+            if event.identity is not last:
+                root = self._root(event.identity, create=True)
+            assert root is not None
+            self._remove(root, event.tokens, event.keep_tokens * TOKEN_BYTES, bit)
+        else:
+            assert isinstance(event, KvCleared), f"unknown KV event {event!r}"
+            self._clear(bit)
 
     def _store(self, root: _Edge, buf: bytes, bit: int) -> None:
         node, pos, end = root, 0, len(buf) - len(buf) % TOKEN_BYTES

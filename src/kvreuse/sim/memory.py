@@ -239,7 +239,7 @@ class RadixMemory:
         """``on_evict`` hook: the leaf is still linked, so its path can be read."""
         assert self._sink is not None
         path = TokenBuffer(node.path_key())
-        keep = len(path) // TOKEN_BYTES - node.num_tokens
+        keep = (len(path) - len(node.key)) // TOKEN_BYTES
         self._sink(KvRemoved(self.replica_id, path, keep, node.identity, self._now))
 
     def check_invariants(self) -> None:
