@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvreuse.errors import ConfigError
-from kvreuse.routing.base import FleetView, RoutingPolicy
+from kvreuse.routing.base import FleetView, PolicyBase, RoutingPolicy
 from kvreuse.routing.events import KvEvent
 from kvreuse.sim.engine import (
     Arrival,
@@ -92,6 +92,10 @@ class FleetSimulator:
         self._records: list[RequestRecord] = []
         self._snapshot: FleetView | None = None
         self._load_lag = config.load_lag_s
+        # PolicyBase's on_finished does nothing: skip the call, once per request, for policies
+        # that keep it.
+        hook = getattr(type(policy), "on_finished", None)
+        self._notify_finished = None if hook is PolicyBase.on_finished else policy.on_finished
 
     # ------------------------------------------------------------------ running
 
@@ -189,7 +193,8 @@ class FleetSimulator:
 
     def _finished(self, job: Job, replica: int, now: float) -> None:
         request = job.request
-        self.policy.on_finished(request.view, self.replicas[replica].replica_id, now)
+        if self._notify_finished is not None:
+            self._notify_finished(request.view, self.replicas[replica].replica_id, now)
         self._records.append(
             RequestRecord(
                 request.request_id,
