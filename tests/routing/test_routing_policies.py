@@ -133,6 +133,18 @@ def test_cache_aware_follows_the_longest_routed_prefix() -> None:
     assert follow.predicted_cached_tokens == 100
 
 
+@pytest.mark.parametrize("name", ["cache_aware", "cache_aware_sglang"])
+def test_cache_aware_reads_trees_a_gateway_swapped_in(name: str) -> None:
+    """Trees replaced after construction (a shared index) are the ones every decision uses."""
+    policy = build_policy(name)
+    shared = build_policy(name)
+    routed(shared, request(list(range(100))), fleet(0, 0, 0, now=1.0))
+    held_by = routed(shared, request(list(range(100))), fleet(0, 0, 0, now=2.0)).replica
+    policy.trees = shared.trees  # type: ignore[attr-defined]  # what shared_index.attach does
+    decision = routed(policy, request(list(range(120))), fleet(0, 0, 0, now=3.0))
+    assert decision.replica == held_by and decision.predicted_cached_tokens == 100
+
+
 def test_cache_aware_below_threshold_goes_to_least_loaded() -> None:
     """A weak match (ratio under cache_threshold) is routed by load."""
     policy = CacheAware(cache_threshold=0.5)

@@ -28,8 +28,6 @@ events (``exact``); see :mod:`kvreuse.routing.estimators`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-
 from kvreuse.errors import ConfigError
 from kvreuse.routing.base import (
     REPLICA_ID,
@@ -94,15 +92,15 @@ class CacheAware(PolicyBase):
             self.uses_kv_events = True
         else:
             raise ConfigError(f"estimator must be 'approx' or 'exact', got {estimator!r}")
-        source: ApproxTrees | CacheMirror | None = (
-            self.trees if self.trees is not None else self.mirror)
-        assert source is not None, "one estimator is always built"
-        self._estimate: Callable[[RequestView, Iterable[ReplicaId], float],
-                                 dict[ReplicaId, int]] = source.predict
 
     def predict(self, request: RequestView, fleet: FleetView) -> dict[ReplicaId, int]:
-        """Each eligible replica's predicted cached prefix of the prompt, in tokens."""
-        return self._estimate(request, list(map(REPLICA_ID, fleet.replicas)), fleet.now)
+        """Each eligible replica's predicted cached prefix of the prompt, in tokens. ``trees``
+        is looked up per call: a gateway may replace it (a shared index, gateway/shared_index)."""
+        ids = list(map(REPLICA_ID, fleet.replicas))
+        if self.trees is not None:
+            return self.trees.predict(request, ids, fleet.now)
+        assert self.mirror is not None
+        return self.mirror.predict(request, ids, fleet.now)
 
     def route(self, request: RequestView, fleet: FleetView) -> RoutingDecision | None:
         if not fleet.replicas:
@@ -110,7 +108,7 @@ class CacheAware(PolicyBase):
         if self.balance == "sglang":
             return self._route_sglang(request, fleet)
         # The bounded rule, written here rather than in a helper: it runs once per request.
-        matched = self._estimate(request, list(map(REPLICA_ID, fleet.replicas)), fleet.now)
+        matched = self.predict(request, fleet)
         rate, overhead = self.cost.prefill_tokens_per_s, self.cost.overhead_s
         prompt = request.prompt_tokens
         # One pass: each replica's predicted TTFT (CostModel.queue_delay_s + prefill_s, same
