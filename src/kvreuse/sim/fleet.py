@@ -23,10 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvreuse.errors import ConfigError
-from kvreuse.routing.base import FleetView, PolicyBase, RoutingPolicy
+from kvreuse.routing.base import FleetView, RoutingPolicy
 from kvreuse.routing.events import KvEvent
 from kvreuse.sim.engine import (
-    Arrival,
     Engine,
     Finish,
     KvDelivery,
@@ -92,10 +91,6 @@ class FleetSimulator:
         self._records: list[RequestRecord] = []
         self._snapshot: FleetView | None = None
         self._load_lag = config.load_lag_s
-        # PolicyBase's on_finished does nothing: skip the call, once per request, for policies
-        # that keep it.
-        hook = getattr(type(policy), "on_finished", None)
-        self._notify_finished = None if hook is PolicyBase.on_finished else policy.on_finished
 
     # ------------------------------------------------------------------ running
 
@@ -115,7 +110,6 @@ class FleetSimulator:
         self._progress_every = max(progress_every, 1)
         engine = self.engine
         handlers: dict[type, Callable[[Any], None]] = {
-            Arrival: self._on_arrival,
             PrefillDone: self._on_prefill_done,
             Finish: self._on_finish,
             KvDelivery: self._on_kv_delivery,
@@ -146,9 +140,6 @@ class FleetSimulator:
         return FleetView(self._board.current(), now)
 
     # ------------------------------------------------------------------ handlers
-
-    def _on_arrival(self, event: Arrival) -> None:
-        self._arrive(event.index)
 
     def _arrive(self, index: int) -> None:
         """Request ``index`` reaches the router (streamed by the engine, in arrival order)."""
@@ -193,8 +184,7 @@ class FleetSimulator:
 
     def _finished(self, job: Job, replica: int, now: float) -> None:
         request = job.request
-        if self._notify_finished is not None:
-            self._notify_finished(request.view, self.replicas[replica].replica_id, now)
+        self.policy.on_finished(request.view, self.replicas[replica].replica_id, now)
         self._records.append(
             RequestRecord(
                 request.request_id,

@@ -88,9 +88,9 @@ class ReplicaConfig:
 class LoadBoard:
     """The replicas' loads as routers see them, rebuilt only where a replica changed.
 
-    A replica calls :meth:`changed` whenever its queue moves; :meth:`current` then rebuilds
-    that replica's :class:`ReplicaLoad` once, however many requests arrive in between. O(1)
-    per change, O(changed replicas) per read."""
+    A replica adds its index to :attr:`stale` whenever its queue moves; :meth:`current` then
+    rebuilds that replica's :class:`ReplicaLoad` once, however many requests arrive in between.
+    O(1) per change, O(changed replicas) per read."""
 
     __slots__ = ("_loads", "_replicas", "_view", "stale")
 
@@ -107,9 +107,6 @@ class LoadBoard:
         self._replicas.append(replica)
         self._loads.append(replica.load())
         self.stale.add(replica.index)
-
-    def changed(self, index: int) -> None:
-        self.stale.add(index)
 
     def current(self) -> tuple[ReplicaLoad, ...]:
         stale = self.stale

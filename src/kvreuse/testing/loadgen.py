@@ -183,16 +183,9 @@ async def run_stream(
     client = RawClient(timeout_s=timeout_s)
     try:
         loop = asyncio.get_running_loop()
-        start = loop.time()
-        next_tick = 0.0
+        clock = _Pacer(loop, on_tick)
         for i, call in enumerate(calls):
-            while on_tick is not None and next_tick <= call.at_s:
-                await asyncio.sleep(max(start + next_tick - loop.time(), 0))
-                on_tick(loop.time() - start)
-                next_tick += 0.5
-            delay = start + call.at_s - loop.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
+            await clock.wait_until(call.at_s)
             extra = headers(call) if headers is not None else {}
             task = loop.create_task(_one(client, call, pick(i, call), extra))
             pending.add(task)
@@ -200,9 +193,7 @@ async def run_stream(
             sent += 1
         while pending:
             await asyncio.sleep(0.05)
-            if on_tick is not None and loop.time() - start >= next_tick:
-                on_tick(loop.time() - start)
-                next_tick += 0.5
+            clock.tick_if_due()
     finally:
         await client.close()
     return sent
@@ -221,23 +212,50 @@ async def run_calls(
     client = RawClient(timeout_s=timeout_s)
     try:
         loop = asyncio.get_running_loop()
-        start = loop.time()
+        clock = _Pacer(loop, on_tick)
         tasks: list[asyncio.Task[Result]] = []
-        next_tick = 0.0
         for i, call in enumerate(calls):
-            delay = start + call.at_s - loop.time()
-            while on_tick is not None and delay > 0 and next_tick <= call.at_s:
-                await asyncio.sleep(max(start + next_tick - loop.time(), 0))
-                on_tick(loop.time() - start)
-                next_tick += 0.5
-                delay = start + call.at_s - loop.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
+            await clock.wait_until(call.at_s)
             extra = headers(call) if headers is not None else {}
             tasks.append(loop.create_task(_one(client, call, pick(i, call), extra)))
         return list(await asyncio.gather(*tasks))
     finally:
         await client.close()
+
+
+class _Pacer:
+    """Open-loop timing shared by the senders: sleep until a call is due, calling ``on_tick``
+    with the elapsed seconds every 0.5 s on the way. A sender that has fallen behind still fires
+    the ticks already due (each after a zero sleep) before its next call, so fault injection
+    keeps its schedule when the client is late."""
+
+    TICK_S = 0.5
+
+    def __init__(self, loop: asyncio.AbstractEventLoop,
+                 on_tick: Callable[[float], None] | None) -> None:
+        self._loop = loop
+        self._on_tick = on_tick
+        self._start = loop.time()
+        self._next_tick = 0.0
+
+    async def wait_until(self, at_s: float) -> None:
+        """Return when ``at_s`` seconds have passed since the start, ticking on the way."""
+        loop, start = self._loop, self._start
+        if self._on_tick is not None:
+            while self._next_tick <= at_s:
+                await asyncio.sleep(max(start + self._next_tick - loop.time(), 0))
+                self._on_tick(loop.time() - start)
+                self._next_tick += self.TICK_S
+        delay = start + at_s - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+    def tick_if_due(self) -> None:
+        """While draining: one tick if its time has come."""
+        elapsed = self._loop.time() - self._start
+        if self._on_tick is not None and elapsed >= self._next_tick:
+            self._on_tick(elapsed)
+            self._next_tick += self.TICK_S
 
 
 # ---------------------------------------------------------------------------- measuring
