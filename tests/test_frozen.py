@@ -97,16 +97,36 @@ def test_subclass_falls_back_to_the_original_init() -> None:
     assert Point.__init__ is not plain
 
 
-def test_small_classes_are_left_alone() -> None:
-    """Under three fields the generated __init__ is already as cheap: it is kept."""
+@fast_init
+@dataclass(frozen=True, slots=True)
+class Pair:
+    a: int
+    b: str = "b"
+
+
+def test_small_classes_get_the_setter_form_with_the_same_behaviour() -> None:
+    """A two-field class (per-slot setters) keeps defaults, freezing, equality, pickling."""
+    pair = Pair(1)
+    assert (pair.a, pair.b) == (1, "b") and type(pair) is Pair
+    assert "_set_a" in Pair.__init__.__code__.co_names + Pair.__init__.__code__.co_freevars
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        pair.a = 2  # type: ignore[misc]
+    assert pair == Pair(1, "b") != Pair(1, "c") and hash(pair) == hash(Pair(1))
+    assert pickle.loads(pickle.dumps(pair)) == pair
+    assert dataclasses.replace(pair, b="z") == Pair(1, "z")
+    with pytest.raises(TypeError):
+        Pair()  # type: ignore[call-arg]
+
+
+def test_classes_without_fields_are_left_alone() -> None:
+    """Nothing to store: the generated __init__ is kept."""
 
     @dataclass(frozen=True, slots=True)
-    class Pair:
-        a: int
-        b: int
+    class Empty:
+        pass
 
-    original = Pair.__init__
-    assert fast_init(Pair).__init__ is original
+    original = Empty.__init__
+    assert fast_init(Empty).__init__ is original
 
 
 def test_refuses_classes_it_cannot_handle() -> None:

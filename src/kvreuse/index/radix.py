@@ -146,7 +146,7 @@ class RadixIndex:
         root = (self._last_root if identity is self._last_identity and self._last_root
                 is not None else self.root(identity))
         root.last_access = when
-        node, pos = self._walk(root, buf, when, hit=True)
+        node, pos = self._walk(root, buf, when, True, 0, 0)
         return node, pos, root.identity
 
     def insert(
@@ -168,7 +168,7 @@ class RadixIndex:
         when = self._now(now)
         root = self.root(identity)
         root.last_access = when
-        node, pos = self._walk(root, buf, when, hit=False, priority=priority)
+        node, pos = self._walk(root, buf, when, False, priority, 0)
         leaf = self._attach(node, buf, pos, when, priority)
         return 0 if leaf is None else len(leaf.key) // TOKEN_BYTES
 
@@ -206,9 +206,9 @@ class RadixIndex:
             depth += len(above.key)
             above = above.parent
         key = node.key
-        if depth > len(buf) or buf[depth - len(key) : depth] != key:
+        if depth > len(buf) or not buf.startswith(key, depth - len(key)):
             raise IndexStateError(f"{node!r} does not end on the path of the tokens to store")
-        end, pos = self._walk(node, buf, when, hit=False, priority=priority, start=depth)
+        end, pos = self._walk(node, buf, when, False, priority, depth)
         leaf = self._attach(end, buf, pos, when, priority)
         return end if leaf is None else leaf
 
@@ -350,14 +350,14 @@ class RadixIndex:
         node: RadixNode,
         buf: bytes,
         when: float,
-        *,
         hit: bool,
-        priority: int = 0,
-        start: int = 0,
+        priority: int,
+        start: int,
     ) -> tuple[RadixNode, int]:
         """Follow ``buf`` from byte ``start`` down from ``node`` (which ends at ``start``);
         returns the deepest node reached and the byte offset matched, splitting an edge the walk
-        ends inside."""
+        ends inside. Called with positional arguments, which CPython 3.11 binds faster than
+        keywords: it runs several times per simulated request."""
         page = self._page_bytes
         end = len(buf) - len(buf) % page
         pos = start

@@ -63,6 +63,7 @@ REPLICA_ID = operator.attrgetter("replica_id")
 """``ReplicaLoad -> ReplicaId`` at C speed (policies map it over ``FleetView.replicas``)."""
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class FleetView:
     """The replicas a request may be sent to (non-empty unless nothing is eligible) and ``now``,

@@ -96,7 +96,7 @@ class CacheAware(PolicyBase):
     def predict(self, request: RequestView, fleet: FleetView) -> dict[ReplicaId, int]:
         """Each eligible replica's predicted cached prefix of the prompt, in tokens. ``trees``
         is looked up per call: a gateway may replace it (a shared index, gateway/shared_index)."""
-        ids = list(map(REPLICA_ID, fleet.replicas))
+        ids = tuple(map(REPLICA_ID, fleet.replicas))
         if self.trees is not None:
             return self.trees.predict(request, ids, fleet.now)
         assert self.mirror is not None
@@ -112,23 +112,19 @@ class CacheAware(PolicyBase):
         rate, overhead = self.cost.prefill_tokens_per_s, self.cost.overhead_s
         prompt = request.prompt_tokens
         # One pass: each replica's predicted TTFT (CostModel.queue_delay_s + prefill_s, same
-        # arithmetic), the longest match (ties to the faster), the fastest, the least loaded.
-        # Scalar comparisons, first replica wins ties: the longest match (then the faster),
-        # the fastest, the least loaded (queue delay, then in-flight requests).
-        rows: list[tuple[str, int, float]] = []
+        # arithmetic), the longest match (ties to the faster), the fastest, the least loaded
+        # (queue delay, then in-flight requests). Scalar comparisons against sentinels every
+        # replica beats, so the first replica wins ties.
+        inf = float("inf")
         best_id = least_id = ""
-        best_hit = least_in_flight = least_hit = -1
-        best_ttft = fastest_ttft = least_delay = 0.0
+        best_hit = least_hit = -1
+        least_in_flight = -1
+        best_ttft = fastest_ttft = least_delay = inf
         for load in fleet.replicas:
             rid = load.replica_id
             hit = matched[rid]
             delay = load.queued_prefill_tokens / rate + load.queued_requests * overhead
             ttft = delay + (overhead + (prompt - hit) / rate)
-            rows.append((rid, hit, ttft))
-            if best_hit < 0:
-                best_id, best_hit, best_ttft, fastest_ttft = rid, hit, ttft, ttft
-                least_id, least_hit, least_delay, least_in_flight = rid, hit, delay, load.in_flight
-                continue
             if hit > best_hit or (hit == best_hit and ttft < best_ttft):
                 best_id, best_hit, best_ttft = rid, hit, ttft
             if ttft < fastest_ttft:
@@ -140,8 +136,16 @@ class CacheAware(PolicyBase):
         limit = fastest_ttft + self.spill_threshold_s
         if best_ttft <= limit:
             return RoutingDecision(best_id, "affinity", best_hit)
-        spill = min((r for r in rows if r[2] <= limit), key=lambda r: (-r[1], r[2]))
-        return RoutingDecision(spill[0], "spill", spill[1])
+        # Spill (rare): the longest match among replicas within the limit, ties to the faster.
+        spill_id, spill_hit, spill_ttft = "", -1, inf
+        for load in fleet.replicas:
+            hit = matched[load.replica_id]
+            ttft = (load.queued_prefill_tokens / rate + load.queued_requests * overhead) + (
+                overhead + (prompt - hit) / rate
+            )
+            if ttft <= limit and (hit > spill_hit or (hit == spill_hit and ttft < spill_ttft)):
+                spill_id, spill_hit, spill_ttft = load.replica_id, hit, ttft
+        return RoutingDecision(spill_id, "spill", spill_hit)
 
     def _route_sglang(self, request: RequestView, fleet: FleetView) -> RoutingDecision:
         matched = self.predict(request, fleet)

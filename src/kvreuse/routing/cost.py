@@ -58,7 +58,7 @@ class CostRouting(PolicyBase):
     def route(self, request: RequestView, fleet: FleetView) -> RoutingDecision | None:
         if not fleet.replicas:
             return None
-        ids = list(map(REPLICA_ID, fleet.replicas))
+        ids = tuple(map(REPLICA_ID, fleet.replicas))
         matched = self.estimator.predict(request, ids, fleet.now)
         rate, overhead = self.cost.prefill_tokens_per_s, self.cost.overhead_s
         prompt = request.prompt_tokens

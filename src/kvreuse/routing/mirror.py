@@ -59,8 +59,10 @@ class CacheMirror:
         self.events_applied = 0
         self._roots: dict[CacheIdentity, _Edge] = {}
         # Hashing a CacheIdentity costs ~0.5 µs; requests of one tenant share one instance.
-        self._last: tuple[CacheIdentity | None, _Edge | None] = (None, None)
+        self._last_identity: CacheIdentity | None = None
+        self._last_root: _Edge | None = None
         self._bits: dict[ReplicaId, int] = {}
+        self._plans: dict[tuple[ReplicaId, ...], tuple[int, dict[int, ReplicaId]]] = {}
         self._held: dict[int, int] = {}  # bit -> tokens held
         self._num_edges = 0
 
@@ -84,15 +86,17 @@ class CacheMirror:
     ) -> dict[ReplicaId, int]:
         """Each replica's longest held prefix of the prompt, in whole blocks. One walk for all
         replicas: O(n) bytes compared plus O(depth) lookups."""
-        ids = list(replicas)
+        ids = replicas if type(replicas) is tuple else tuple(replicas)
         root = self._root(request.identity, create=False)
         if root is None:
             return dict.fromkeys(ids, 0)
-        bits = self._bits
-        alive = 0
-        for rid in ids:
-            alive |= bits.get(rid) or self._bit(rid)
-        ended: dict[int, int] = {}  # bit -> bytes matched
+        # The fleet's mask and bit -> replica names, kept per replica set: routers pass the same
+        # set request after request, and per-replica Python loops cost more than the walk.
+        plan = self._plans.get(ids)
+        if plan is None:
+            plan = self._plan(ids)
+        alive, name_of = plan
+        drops: list[tuple[int, int]] = []  # (replicas that dropped out, bytes matched then)
         buf = request.tokens
         end = len(buf)
         pos = 0
@@ -102,12 +106,9 @@ class CacheMirror:
             if child is None:
                 break
             held = alive & child.holders
-            dropped = alive ^ held
-            while dropped:
-                low = dropped & -dropped
-                ended[low] = pos
-                dropped ^= low
-            alive = held
+            if held != alive:
+                drops.append((alive ^ held, pos))
+                alive = held
             key = child.key
             klen = len(key)
             if buf.startswith(key, pos):
@@ -116,16 +117,30 @@ class CacheMirror:
                 continue
             pos += common_prefix_tokens(key, buf[pos : pos + klen]) * TOKEN_BYTES
             break
-        while alive:
-            low = alive & -alive
-            ended[low] = pos
-            alive ^= low
         # Whole blocks only: floor to a multiple of block_size bytes-of-tokens in one step.
         step, size = self.block_size * TOKEN_BYTES, self.block_size
-        out = {}  # a loop, not a comprehension: 3.11 pays a function frame for one
-        for rid in ids:
-            out[rid] = ended.get(bits[rid], 0) // step * size
+        # Replicas still alive share the final position; the ones that dropped out overwrite
+        # theirs (dict order stays the order of ``ids``).
+        out = dict.fromkeys(ids, pos // step * size if alive else 0)
+        for dropped, at in drops:
+            blocks = at // step * size
+            while dropped:
+                low = dropped & -dropped
+                out[name_of[low]] = blocks
+                dropped ^= low
         return out
+
+    def _plan(self, ids: tuple[ReplicaId, ...]) -> tuple[int, dict[int, ReplicaId]]:
+        everyone = 0
+        name_of: dict[int, ReplicaId] = {}
+        for rid in ids:
+            bit = self._bit(rid)
+            everyone |= bit
+            name_of[bit] = rid
+        if len(self._plans) >= 1024:  # replica sets come and go in a gateway: stay bounded
+            self._plans.clear()
+        plan = self._plans[ids] = (everyone, name_of)
+        return plan
 
     def record(self, request: RequestView, replica: ReplicaId, now: float) -> None:
         """Routing alone teaches the mirror nothing: only events do."""
@@ -137,16 +152,17 @@ class CacheMirror:
         """Fold one event into the mirror. O(n) in the event's tokens (a clear: O(tree))."""
         self.events_applied += 1
         bit = self._bits.get(event.replica) or self._bit(event.replica)
+        # The identity check skips hashing a CacheIdentity: a tenant's events share one.
         if type(event) is KvStored:
-            last, root = self._last
-            if event.identity is not last:
-                root = self._root(event.identity, create=True)
+            identity = event.identity
+            root = (self._last_root if identity is self._last_identity
+                    else self._root(identity, create=True))
             assert root is not None
             self._store(root, event.tokens, bit)
         elif type(event) is KvRemoved:
-            last, root = self._last
-            if event.identity is not last:
-                root = self._root(event.identity, create=True)
+            identity = event.identity
+            root = (self._last_root if identity is self._last_identity
+                    else self._root(identity, create=True))
             assert root is not None
             self._remove(root, event.tokens, event.keep_tokens * TOKEN_BYTES, bit)
         else:
@@ -210,15 +226,14 @@ class CacheMirror:
     # ------------------------------------------------------------------ structure
 
     def _root(self, identity: CacheIdentity, *, create: bool) -> _Edge | None:
-        last, root = self._last
-        if identity is last:
-            return root
+        if identity is self._last_identity:
+            return self._last_root
         root = self._roots.get(identity)
         if root is None:
             if not create:
                 return None
             root = self._roots[identity] = _Edge(b"", None, 0)
-        self._last = (identity, root)
+        self._last_identity, self._last_root = identity, root
         return root
 
     def _bit(self, replica: ReplicaId) -> int:

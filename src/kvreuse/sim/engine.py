@@ -27,9 +27,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from kvreuse.frozen import fast_init
 from kvreuse.routing.events import KvEvent
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Finish:
     """A request's last output token: unpin its KV, insert prompt + output into the cache."""
@@ -39,6 +41,7 @@ class Finish:
     job: Any
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class PrefillDone:
     """A replica finished prefilling ``job``: first token out, decode starts."""
@@ -48,6 +51,7 @@ class PrefillDone:
     job: Any
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class KvDelivery:
     """A replica's cache event reaches the router (after the configured lag)."""
@@ -63,6 +67,7 @@ class LoadSnapshot:
     PRIORITY: ClassVar[int] = 3
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Arrival:
     """Request number ``index`` of the workload reaches the router."""
