@@ -28,6 +28,7 @@ import xxhash
 from kvreuse.errors import ConfigError
 from kvreuse.identity import CacheIdentity
 from kvreuse.routing.base import ReplicaId, RequestView
+from kvreuse.routing.fleet_masks import FleetPlan, fleet_plan
 from kvreuse.routing.ring import identity_seed, stable_hash
 from kvreuse.tokens import TOKEN_BYTES, TokenBuffer, common_prefix_tokens
 
@@ -88,6 +89,7 @@ class ApproxTrees:
         self._next_id = 0
         self._num_nodes = 0
         self._singles: dict[int, tuple[int, ...]] = {}
+        self._plans: dict[tuple[ReplicaId, ...], FleetPlan] = {}
 
     # ------------------------------------------------------------------ queries
 
@@ -102,15 +104,15 @@ class ApproxTrees:
         """Longest match of the prompt in each replica's tree, touching what matched. One walk:
         O(n) bytes compared plus O(depth × replicas)."""
         self._maybe_evict(now)
-        ids = list(replicas)
+        ids = replicas if type(replicas) is tuple else tuple(replicas)
         root = self._root(request.identity, create=False)
         if root is None:
             return dict.fromkeys(ids, 0)
-        alive = 0
-        bits = self._bits
-        for rid in ids:
-            alive |= bits.get(rid) or self._bit(rid)
-        ended: dict[int, int] = {}  # bit -> bytes matched
+        # The fleet's mask and bit -> replica names, kept per replica set (routers pass the
+        # same set request after request): no per-replica loop for replicas still matching.
+        plan = self._plans.get(ids) or fleet_plan(self._plans, ids, self._bit)
+        alive, name_of = plan
+        drops: list[tuple[int, int]] = []  # (replicas that dropped out, bytes matched then)
         buf = request.tokens
         end = len(buf) - len(buf) % TOKEN_BYTES
         pos = 0
@@ -122,8 +124,7 @@ class ApproxTrees:
                 break
             held = alive & child.holders
             if held != alive:
-                for low in singles.get(alive ^ held) or self._split_mask(alive ^ held):
-                    ended[low] = pos
+                drops.append((alive ^ held, pos))
                 alive = held
                 if not alive:
                     break
@@ -139,12 +140,12 @@ class ApproxTrees:
             node = child
             if not whole:
                 break
-        if alive:
-            for low in singles.get(alive) or self._split_mask(alive):
-                ended[low] = pos
-        out = {}  # a loop, not a comprehension: 3.11 pays a function frame for one
-        for rid in ids:
-            out[rid] = ended.get(bits[rid], 0) // TOKEN_BYTES
+        # Replicas still alive share the final position; those that dropped out overwrite
+        # theirs (dict order stays the order of ``ids``).
+        out = dict.fromkeys(ids, pos // TOKEN_BYTES if alive else 0)
+        for dropped, at in drops:
+            for low in singles.get(dropped) or self._split_mask(dropped):
+                out[name_of[low]] = at // TOKEN_BYTES
         return out
 
     # ------------------------------------------------------------------ updates

@@ -34,6 +34,7 @@ from kvreuse.errors import ConfigError
 from kvreuse.identity import CacheIdentity
 from kvreuse.routing.base import ReplicaId, RequestView
 from kvreuse.routing.events import KvCleared, KvEvent, KvRemoved, KvStored
+from kvreuse.routing.fleet_masks import FleetPlan, fleet_plan
 from kvreuse.tokens import TOKEN_BYTES, common_prefix_tokens
 
 
@@ -62,7 +63,7 @@ class CacheMirror:
         self._last_identity: CacheIdentity | None = None
         self._last_root: _Edge | None = None
         self._bits: dict[ReplicaId, int] = {}
-        self._plans: dict[tuple[ReplicaId, ...], tuple[int, dict[int, ReplicaId]]] = {}
+        self._plans: dict[tuple[ReplicaId, ...], FleetPlan] = {}
         self._held: dict[int, int] = {}  # bit -> tokens held
         self._num_edges = 0
 
@@ -92,9 +93,7 @@ class CacheMirror:
             return dict.fromkeys(ids, 0)
         # The fleet's mask and bit -> replica names, kept per replica set: routers pass the same
         # set request after request, and per-replica Python loops cost more than the walk.
-        plan = self._plans.get(ids)
-        if plan is None:
-            plan = self._plan(ids)
+        plan = self._plans.get(ids) or fleet_plan(self._plans, ids, self._bit)
         alive, name_of = plan
         drops: list[tuple[int, int]] = []  # (replicas that dropped out, bytes matched then)
         buf = request.tokens
@@ -129,18 +128,6 @@ class CacheMirror:
                 out[name_of[low]] = blocks
                 dropped ^= low
         return out
-
-    def _plan(self, ids: tuple[ReplicaId, ...]) -> tuple[int, dict[int, ReplicaId]]:
-        everyone = 0
-        name_of: dict[int, ReplicaId] = {}
-        for rid in ids:
-            bit = self._bit(rid)
-            everyone |= bit
-            name_of[bit] = rid
-        if len(self._plans) >= 1024:  # replica sets come and go in a gateway: stay bounded
-            self._plans.clear()
-        plan = self._plans[ids] = (everyone, name_of)
-        return plan
 
     def record(self, request: RequestView, replica: ReplicaId, now: float) -> None:
         """Routing alone teaches the mirror nothing: only events do."""
