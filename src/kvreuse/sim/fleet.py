@@ -35,6 +35,9 @@ from kvreuse.sim.engine import (
 from kvreuse.sim.replica import Job, LoadBoard, Replica, ReplicaConfig
 from kvreuse.sim.requests import RequestRecord, SimRequest
 
+PROMPT_LEN = operator.attrgetter("prompt_len")
+OUTPUT_LEN = operator.attrgetter("output_len")
+
 
 @dataclass(frozen=True, slots=True)
 class FleetConfig:
@@ -105,6 +108,11 @@ class FleetSimulator:
         arrivals = [r.arrival_s for r in requests]
         if not all(map(operator.le, arrivals, arrivals[1:])):
             raise ConfigError("requests must be sorted by arrival_s")
+        if requests:
+            # Footprints grow with prompt + output (rounded up to the memory's granularity), and
+            # every replica has the same pool: checking the largest request checks them all.
+            sizes = list(map(operator.add, map(PROMPT_LEN, requests), map(OUTPUT_LEN, requests)))
+            self.replicas[0].check_fits(requests[sizes.index(max(sizes))])
         self._requests = requests
         self._progress = progress
         self._progress_every = max(progress_every, 1)

@@ -108,7 +108,8 @@ class ReplicaMemory(Protocol):
 
     def footprint(self, request: SimRequest) -> int:
         """Pool tokens ``request`` needs with nothing cached (prompt + output, rounded to the
-        memory's granularity)."""
+        memory's granularity); never smaller for a larger prompt + output, which lets the fleet
+        check only its largest request."""
         ...
 
     def peek(self, request: SimRequest, now: float) -> int:

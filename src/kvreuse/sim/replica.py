@@ -38,6 +38,7 @@ from kvreuse.routing.base import ReplicaLoad
 from kvreuse.sim.block_memory import BlockMemory
 from kvreuse.sim.engine import Engine, Finish, PrefillDone
 from kvreuse.sim.memory import Job, KvSink, RadixMemory, ReplicaMemory
+from kvreuse.sim.requests import SimRequest
 
 SCHEDULERS = ("fcfs", "lpm")
 
@@ -178,16 +179,22 @@ class Replica:
 
     # ------------------------------------------------------------------ request life
 
-    def enqueue(self, job: Job, now: float) -> None:
-        """A routed request arrives; it is picked at once if the replica is idle."""
-        request = job.request
-        memory = self.memory
-        need = memory.footprint(request)
+    def check_fits(self, request: SimRequest) -> None:
+        """Raise :class:`ConfigError` if ``request`` could never run here, even alone: its KV
+        (prompt + output) exceeds the pool. The fleet checks its largest request once, before
+        simulating, so :meth:`enqueue` does not pay for the check per request."""
+        need = self.memory.footprint(request)
         if need > self._capacity:
             raise ConfigError(
                 f"request {request.request_id} needs {need} tokens of KV (prompt + output) but "
                 f"a replica's pool holds {self._capacity}; raise the cache size"
             )
+
+    def enqueue(self, job: Job, now: float) -> None:
+        """A routed request arrives; it is picked at once if the replica is idle. The caller
+        has checked (:meth:`check_fits`) that it fits the pool."""
+        request = job.request
+        memory = self.memory
         idle = self.busy is None and not self.waiting
         # An idle replica admits the request right now, which looks the cache up anyway.
         cached = 0 if idle else memory.peek(request, now)
