@@ -138,11 +138,10 @@ class CacheAware(PolicyBase):
             return RoutingDecision(best_id, "affinity", best_hit)
         # Spill (rare): the longest match among replicas within the limit, ties to the faster.
         spill_id, spill_hit, spill_ttft = "", -1, inf
+        cost = self.cost
         for load in fleet.replicas:
             hit = matched[load.replica_id]
-            ttft = (load.queued_prefill_tokens / rate + load.queued_requests * overhead) + (
-                overhead + (prompt - hit) / rate
-            )
+            ttft = cost.queue_delay_s(load) + cost.prefill_s(prompt - hit)
             if ttft <= limit and (hit > spill_hit or (hit == spill_hit and ttft < spill_ttft)):
                 spill_id, spill_hit, spill_ttft = load.replica_id, hit, ttft
         return RoutingDecision(spill_id, "spill", spill_hit)
