@@ -33,7 +33,7 @@ from collections.abc import Iterable, Iterator
 from kvreuse.errors import ConfigError
 from kvreuse.identity import CacheIdentity
 from kvreuse.routing.base import ReplicaId, RequestView
-from kvreuse.routing.events import KvCleared, KvEvent, KvRemoved, KvStored
+from kvreuse.routing.events import KvCleared, KvEvent, KvStored
 from kvreuse.routing.fleet_masks import FleetPlan, fleet_plan
 from kvreuse.tokens import TOKEN_BYTES, common_prefix_tokens
 
@@ -139,22 +139,18 @@ class CacheMirror:
         """Fold one event into the mirror. O(n) in the event's tokens (a clear: O(tree))."""
         self.events_applied += 1
         bit = self._bits.get(event.replica) or self._bit(event.replica)
-        # The identity check skips hashing a CacheIdentity: a tenant's events share one.
-        if type(event) is KvStored:
-            identity = event.identity
-            root = (self._last_root if identity is self._last_identity
-                    else self._root(identity, create=True))
-            assert root is not None
-            self._store(root, event.tokens, bit)
-        elif type(event) is KvRemoved:
-            identity = event.identity
-            root = (self._last_root if identity is self._last_identity
-                    else self._root(identity, create=True))
-            assert root is not None
-            self._remove(root, event.tokens, event.keep_tokens * TOKEN_BYTES, bit)
-        else:
-            assert isinstance(event, KvCleared), f"unknown KV event {event!r}"
+        if isinstance(event, KvCleared):
             self._clear(bit)
+            return
+        # The identity check skips hashing a CacheIdentity: a tenant's events share one.
+        identity = event.identity
+        root = (self._last_root if identity is self._last_identity
+                else self._root(identity, create=True))
+        assert root is not None
+        if isinstance(event, KvStored):
+            self._store(root, event.tokens, bit)
+        else:
+            self._remove(root, event.tokens, event.keep_tokens * TOKEN_BYTES, bit)
 
     def _store(self, root: _Edge, buf: bytes, bit: int) -> None:
         node, pos, end = root, 0, len(buf) - len(buf) % TOKEN_BYTES

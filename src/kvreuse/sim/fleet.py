@@ -90,7 +90,6 @@ class FleetSimulator:
             for i in range(config.replicas)
         ]
         self._by_id = {r.replica_id: r for r in self.replicas}
-        self._decisions: dict[int, tuple[str, int]] = {}
         self._records: list[RequestRecord] = []
         self._snapshot: FleetView | None = None
         self._load_lag = config.load_lag_s
