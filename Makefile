@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 
 .PHONY: demo test lint typecheck unit bench clean chromium vllm-env vllm-model redis peers \
-	bench-routers soak
+	bench-routers soak native bench-sim
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,17 @@ DEMO_REPORT ?= artifacts/demo/belgavi.html
 demo: $(VENV)/.demo
 	@mkdir -p $(dir $(DEMO_REPORT))
 	$(VENV)/bin/kvreuse simulate --scenario belgavi --report $(DEMO_REPORT)
+
+# The compiled core (kvreuse.native): the simulator's and estimators' hot modules built with
+# mypyc next to their sources, rebuilt when a source changes (~30 s). A failed build (no C
+# compiler) is not an error: everything then runs as pure Python, the same code, ~2x slower.
+NATIVE_MANIFEST := src/kvreuse/_native_manifest.json
+NATIVE_SOURCES := $(wildcard src/kvreuse/*.py src/kvreuse/index/*.py src/kvreuse/sim/*.py \
+	src/kvreuse/routing/*.py)
+$(NATIVE_MANIFEST): $(VENV)/.all $(NATIVE_SOURCES)
+	$(VENV)/bin/kvreuse native build || echo "kvreuse: compiled core not built; pure Python"
+
+native: $(NATIVE_MANIFEST)
 
 lint: $(VENV)/.all
 	$(VENV)/bin/ruff check src tests benchmarks
@@ -116,10 +127,17 @@ soak: $(VENV)/.all redis
 # pytest exits 5 when it collects nothing; that is a broken suite here, so say so and fail.
 # KVREUSE_REQUIRE_BROWSER makes the browser test fail, not skip, if chromium is missing.
 # KVREUSE_REQUIRE_VLLM makes the real-vLLM tests (tests/vllm) fail, not skip, without vLLM.
-unit: $(VENV)/.all chromium vllm-model redis
+# The suite runs on the compiled core when it built; the core's own tests then run once more
+# on its pure-Python source (KVREUSE_PURE=1), the form a machine without a compiler runs.
+CORE_TESTS := tests/index tests/sim tests/routing tests/test_native.py tests/test_tokens.py
+unit: $(VENV)/.all native chromium vllm-model redis
 	KVREUSE_REQUIRE_BROWSER=1 KVREUSE_REQUIRE_VLLM=1 KVREUSE_REQUIRE_REDIS=1 KVREUSE_VLLM_PYTHON=$(KVREUSE_VLLM_PYTHON) \
 	KVREUSE_TINY_MODEL=$(TINY_MODEL) $(PY) -m pytest -q; rc=$$?; \
-	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; fi; exit $$rc
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; fi; \
+	if [ $$rc -eq 0 ]; then \
+	  echo "the core's tests again on pure Python:"; \
+	  KVREUSE_PURE=1 $(PY) -m pytest -q -p no:cacheprovider $(CORE_TESTS); rc=$$?; \
+	fi; exit $$rc
 
 test: lint typecheck unit
 
@@ -127,9 +145,18 @@ test: lint typecheck unit
 # Fetches the sglang wheel into benchmarks/_peers/ on first use; the vLLM peer runs under
 # $$KVREUSE_VLLM_PYTHON when that interpreter exists. `make bench BENCH_ARGS=--quick` for a smoke run.
 BENCH_ARGS ?= --json artifacts/bench/index_ops.json
+# The peer is pure Python, so by default kvreuse's index runs from source too (like for like);
+# `make bench BENCH_PURE=0` times the compiled core (`make native`) instead.
+BENCH_PURE ?= 1
 bench: $(VENV)/.all
 	mkdir -p artifacts/bench
-	$(PY) benchmarks/index_ops.py $(BENCH_ARGS)
+	KVREUSE_PURE=$(BENCH_PURE) $(PY) benchmarks/index_ops.py $(BENCH_ARGS)
+
+# Fleet simulator speed (issue 3's targets); `SIM_SPEED_ARGS=--pure` times the source instead.
+SIM_SPEED_ARGS ?= --repeat 3
+bench-sim: $(VENV)/.all native
+	$(PY) benchmarks/sim_speed.py $(SIM_SPEED_ARGS)
 
 clean:
-	rm -rf $(VENV) $(PEERS_VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(PEERS_VENV) .pytest_cache .mypy_cache .ruff_cache $(NATIVE_MANIFEST)
+	find src -name '*.so' -delete

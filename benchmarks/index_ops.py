@@ -52,6 +52,7 @@ from typing import Any
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 
+from kvreuse import native  # noqa: E402
 from kvreuse.index import RadixIndex  # noqa: E402
 from kvreuse.tokens import pack  # noqa: E402
 from sglang_peer import SGLANG_VERSION, FakeKVSlots, SGLangRadix, load_sglang_radix  # noqa: E402
@@ -601,6 +602,7 @@ def machine_info() -> dict[str, Any]:
         "implementation": platform.python_implementation(),
         "platform": platform.platform(),
         "sglang": SGLANG_VERSION,
+        "kvreuse_core": native.status().reason,
     }
 
 
@@ -622,6 +624,7 @@ def main(argv: list[str] | None = None) -> int:
     info = machine_info()
     print(f"machine: {info['cpu']}, {info['cpus']} CPUs, {info['implementation']} "
           f"{info['python']}, SGLang {SGLANG_VERSION}")
+    print(f"kvreuse core: {info['kvreuse_core']}")
     print(f"command: {' '.join([Path(sys.executable).name, *sys.argv])}")
     peer = load_sglang_radix()
     workloads = build_workloads(args.quick, args.seed)

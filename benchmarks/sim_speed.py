@@ -6,7 +6,10 @@ parsing are timed separately from the simulation itself. Each run is repeated (`
 and reported as best and median, with the load average, because the figures move with whatever
 else shares the CPU; on belgavi the repeats go round-robin over the policies, so a slow spell
 of the host is shared out rather than landing on one policy.
-Run: ``.venv/bin/python benchmarks/sim_speed.py [--scale 5] [--repeat 3]``.
+The simulator runs on the compiled core when it is built and fresh (``make native``, see
+:mod:`kvreuse.native`); ``--pure`` times the same code as pure Python. The first line printed
+says which.
+Run: ``.venv/bin/python benchmarks/sim_speed.py [--scale 5] [--repeat 3] [--pure]``.
 """
 
 from __future__ import annotations
@@ -15,10 +18,15 @@ import argparse
 import os
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+if "--pure" in sys.argv[1:]:
+    os.environ["KVREUSE_PURE"] = "1"  # read once, when kvreuse is first imported (below)
+
+from kvreuse import native
 from kvreuse.routing import POLICIES, build_policy
 from kvreuse.sim import FleetConfig, FleetSimulator, ReplicaConfig, SimRequest
 from kvreuse.sim.scenarios import get_scenario
@@ -140,9 +148,13 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scale", type=float, default=5.0, help="belgavi duration multiplier")
     parser.add_argument("--repeat", type=int, default=3, help="runs per policy")
+    parser.add_argument("--pure", action="store_true", help="time the pure-Python core")
     args = parser.parse_args()
+    core = native.status()
+    print(f"core: {core.reason}")
     print(load_average())
     verdicts = belgavi(args.scale, args.repeat)
     verdicts += trace(TRACE, args.repeat)
     print(load_average())
-    print("\n".join(verdicts))
+    label = "compiled core" if core.compiled else "pure-Python core"
+    print("\n".join(f"{line} [{label}]" for line in verdicts))

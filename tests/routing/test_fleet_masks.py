@@ -30,7 +30,10 @@ def test_plan_is_made_once_per_replica_set() -> None:
 
     plans: dict[tuple[str, ...], tuple[int, dict[int, str]]] = {}
     first = fleet_plan(plans, ("a", "b"), bit_of)
-    assert fleet_plan(plans, ("a", "b"), bit_of) is first and calls == ["a", "b"]
+    again = fleet_plan(plans, ("a", "b"), bit_of)
+    # The remembered name table, not a copy (the compiled core, kvreuse.native, may box the
+    # plan's tuple afresh, so the tuple itself is not compared by identity).
+    assert again == first and again[1] is first[1] and calls == ["a", "b"]
 
 
 def test_plans_stay_bounded() -> None:

@@ -167,27 +167,21 @@ def test_pool_accounting_holds_under_a_seeded_random_workload() -> None:
         tokens = rng.choice(prefixes) + [rng.randrange(10**6) for _ in range(rng.randint(1, 300))]
         requests.append(make_request(i, t, tokens, rng.randint(0, 200)))
     config = FleetConfig(3, ReplicaConfig(pool_tokens=4000, time_per_output_token_s=0.005))
-    sim = FleetSimulator(config, build_policy("cache_aware"))
-    checks = 0
-    on_prefill_done, on_finish = sim._on_prefill_done, sim._on_finish
-
-    def checked(handler: Callable[[Any], None]) -> Callable[[Any], None]:
-        def run_and_check(event: Any) -> None:
-            nonlocal checks
-            handler(event)
-            for replica in sim.replicas:
-                replica.check_invariants()
-            checks += 1
-
-        return run_and_check
-
-    sim._on_prefill_done = checked(on_prefill_done)  # type: ignore[method-assign]
-    sim._on_finish = checked(on_finish)  # type: ignore[method-assign]
+    sim = FleetSimulator(config, build_policy("cache_aware"), check_each_event=True)
     run = sim.run(requests)
-    zero_decode = sum(1 for r in requests if r.output_len == 0)
-    assert checks == 600 - zero_decode and len(run.records) == 300
+    assert len(run.records) == 300
     for replica in sim.replicas:
         assert replica.private_tokens == 0 and replica.in_flight == 0
+
+
+def test_checking_each_event_stops_a_run_at_broken_accounting() -> None:
+    """With ``check_each_event`` a replica whose pool accounting is broken fails the run."""
+    requests = [make_request(i, i * 0.01, list(range(100)), 5) for i in range(4)]
+    config = FleetConfig(2, ReplicaConfig(pool_tokens=4000))
+    sim = FleetSimulator(config, build_policy("round_robin"), check_each_event=True)
+    sim.replicas[1].memory.private = -1  # type: ignore[attr-defined]
+    with pytest.raises(AssertionError, match="negative private KV"):
+        sim.run(requests)
 
 
 def radix_publisher(sink: Callable[[KvEvent], None]) -> RadixIndex:

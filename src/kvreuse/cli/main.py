@@ -28,6 +28,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "kvreuse.cli.fixtures",
     "kvreuse.cli.hitrate",
     "kvreuse.cli.capacity",
+    "kvreuse.cli.native",
 )
 
 

@@ -23,7 +23,8 @@ longer queue than one holding only the system prompt. One hot replica thus sheds
 requests it cannot serve in time, and affinity stays on for every other request in the fleet.
 
 The cache estimate is the router's own approximate trees (``cache_aware``) or the replicas' KV
-events (``exact``); see :mod:`kvreuse.routing.estimators`.
+events (``exact``); see :mod:`kvreuse.routing.estimators`. The rules themselves are in
+:mod:`kvreuse.routing.load_rules`.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from kvreuse.routing.base import (
 )
 from kvreuse.routing.estimators import ApproxTrees
 from kvreuse.routing.events import KvEvent
+from kvreuse.routing.load_rules import bounded_rule, sglang_rule
 from kvreuse.routing.mirror import CacheMirror
 
 BALANCE_RULES = ("bounded", "sglang")
@@ -105,75 +107,26 @@ class CacheAware(PolicyBase):
     def route(self, request: RequestView, fleet: FleetView) -> RoutingDecision | None:
         if not fleet.replicas:
             return None
+        matched = self.predict(request, fleet)
         if self.balance == "sglang":
-            return self._route_sglang(request, fleet)
-        # The bounded rule, written here rather than in a helper: it runs once per request.
-        matched = self.predict(request, fleet)
-        rate, overhead = self.cost.prefill_tokens_per_s, self.cost.overhead_s
-        prompt = request.prompt_tokens
-        # One pass: each replica's predicted TTFT (CostModel.queue_delay_s + prefill_s, same
-        # arithmetic), the longest match (ties to the faster), the fastest, the least loaded
-        # (queue delay, then in-flight requests). Scalar comparisons against sentinels every
-        # replica beats, so the first replica wins ties.
-        inf = float("inf")
-        best_id = least_id = ""
-        best_hit = least_hit = -1
-        least_in_flight = -1
-        best_ttft = fastest_ttft = least_delay = inf
-        for load in fleet.replicas:
-            rid = load.replica_id
-            hit = matched[rid]
-            delay = load.queued_prefill_tokens / rate + load.queued_requests * overhead
-            ttft = delay + (overhead + (prompt - hit) / rate)
-            if hit > best_hit or (hit == best_hit and ttft < best_ttft):
-                best_id, best_hit, best_ttft = rid, hit, ttft
-            if ttft < fastest_ttft:
-                fastest_ttft = ttft
-            if delay < least_delay or (delay == least_delay and load.in_flight < least_in_flight):
-                least_id, least_hit, least_delay, least_in_flight = rid, hit, delay, load.in_flight
-        if best_hit / max(prompt, 1) <= self.cache_threshold:
-            return RoutingDecision(least_id, "miss_least_load", least_hit)
-        limit = fastest_ttft + self.spill_threshold_s
-        if best_ttft <= limit:
-            return RoutingDecision(best_id, "affinity", best_hit)
-        # Spill (rare): the longest match among replicas within the limit, ties to the faster.
-        spill_id, spill_hit, spill_ttft = "", -1, inf
-        cost = self.cost
-        for load in fleet.replicas:
-            hit = matched[load.replica_id]
-            ttft = cost.queue_delay_s(load) + cost.prefill_s(prompt - hit)
-            if ttft <= limit and (hit > spill_hit or (hit == spill_hit and ttft < spill_ttft)):
-                spill_id, spill_hit, spill_ttft = load.replica_id, hit, ttft
-        return RoutingDecision(spill_id, "spill", spill_hit)
-
-    def _route_sglang(self, request: RequestView, fleet: FleetView) -> RoutingDecision:
-        matched = self.predict(request, fleet)
-        # One pass: highest and lowest load (the first least loaded wins ties) and the longest
-        # match (the first wins ties), as sgl-router's iteration order decides.
-        first = fleet.replicas[0]
-        high = low = first.in_flight
-        least = best = first.replica_id
-        best_hit = matched[best]
-        for load in fleet.replicas:
-            in_flight = load.in_flight
-            if in_flight > high:
-                high = in_flight
-            elif in_flight < low:
-                low, least = in_flight, load.replica_id
-            hit = matched[load.replica_id]
-            if hit > best_hit:
-                best, best_hit = load.replica_id, hit
-        if high - low > self.balance_abs_threshold and high > low * self.balance_rel_threshold:
-            return RoutingDecision(least, "imbalance", matched[least])
-        if request.prompt_tokens and best_hit / request.prompt_tokens > self.cache_threshold:
-            return RoutingDecision(best, "affinity", best_hit)
-        size = self.trees.tree_tokens if self.trees is not None else self._mirror_blocks
-        smallest, smallest_size = least, -1
-        for load in fleet.replicas:
-            held = size(load.replica_id)
-            if smallest_size < 0 or held < smallest_size:
-                smallest, smallest_size = load.replica_id, held
-        return RoutingDecision(smallest, "miss_smallest_tree", matched[smallest])
+            size = self.trees.tree_tokens if self.trees is not None else self._mirror_blocks
+            return sglang_rule(
+                matched,
+                fleet.replicas,
+                request.prompt_tokens,
+                size,
+                self.cache_threshold,
+                self.balance_abs_threshold,
+                self.balance_rel_threshold,
+            )
+        return bounded_rule(
+            matched,
+            fleet.replicas,
+            request.prompt_tokens,
+            self.cost,
+            self.cache_threshold,
+            self.spill_threshold_s,
+        )
 
     def _mirror_blocks(self, replica: ReplicaId) -> int:
         assert self.mirror is not None

@@ -12,7 +12,8 @@ Ordering rule. Events are popped in increasing ``(time, priority, seq)``:
   run first-scheduled first. Nothing else (no object ids, no hashes) can affect the order, which
   is what makes a seeded run repeat exactly.
 
-Events are frozen dataclasses; handlers never touch the heap except through ``schedule``.
+Events are frozen dataclasses (:mod:`kvreuse.sim.events`); handlers never touch the heap except
+through ``schedule``.
 
 Arrivals may also come as a stream: :meth:`Engine.run` takes the workload's sorted arrival
 times and hands arrival ``i`` to its handler exactly where an :class:`Arrival` event scheduled
@@ -24,59 +25,18 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
-from kvreuse.frozen import fast_init
-from kvreuse.routing.events import KvEvent
+from kvreuse.sim.events import (
+    Arrival,
+    Event,
+    Finish,
+    KvDelivery,
+    LoadSnapshot,
+    PrefillDone,
+)
 
-
-@fast_init
-@dataclass(frozen=True, slots=True)
-class Finish:
-    """A request's last output token: unpin its KV, insert prompt + output into the cache."""
-
-    PRIORITY: ClassVar[int] = 0
-    replica: int
-    job: Any
-
-
-@fast_init
-@dataclass(frozen=True, slots=True)
-class PrefillDone:
-    """A replica finished prefilling ``job``: first token out, decode starts."""
-
-    PRIORITY: ClassVar[int] = 1
-    replica: int
-    job: Any
-
-
-@fast_init
-@dataclass(frozen=True, slots=True)
-class KvDelivery:
-    """A replica's cache event reaches the router (after the configured lag)."""
-
-    PRIORITY: ClassVar[int] = 2
-    event: KvEvent
-
-
-@dataclass(frozen=True, slots=True)
-class LoadSnapshot:
-    """The router's view of replica load is refreshed (lagged load view)."""
-
-    PRIORITY: ClassVar[int] = 3
-
-
-@fast_init
-@dataclass(frozen=True, slots=True)
-class Arrival:
-    """Request number ``index`` of the workload reaches the router."""
-
-    PRIORITY: ClassVar[int] = 4
-    index: int
-
-
-Event = Finish | PrefillDone | KvDelivery | LoadSnapshot | Arrival
+__all__ = ["Arrival", "Engine", "Event", "Finish", "KvDelivery", "LoadSnapshot", "PrefillDone"]
 
 
 class Engine:

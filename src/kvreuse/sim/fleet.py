@@ -73,11 +73,17 @@ class FleetRun:
 
 
 class FleetSimulator:
-    """Runs one workload through one policy. Use a fresh policy instance per run."""
+    """Runs one workload through one policy. Use a fresh policy instance per run.
 
-    def __init__(self, config: FleetConfig, policy: RoutingPolicy) -> None:
+    ``check_each_event`` runs every replica's O(cache) ``check_invariants`` after each event
+    (for tests and debugging: it makes a run many times slower)."""
+
+    def __init__(
+        self, config: FleetConfig, policy: RoutingPolicy, *, check_each_event: bool = False
+    ) -> None:
         self.config = config
         self.policy = policy
+        self.check_each_event = check_each_event
         self.engine = Engine()
         lag = config.kv_event_lag_s
         wanted = getattr(policy, "uses_kv_events", True)
@@ -122,7 +128,11 @@ class FleetSimulator:
             KvDelivery: self._on_kv_delivery,
             LoadSnapshot: self._on_snapshot,
         }
-        engine.run(handlers, arrivals, self._arrive)
+        on_arrival: Callable[[int], None] = self._arrive
+        if self.check_each_event:
+            handlers = {kind: self._checked(run) for kind, run in handlers.items()}
+            on_arrival = self._checked(on_arrival)
+        engine.run(handlers, arrivals, on_arrival)
         assert len(self._records) == len(requests), "a request never finished"
         self._records.sort(key=operator.attrgetter("request_id"))
         return FleetRun(
@@ -136,6 +146,16 @@ class FleetSimulator:
             events_processed=engine.processed,
             end_time_s=engine.now,
         )
+
+    def _checked(self, handler: Callable[[Any], None]) -> Callable[[Any], None]:
+        """``handler``, then every replica's invariants (``check_each_event``)."""
+
+        def run_and_check(event: Any) -> None:
+            handler(event)
+            for replica in self.replicas:
+                replica.check_invariants()
+
+        return run_and_check
 
     def fleet_view(self, now: float) -> FleetView:
         if self._load_lag > 0:

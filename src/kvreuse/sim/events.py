@@ -1,0 +1,63 @@
+"""The simulator's events: frozen dataclasses, each with the ``PRIORITY`` that breaks ties at
+equal times (the rule is in :mod:`kvreuse.sim.engine`).
+
+They live apart from the engine because the engine is part of the compiled core
+(:mod:`kvreuse.native`) and these classes are not: they stay plain dataclasses (with
+:func:`~kvreuse.frozen.fast_init`), which mypyc cannot build with class-level constants.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from kvreuse.frozen import fast_init
+from kvreuse.routing.events import KvEvent
+
+
+@fast_init
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """A request's last output token: unpin its KV, insert prompt + output into the cache."""
+
+    PRIORITY: ClassVar[int] = 0
+    replica: int
+    job: Any
+
+
+@fast_init
+@dataclass(frozen=True, slots=True)
+class PrefillDone:
+    """A replica finished prefilling ``job``: first token out, decode starts."""
+
+    PRIORITY: ClassVar[int] = 1
+    replica: int
+    job: Any
+
+
+@fast_init
+@dataclass(frozen=True, slots=True)
+class KvDelivery:
+    """A replica's cache event reaches the router (after the configured lag)."""
+
+    PRIORITY: ClassVar[int] = 2
+    event: KvEvent
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSnapshot:
+    """The router's view of replica load is refreshed (lagged load view)."""
+
+    PRIORITY: ClassVar[int] = 3
+
+
+@fast_init
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """Request number ``index`` of the workload reaches the router."""
+
+    PRIORITY: ClassVar[int] = 4
+    index: int
+
+
+Event = Finish | PrefillDone | KvDelivery | LoadSnapshot | Arrival

@@ -1,0 +1,71 @@
+"""The cache-aware rules as plain functions: each branch, and how ties break."""
+
+from __future__ import annotations
+
+from kvreuse.routing import CostModel, ReplicaLoad
+from kvreuse.routing.load_rules import bounded_rule, sglang_rule
+
+COST = CostModel(10_000.0, 0.0)
+
+
+def loads(*queued: int, in_flight: tuple[int, ...] | None = None) -> tuple[ReplicaLoad, ...]:
+    flights = in_flight or (0,) * len(queued)
+    return tuple(
+        ReplicaLoad(f"r{i}", q, 1 if q else 0, f)
+        for i, (q, f) in enumerate(zip(queued, flights, strict=True))
+    )
+
+
+def test_bounded_equal_matches_go_to_the_faster_replica() -> None:
+    """Two replicas hold the same prefix: the one with the shorter queue gets the request."""
+    decision = bounded_rule({"r0": 500, "r1": 500}, loads(800, 100), 1000, COST, 0.3, 0.2)
+    assert (decision.replica, decision.branch, decision.predicted_cached_tokens) == (
+        "r1", "affinity", 500,
+    )
+
+
+def test_bounded_weak_match_goes_to_the_least_loaded() -> None:
+    """A match of at most cache_threshold of the prompt is routed by queue delay."""
+    decision = bounded_rule({"r0": 300, "r1": 0}, loads(50, 10), 1000, COST, 0.3, 0.2)
+    assert (decision.replica, decision.branch, decision.predicted_cached_tokens) == (
+        "r1", "miss_least_load", 0,
+    )
+
+
+def test_bounded_spill_takes_the_best_match_within_the_limit() -> None:
+    """Past the spill threshold the best match among replicas fast enough is chosen."""
+    matched = {"r0": 900, "r1": 400, "r2": 0}
+    decision = bounded_rule(matched, loads(9000, 500, 0), 1000, COST, 0.3, 0.2)
+    # r0: 0.9 + 0.01 s; r2 (fastest): 0.1 s, limit 0.3 s; r1: 0.05 + 0.06 s is within it.
+    assert (decision.replica, decision.branch, decision.predicted_cached_tokens) == (
+        "r1", "spill", 400,
+    )
+
+
+def test_sglang_balanced_fleet_follows_the_longest_match() -> None:
+    """No imbalance and a match over cache_threshold: affinity."""
+    decision = sglang_rule(
+        {"r0": 10, "r1": 80}, loads(0, 0, in_flight=(3, 4)), 100, lambda r: 0, 0.3, 64, 1.5
+    )
+    assert (decision.replica, decision.branch) == ("r1", "affinity")
+
+
+def test_sglang_weak_match_goes_to_the_smallest_cache() -> None:
+    """No imbalance and a weak match: the replica caching the least, first on ties."""
+    sizes = {"r0": 500, "r1": 200, "r2": 200}
+    decision = sglang_rule(
+        {"r0": 10, "r1": 0, "r2": 0}, loads(0, 0, 0), 100, sizes.__getitem__, 0.3, 64, 1.5
+    )
+    assert (decision.replica, decision.branch, decision.predicted_cached_tokens) == (
+        "r1", "miss_smallest_tree", 0,
+    )
+
+
+def test_sglang_needs_both_thresholds_for_imbalance() -> None:
+    """A spread over abs but a ratio under rel keeps affinity on."""
+    matched = {"r0": 90, "r1": 0}
+    flights = (200, 130)  # spread 70 > 64, but 200 < 130 x 1.6
+    decision = sglang_rule(matched, loads(0, 0, in_flight=flights), 100, lambda r: 0, 0.3, 64, 1.6)
+    assert decision.branch == "affinity"
+    decision = sglang_rule(matched, loads(0, 0, in_flight=flights), 100, lambda r: 0, 0.3, 64, 1.5)
+    assert (decision.replica, decision.branch) == ("r1", "imbalance")
