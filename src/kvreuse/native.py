@@ -25,6 +25,13 @@ environment) an import hook loads all of them from source. All or none: compiled
 each other's classes directly, so one module from source among compiled ones would not work.
 :func:`status` says which core is in use and why. Both give bit-identical runs
 (tests/test_native.py).
+
+One difference is left: compiled, the simulator's running parts (``FleetSimulator``,
+``Replica``, ``RadixMemory``, ``Job``) cannot be pickled or deep-copied. Everything a user keeps
+or ships between processes can, in both: configurations and runs (``kvreuse.sim.config``,
+``FleetRun``: interpreted dataclasses), indexes, the estimators and the policies holding them
+(their node classes are marked ``mypyc_attr(serializable=True)``, which mypyc 2.4 allows only
+for classes that compiled code alone constructs).
 """
 
 from __future__ import annotations

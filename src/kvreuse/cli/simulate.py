@@ -26,8 +26,7 @@ from rich.table import Table
 
 from kvreuse.errors import ConfigError
 from kvreuse.routing import POLICIES
-from kvreuse.sim.fleet import FleetConfig
-from kvreuse.sim.replica import CACHE_KINDS, SCHEDULERS, ReplicaConfig
+from kvreuse.sim.config import CACHE_KINDS, SCHEDULERS, FleetConfig, ReplicaConfig
 from kvreuse.sim.requests import SimRequest
 from kvreuse.sim.runner import ScenarioRun, check, run_spec
 from kvreuse.sim.scenarios import SPILLS, RunSpec, Scenario, get_scenario

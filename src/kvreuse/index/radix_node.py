@@ -4,11 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mypy_extensions import mypyc_attr
+
 from kvreuse.frozen import fast_init
 from kvreuse.identity import CacheIdentity
 from kvreuse.tokens import TOKEN_BYTES, unpack
 
 
+# Picklable and copyable when compiled too. Built only by compiled code: mypyc (2.4) skips
+# __init__ of a serializable class called from interpreted code.
+@mypyc_attr(serializable=True)
 class RadixNode:
     """One edge of the tree and the node it leads to. Owned by its :class:`RadixIndex`."""
 

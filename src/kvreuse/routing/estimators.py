@@ -24,6 +24,7 @@ import heapq
 from collections.abc import Iterable
 
 import xxhash
+from mypy_extensions import mypyc_attr
 
 from kvreuse.errors import ConfigError
 from kvreuse.identity import CacheIdentity
@@ -33,6 +34,9 @@ from kvreuse.routing.ring import identity_seed, stable_hash
 from kvreuse.tokens import TOKEN_BYTES, TokenBuffer, common_prefix_tokens
 
 
+# Picklable and copyable when compiled too. Built only by compiled code: mypyc (2.4) skips
+# __init__ of a serializable class called from interpreted code.
+@mypyc_attr(serializable=True)
 class _Node:
     """An edge of the shared tree: tokens, the replicas holding them, each one's last use, and
     how many children each replica holds (a replica's leaf is a node with none)."""

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
+from mypy_extensions import mypyc_attr
+
 from kvreuse.errors import ConfigError
 from kvreuse.identity import CacheIdentity
 from kvreuse.routing.base import ReplicaId, RequestView
@@ -38,6 +40,9 @@ from kvreuse.routing.fleet_masks import FleetPlan, fleet_plan
 from kvreuse.tokens import TOKEN_BYTES, common_prefix_tokens
 
 
+# Picklable and copyable when compiled too. Built only by compiled code: mypyc (2.4) skips
+# __init__ of a serializable class called from interpreted code.
+@mypyc_attr(serializable=True)
 class _Edge:
     """A run of tokens and the replicas that hold all of them."""
 

@@ -1,10 +1,11 @@
 """Fleet simulator: discrete events, replicas with real radix (or vLLM block) caches, any
 routing policy."""
 
+from kvreuse.sim.config import CACHE_KINDS, SCHEDULERS, FleetConfig, ReplicaConfig
 from kvreuse.sim.engine import Arrival, Engine, Finish, KvDelivery, LoadSnapshot, PrefillDone
-from kvreuse.sim.fleet import FleetConfig, FleetRun, FleetSimulator
-from kvreuse.sim.replica import CACHE_KINDS, SCHEDULERS, Replica, ReplicaConfig
-from kvreuse.sim.requests import RequestRecord, SimRequest
+from kvreuse.sim.fleet import FleetSimulator
+from kvreuse.sim.replica import Replica
+from kvreuse.sim.requests import FleetRun, RequestRecord, SimRequest
 from kvreuse.sim.summary import RunSummary, percentile, summarize
 from kvreuse.sim.workloads import ChatWorkload, DocumentWorkload, RateStep, Tenant, TokenSpace
 

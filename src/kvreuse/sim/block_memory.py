@@ -20,7 +20,7 @@ from kvreuse.sim.requests import SimRequest
 from kvreuse.tokens import TOKEN_BYTES, TokenBuffer
 
 if TYPE_CHECKING:
-    from kvreuse.sim.replica import ReplicaConfig
+    from kvreuse.sim.config import ReplicaConfig
 
 SIM_HASH_SEED = "kvreuse-sim"
 """Block hashes only name blocks inside one run; a fixed seed keeps runs identical anyway."""

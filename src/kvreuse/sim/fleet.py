@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from kvreuse.errors import ConfigError
 from kvreuse.routing.base import FleetView, RoutingPolicy
 from kvreuse.routing.events import KvEvent
+from kvreuse.sim.config import FleetConfig
 from kvreuse.sim.engine import (
     Engine,
     Finish,
@@ -32,44 +32,11 @@ from kvreuse.sim.engine import (
     LoadSnapshot,
     PrefillDone,
 )
-from kvreuse.sim.replica import Job, LoadBoard, Replica, ReplicaConfig
-from kvreuse.sim.requests import RequestRecord, SimRequest
+from kvreuse.sim.replica import Job, LoadBoard, Replica
+from kvreuse.sim.requests import FleetRun, RequestRecord, SimRequest
 
 PROMPT_LEN = operator.attrgetter("prompt_len")
 OUTPUT_LEN = operator.attrgetter("output_len")
-
-
-@dataclass(frozen=True, slots=True)
-class FleetConfig:
-    """How many replicas, each configured alike, and the router's information delays."""
-
-    replicas: int = 3
-    replica: ReplicaConfig = field(default_factory=ReplicaConfig)
-    load_lag_s: float = 0.0
-    kv_event_lag_s: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.replicas < 1:
-            raise ConfigError(f"replicas must be >= 1, got {self.replicas}")
-        if self.load_lag_s < 0:
-            raise ConfigError(f"load_lag_s must be >= 0, got {self.load_lag_s}")
-        if self.kv_event_lag_s is not None and self.kv_event_lag_s < 0:
-            raise ConfigError(f"kv_event_lag_s must be >= 0 or None, got {self.kv_event_lag_s}")
-
-
-@dataclass(frozen=True, slots=True)
-class FleetRun:
-    """Everything a run produced: one record per request plus per-replica totals."""
-
-    policy: str
-    config: FleetConfig
-    records: tuple[RequestRecord, ...]
-    evicted_tokens: tuple[int, ...]
-    prefill_busy_s: tuple[float, ...]
-    requests_per_replica: tuple[int, ...]
-    blocked_admissions: tuple[int, ...]
-    events_processed: int
-    end_time_s: float
 
 
 class FleetSimulator:

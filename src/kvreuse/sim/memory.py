@@ -42,7 +42,7 @@ from kvreuse.sim.requests import SimRequest
 from kvreuse.tokens import TOKEN_BYTES, TokenBuffer
 
 if TYPE_CHECKING:
-    from kvreuse.sim.replica import ReplicaConfig
+    from kvreuse.sim.config import ReplicaConfig
 
 KvSink = Callable[[KvEvent], None]
 

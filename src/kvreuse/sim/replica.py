@@ -31,59 +31,15 @@ when more than ``lpm_max_waiting`` (128, SGLang's rule) requests wait.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from kvreuse.errors import ConfigError
 from kvreuse.routing.base import ReplicaLoad
-from kvreuse.sim.block_memory import BlockMemory
+from kvreuse.sim.config import CACHE_KINDS, SCHEDULERS, ReplicaConfig
 from kvreuse.sim.engine import Engine, Finish, PrefillDone
-from kvreuse.sim.memory import Job, KvSink, RadixMemory, ReplicaMemory
+from kvreuse.sim.memory import Job, KvSink, ReplicaMemory
 from kvreuse.sim.requests import SimRequest
 
-SCHEDULERS = ("fcfs", "lpm")
-
-MemoryFactory = Callable[[str, "ReplicaConfig", KvSink | None], ReplicaMemory]
-
-CACHE_KINDS: dict[str, MemoryFactory] = {"radix": RadixMemory, "block": BlockMemory}
-"""Replica memory models by name (``--cache-kind``); see :mod:`kvreuse.sim.memory`."""
-
 __all__ = ["CACHE_KINDS", "SCHEDULERS", "Job", "LoadBoard", "Replica", "ReplicaConfig"]
-
-
-@dataclass(frozen=True, slots=True)
-class ReplicaConfig:
-    """A replica's constants. Defaults are seed 001's illustrative numbers.
-
-    ``cache_kind`` names a memory model in :data:`CACHE_KINDS`; ``page_size``
-    and ``eviction`` configure the radix tree, ``block_size`` the block pool (vLLM's 16)."""
-
-    pool_tokens: int = 8192
-    prefill_tokens_per_s: float = 10_000.0
-    overhead_s: float = 0.015
-    time_per_output_token_s: float = 0.02
-    scheduling: str = "fcfs"
-    lpm_max_waiting: int = 128
-    page_size: int = 1
-    eviction: str = "lru"
-    prefix_caching: bool = True
-    cache_kind: str = "radix"
-    block_size: int = 16
-
-    def __post_init__(self) -> None:
-        if self.pool_tokens <= 0:
-            raise ConfigError(f"pool_tokens (cache tokens) must be > 0, got {self.pool_tokens}")
-        if self.prefill_tokens_per_s <= 0:
-            raise ConfigError(f"prefill_tokens_per_s must be > 0, got {self.prefill_tokens_per_s}")
-        if self.overhead_s < 0 or self.time_per_output_token_s < 0:
-            raise ConfigError("overhead_s and time_per_output_token_s must be >= 0")
-        if self.scheduling not in SCHEDULERS:
-            raise ConfigError(f"scheduling must be one of {SCHEDULERS}, got {self.scheduling!r}")
-        if self.cache_kind not in CACHE_KINDS:
-            raise ConfigError(
-                f"cache_kind must be one of {tuple(CACHE_KINDS)}, got {self.cache_kind!r}"
-            )
-        if self.block_size < 1:
-            raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
 
 
 class LoadBoard:

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvreuse.frozen import fast_init
 from kvreuse.identity import DEFAULT_IDENTITY, CacheIdentity
 from kvreuse.routing.base import RequestView
 from kvreuse.tokens import TokenBuffer
+
+if TYPE_CHECKING:  # config imports the memory models, which import this module
+    from kvreuse.sim.config import FleetConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,3 +70,18 @@ class RequestRecord:
     @property
     def prefilled_tokens(self) -> int:
         return self.prompt_tokens - self.cached_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class FleetRun:
+    """Everything a run produced: one record per request plus per-replica totals."""
+
+    policy: str
+    config: FleetConfig
+    records: tuple[RequestRecord, ...]
+    evicted_tokens: tuple[int, ...]
+    prefill_busy_s: tuple[float, ...]
+    requests_per_replica: tuple[int, ...]
+    blocked_admissions: tuple[int, ...]
+    events_processed: int
+    end_time_s: float

@@ -9,8 +9,9 @@ from typing import Any
 
 from kvreuse.errors import ConfigError
 from kvreuse.routing import build_policy
-from kvreuse.sim.fleet import FleetConfig, FleetRun, FleetSimulator
-from kvreuse.sim.requests import SimRequest
+from kvreuse.sim.config import FleetConfig
+from kvreuse.sim.fleet import FleetSimulator
+from kvreuse.sim.requests import FleetRun, SimRequest
 from kvreuse.sim.scenarios import Expectation, RunSpec, Scenario
 from kvreuse.sim.summary import RunSummary, summarize
 

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvreuse.sim.fleet import FleetConfig
+from kvreuse.sim.config import FleetConfig
 from kvreuse.sim.requests import SimRequest
 
 GIB = 1 << 30

@@ -16,8 +16,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kvreuse.errors import ConfigError
-from kvreuse.sim.fleet import FleetConfig
-from kvreuse.sim.replica import ReplicaConfig
+from kvreuse.sim.config import FleetConfig, ReplicaConfig
 from kvreuse.sim.requests import SimRequest
 from kvreuse.sim.scenario_model import (
     BYTES_PER_TOKEN,

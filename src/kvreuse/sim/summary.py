@@ -20,8 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvreuse.metrics import DEFAULT_BANDS, RequestObservation, ReuseMeter, band_label
-from kvreuse.sim.fleet import FleetRun
-from kvreuse.sim.requests import RequestRecord
+from kvreuse.sim.requests import FleetRun, RequestRecord
 
 
 def percentile(values: Sequence[float], fraction: float) -> float:

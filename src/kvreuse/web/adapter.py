@@ -34,8 +34,8 @@ from kvreuse.routing import DESCRIPTIONS, POLICIES, build_policy
 from kvreuse.routing.base import FleetView, RequestView, RoutingDecision, RoutingPolicy
 from kvreuse.routing.events import KvEvent
 from kvreuse.sim import SCHEDULERS, ChatWorkload, FleetSimulator, SimRequest, summarize
-from kvreuse.sim.fleet import FleetRun
 from kvreuse.sim.replica import Replica
+from kvreuse.sim.requests import FleetRun
 from kvreuse.sim.scenarios import BELGAVI, SCENARIOS, SURGE, Scenario
 from kvreuse.sim.summary import percentile, prefill_cost_s
 from kvreuse.tokens import TOKEN_BYTES
