@@ -25,6 +25,7 @@ def fake_tree(root: Path, modules: tuple[str, ...], *, built: bool = True) -> No
         if built:
             source.with_name(source.stem + native_suffix()).write_bytes(b"")
     if built:
+        native.shared_library(root).write_bytes(b"")
         record = {
             "python": sys.implementation.cache_tag,
             "sources": {m: digest(source_file(m, root)) for m in modules},
@@ -83,6 +84,14 @@ def test_a_partial_build_is_refused(tmp_path: Path) -> None:
     alpha.with_name(alpha.stem + native_suffix()).unlink()
     status = decide(tmp_path, MODULES, {})
     assert not status.compiled and "kvreuse.alpha" in status.reason
+
+
+def test_a_build_without_its_shared_library_is_refused(tmp_path: Path) -> None:
+    """The modules' extensions only forward to the shared library: without it, pure Python."""
+    fake_tree(tmp_path, MODULES)
+    native.shared_library(tmp_path).unlink()
+    status = decide(tmp_path, MODULES, {})
+    assert not status.compiled and "__mypyc" in status.reason
 
 
 def test_the_source_hook_loads_py_files_only_for_its_modules(tmp_path: Path) -> None:

@@ -100,6 +100,11 @@ def _current_extension(module: str, root: Path) -> Path:
     return source.with_name(source.stem + suffix)
 
 
+def shared_library(root: Path = SOURCE_ROOT) -> Path:
+    """The library holding the compiled code; each module's extension only forwards to it."""
+    return root / f"{GROUP}__mypyc{importlib.machinery.EXTENSION_SUFFIXES[0]}"
+
+
 def digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -118,6 +123,8 @@ def decide(
         return NativeStatus(False, "pure Python: the compiled core is not built (make native)")
     if missing:
         return NativeStatus(False, f"pure Python: {missing[0]} has no compiled module")
+    if not shared_library(root).exists():
+        return NativeStatus(False, f"pure Python: {shared_library(root).name} is missing")
     manifest_path = root / "kvreuse" / MANIFEST.name
     try:
         manifest = json.loads(manifest_path.read_text())
@@ -190,6 +197,8 @@ def build(root: Path = SOURCE_ROOT, verbose: bool = False) -> int:
     # the build writing over them in place could crash such a process.
     clean(root)
     manifest = root / "kvreuse" / MANIFEST.name
+    # Hashed before compiling: a source edited during the build must not pass for built.
+    sources = {m: digest(source_file(m, root)) for m in NATIVE_MODULES}
     paths = [str(source_file(m, root).relative_to(root)) for m in NATIVE_MODULES]
     # setuptools' build_ext --inplace, the way mypyc documents it, in a child process (it
     # parses argv and works in the current directory); C sources and objects go to a scratch
@@ -214,13 +223,11 @@ def build(root: Path = SOURCE_ROOT, verbose: bool = False) -> int:
     if done.returncode != 0:
         return done.returncode
     missing = [m for m in NATIVE_MODULES if not _current_extension(m, root).exists()]
-    if missing:
-        print(f"kvreuse.native: the build made no extension for {missing}", file=sys.stderr)
+    if missing or not shared_library(root).exists():
+        print(f"kvreuse.native: the build left out {missing or shared_library(root).name}",
+              file=sys.stderr)
         return 1
-    record = {
-        "python": sys.implementation.cache_tag,
-        "sources": {m: digest(source_file(m, root)) for m in NATIVE_MODULES},
-    }
+    record = {"python": sys.implementation.cache_tag, "sources": sources}
     manifest.write_text(json.dumps(record, indent=1) + "\n")
     return 0
 
@@ -229,7 +236,7 @@ def clean(root: Path = SOURCE_ROOT) -> int:
     """Remove the compiled modules, the shared library and the manifest; returns how many
     files went."""
     files = [f for m in NATIVE_MODULES for f in extension_files(m, root)]
-    files += sorted(root.glob(f"{GROUP}__mypyc.*.so"))
+    files += sorted(root.glob(f"{GROUP}__mypyc.*.so"))  # any interpreter's
     manifest = root / "kvreuse" / MANIFEST.name
     if manifest.exists():
         files.append(manifest)
