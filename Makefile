@@ -152,7 +152,8 @@ bench: $(VENV)/.all
 	mkdir -p artifacts/bench
 	KVREUSE_PURE=$(BENCH_PURE) $(PY) benchmarks/index_ops.py $(BENCH_ARGS)
 
-# Fleet simulator speed (issue 3's targets); `SIM_SPEED_ARGS=--pure` times the source instead.
+# Fleet simulator speed (issue 3's targets); `SIM_SPEED_ARGS=--pure` times the source instead,
+# `SIM_SPEED_ARGS="--repeat 5 --against-pure"` both in one run with the ratios.
 SIM_SPEED_ARGS ?= --repeat 3
 bench-sim: $(VENV)/.all native
 	$(PY) benchmarks/sim_speed.py $(SIM_SPEED_ARGS)
