@@ -49,7 +49,8 @@ def register(subparsers: Any) -> None:
                         help="map: vLLM >= 0.25; array: vLLM <= 0.15")
     parser.add_argument("--kv-events-bytes-hashes", action="store_true",
                         help="send full hash bytes instead of 64-bit integers")
-    parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--log-level", default="warning",
+                        help="stderr log level (default warning)")
     parser.set_defaults(func=run)
 
 
@@ -60,7 +61,9 @@ def run(args: argparse.Namespace) -> int:
     from kvreuse.engine.server import build_engine
     from kvreuse.gateway.asgi import server_stack
     from kvreuse.gateway.prompts import load_prompt_tokenizer
+    from kvreuse.gateway.telemetry import configure_logging
 
+    configure_logging(args.log_level)
     if args.block_size < 1:
         raise ConfigError(f"--block-size must be >= 1, got {args.block_size}")
     num_blocks = args.num_blocks
@@ -85,6 +88,11 @@ def run(args: argparse.Namespace) -> int:
         shape=args.kv_events_shape,
         int_hashes=not args.kv_events_bytes_hashes,
     )
+    events = (f"KV events {args.kv_events} ({args.kv_events_shape})" if args.kv_events
+              else "no KV events")
+    print(f"kvreuse engine: serving http://{args.host}:{args.port} (Ctrl-C to stop); model "
+          f"{args.model}, {num_blocks - 1} blocks of {args.block_size} tokens, {events}",
+          flush=True)
     stack = server_stack()
     uvicorn.run(engine.app, host=args.host, port=args.port, log_level=args.log_level,
                 access_log=False, loop=stack.loop, http=stack.http)

@@ -27,7 +27,12 @@ bytes of UTF-8).
 
 Tenants: --tenants FILE maps API keys (Authorization: Bearer KEY) to tenants; each tenant's
 cache_salt is HMAC-SHA256(secret, tenant), injected upstream; a caller's own cache_salt is
-refused (400) or stripped (--caller-salt strip); an unknown key gets 401.
+refused (400) or stripped (--caller-salt strip); an unknown key gets 401, as does /v1/models
+without a key. /metrics needs no key: serve it on its own port with --metrics-port.
+
+Telemetry: one start-up line on stdout; --access-log text|json writes one line per request on
+stdout (request id, model, tenant, upstream, policy decision, predicted and realized cached
+tokens, status, TTFT, total time; never the salt); warnings and errors go to stderr.
 """
 
 
@@ -74,7 +79,12 @@ def register(subparsers: Any) -> None:
         "--shared-index-capacity-blocks", type=int, default=1 << 20, metavar="N",
         help="blocks the shared index keeps per upstream before evicting (default 1048576)",
     )
-    parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--access-log", choices=("off", "text", "json"),
+                        help="one line per request on stdout (default off)")
+    parser.add_argument("--metrics-port", type=int, metavar="PORT",
+                        help="serve /metrics on this port (same --host) instead of --port")
+    parser.add_argument("--log-level", default="warning",
+                        help="stderr log level (default warning)")
     parser.set_defaults(func=run)
 
 
@@ -111,6 +121,8 @@ def build_config(args: argparse.Namespace) -> Any:
         max_body_bytes=args.max_body_bytes,
         upstream_api_key=args.upstream_api_key,
         seed=args.seed,
+        access_log=args.access_log,
+        metrics_port=args.metrics_port,
     )
 
 
@@ -119,8 +131,18 @@ def run(args: argparse.Namespace) -> int:
 
     from kvreuse.gateway.app import Gateway
     from kvreuse.gateway.asgi import server_stack
+    from kvreuse.gateway.telemetry import configure_logging
 
-    gateway = Gateway(build_config(args))
+    configure_logging(args.log_level)
+    config = build_config(args)
+    if config.metrics_port is not None and config.metrics_port == args.port:
+        raise ConfigError(f"--metrics-port must differ from --port ({args.port})")
+    url = f"http://{args.host}:{args.port}"
+
+    def announce(summary: str) -> None:
+        print(f"kvreuse route: serving {url} (Ctrl-C to stop); {summary}", flush=True)
+
+    gateway = Gateway(config, announce=announce)
     if args.shared_index:
         from kvreuse.gateway.shared_index import attach
 
@@ -128,6 +150,29 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("--shared-index-capacity-blocks must be >= 1")
         attach(gateway, args.shared_index, capacity_blocks=args.shared_index_capacity_blocks)
     stack = server_stack()
-    uvicorn.run(gateway.app, host=args.host, port=args.port, log_level=args.log_level,
-                access_log=False, loop=stack.loop, http=stack.http)
+    server_config = uvicorn.Config(
+        by_listener(gateway.app, gateway.metrics_app, config.metrics_port), host=args.host,
+        port=args.port, log_level=args.log_level, access_log=False, loop=stack.loop,
+        http=stack.http)
+    sockets = [server_config.bind_socket()]
+    if config.metrics_port is not None:
+        sockets.append(uvicorn.Config(gateway.metrics_app, host=args.host,
+                                      port=config.metrics_port).bind_socket())
+    uvicorn.Server(server_config).run(sockets=sockets)
     return 0
+
+
+def by_listener(app: Any, metrics_app: Any, metrics_port: int | None) -> Any:
+    """One ASGI app for both listeners of one server: requests that arrived on
+    ``metrics_port`` go to ``metrics_app``, all else (and the lifespan) to ``app``."""
+    if metrics_port is None:
+        return app
+
+    async def dispatch(scope: Any, receive: Any, send: Any) -> None:
+        server = scope.get("server")
+        if scope["type"] == "http" and server is not None and server[1] == metrics_port:
+            await metrics_app(scope, receive, send)
+        else:
+            await app(scope, receive, send)
+
+    return dispatch

@@ -16,6 +16,7 @@ import contextlib
 import json
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -104,6 +105,9 @@ class _VllmMetrics:
         return out
 
 
+CORRELATION_HEADERS = frozenset((b"x-request-id", b"traceparent", b"tracestate"))
+
+
 class EngineApp:
     """Request handling for one replica; :attr:`app` is the ASGI application."""
 
@@ -118,6 +122,9 @@ class EngineApp:
         self.publisher = publisher
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_VllmMetrics(replica))
+        # The correlation headers of the last generate requests as received, so that what a
+        # gateway forwarded (request id, W3C trace context) can be checked on a real replica.
+        self.received_headers: deque[dict[str, str]] = deque(maxlen=256)
         self._piece: Callable[[int], str]
         if isinstance(tokenizer, HFPromptTokenizer):
             self._filler = unpack(tokenizer.encode(FILLER))
@@ -256,6 +263,9 @@ class EngineApp:
         await send_json(send, 200, [rendered] if kind == "completion" else rendered)
 
     async def _generate(self, scope: Scope, receive: Receive, send: Send, kind: str) -> None:
+        self.received_headers.append({
+            name.decode("latin-1"): value.decode("latin-1") for name, value in scope["headers"]
+            if name in CORRELATION_HEADERS})
         prepared = await self._prepare(receive, send, kind)
         if prepared is None:
             return

@@ -24,7 +24,7 @@ import json
 import logging
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,9 +49,10 @@ from kvreuse.gateway.asgi import (
 from kvreuse.gateway.config import GatewayConfig
 from kvreuse.gateway.metrics import GatewayMetrics, GatewayState, TokenTally
 from kvreuse.gateway.prompts import PromptTokenizer, load_prompt_tokenizer
-from kvreuse.gateway.proxy import Forwarder
+from kvreuse.gateway.proxy import CLIENT_LEFT, Forwarder
 from kvreuse.gateway.router import Router
 from kvreuse.gateway.subscriber import EventSubscriber
+from kvreuse.gateway.telemetry import AccessLog, RequestRecord, ThrottledLog, trace_headers
 from kvreuse.gateway.tenants import Tenant, Tenants, load_tenants
 from kvreuse.gateway.upstream_client import UpstreamError, UpstreamPool
 from kvreuse.gateway.upstreams import UpstreamState, parse_prometheus
@@ -112,8 +113,12 @@ class Gateway:
         tokenizer: PromptTokenizer | None = None,
         policy: RoutingPolicy | None = None,
         tenants: Tenants | None = None,
+        announce: Callable[[str], None] | None = None,
     ) -> None:
+        """``announce`` hears the start-up summary (upstreams, policy, models, metrics,
+        access log) once the upstreams' model lists have been asked for."""
         self.config = config
+        self.announce = announce
         self.tokenizer = tokenizer or load_prompt_tokenizer(config.tokenizer)
         self.tenants = tenants or (load_tenants(Path(config.tenants)) if config.tenants else None)
         if self.tenants is not None and config.caller_salt is not None:
@@ -139,6 +144,8 @@ class Gateway:
         self.state = GatewayState(self.upstreams, self.tallies, self.router.streams,
                                   self.router.index_size)
         self.metrics = GatewayMetrics(self.state)
+        self.access_log = AccessLog(config.access_log, self.policy.name)
+        self._refusals = ThrottledLog(log)
         self.subscribers: list[EventSubscriber] = []
         self._ids = itertools.count()
         self._tasks: list[asyncio.Task[None]] = []
@@ -158,6 +165,9 @@ class Gateway:
             ],
             lifespan=self._lifespan,
         )
+        # What the --metrics-port listener serves (the CLI routes that port's requests here).
+        self.metrics_app = Starlette(
+            routes=[Route("/metrics", self._metrics_page, methods=["GET"])])
         self.app: ASGIApp = self
 
     # ------------------------------------------------------------------ lifecycle
@@ -191,6 +201,8 @@ class Gateway:
             self._tasks.append(loop.create_task(self._probe_loop(upstream)))
             if config.metrics_interval_s > 0:
                 self._tasks.append(loop.create_task(self._scrape_loop(upstream)))
+        if self.announce is not None:
+            self._tasks.append(loop.create_task(self._announce(self.announce)))
         try:
             yield
         finally:
@@ -217,6 +229,33 @@ class Gateway:
         """GET on the control pool; raises UpstreamError."""
         response = await self._control[upstream.name].request("GET", path)
         return response.status, await response.read()
+
+    async def _announce(self, announce: Callable[[str], None]) -> None:
+        """The start-up summary, once each upstream was asked for its models (bounded by
+        the connect timeout, so a dead upstream delays it that long at most)."""
+        try:
+            lists = await asyncio.wait_for(
+                asyncio.gather(*(self._fetch_models(u) for u in self.upstreams)),
+                self.config.connect_timeout_s)
+        except TimeoutError:
+            lists = [[] for _ in self.upstreams]
+        announce(self.startup_summary({u.name: [m["id"] for m in models]
+                                       for u, models in zip(self.upstreams, lists, strict=True)}))
+
+    def startup_summary(self, models: dict[str, list[str]]) -> str:
+        """Policy, upstreams (with their models and events endpoint), tenants, metrics and
+        access log, in one line."""
+        config = self.config
+        parts = []
+        for upstream in config.upstreams:
+            served = "|".join(models.get(upstream.name, [])) or "models unknown"
+            events = f", events {upstream.events}" if upstream.events else ""
+            parts.append(f"{upstream.name}={upstream.url} ({served}{events})")
+        metrics = (f"port {config.metrics_port}" if config.metrics_port is not None
+                   else "this port")
+        tenants = (f"{len(self.tenants.keys)} keys" if self.tenants is not None else "off")
+        return (f"policy {self.policy.name}; upstreams {', '.join(parts)}; tenants {tenants}; "
+                f"/metrics on {metrics}; access log {config.access_log}")
 
     async def _probe_loop(self, upstream: UpstreamState) -> None:
         while True:
@@ -255,19 +294,38 @@ class Gateway:
         return JSONResponse(body, status_code=200 if admitted else 503)
 
     async def prometheus(self, request: Request) -> Response:
+        if self.config.metrics_port is not None:
+            return JSONResponse({"detail": f"/metrics is served on port "
+                                           f"{self.config.metrics_port}"}, status_code=404)
+        return await self._metrics_page(request)
+
+    async def _metrics_page(self, request: Request) -> Response:
         return Response(generate_latest(self.metrics.registry),
                         media_type="text/plain; version=0.0.4")
 
-    async def models(self, request: Request) -> Response:
-        async def fetch(upstream: UpstreamState) -> list[dict[str, Any]]:
-            try:
-                status, raw = await self._get(upstream, "/v1/models")
-                data = json.loads(raw).get("data", []) if status == 200 else []
-            except (UpstreamError, ValueError, AttributeError):
-                return []
-            return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+    async def _fetch_models(self, upstream: UpstreamState) -> list[dict[str, Any]]:
+        """An upstream's ``/v1/models`` entries (those with a string id); [] on any failure."""
+        try:
+            status, raw = await self._get(upstream, "/v1/models")
+            data = json.loads(raw).get("data", []) if status == 200 else []
+        except (UpstreamError, ValueError, AttributeError):
+            return []
+        if not isinstance(data, list):
+            return []
+        return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
 
-        lists = await asyncio.gather(*(fetch(u) for u in self.upstreams if u.healthy))
+    async def models(self, request: Request) -> Response:
+        """The union of the healthy upstreams' models; with tenants on, a valid key is
+        required and a tenant pinned to some upstreams sees only theirs."""
+        try:
+            tenant = self._authenticate(request.scope["headers"])
+        except RequestError as exc:
+            self._refused(exc, request.scope["path"])
+            return JSONResponse(exc.body(), status_code=exc.status)
+        allowed = tenant.upstreams if tenant is not None else None
+        lists = await asyncio.gather(*(
+            self._fetch_models(u) for u in self.upstreams
+            if u.healthy and (allowed is None or u.name in allowed)))
         merged: dict[str, dict[str, Any]] = {}
         for models in lists:
             for model in models:
@@ -304,16 +362,44 @@ class Gateway:
 
     async def _generate(self, scope: Scope, receive: Receive, send: Send, path: str,
                         kind: str) -> None:
-        authorization = session_id = declared = None
+        session_id = declared = traceparent = tracestate = None
         for name, value in scope["headers"]:
-            if name == b"authorization":
-                authorization = value.decode("latin-1")
-            elif name == b"content-length":
+            if name == b"content-length":
                 declared = value
             elif name == b"x-session-id":
                 session_id = value.decode("latin-1")
+            elif name == b"traceparent":
+                traceparent = value
+            elif name == b"tracestate":
+                tracestate = value
+        record = RequestRecord(f"gw-{next(self._ids)}-{time.monotonic_ns()}", path,
+                               time.perf_counter())
         try:
-            tenant = self._authenticate(authorization)
+            await self._serve(scope, receive, send, path, kind, record, session_id, declared,
+                              trace_headers(traceparent, tracestate))
+        finally:
+            self._finish(record)
+
+    def _finish(self, record: RequestRecord) -> None:
+        """Account for a request that ended (answered, refused, or its client left)."""
+        record.finished = time.perf_counter()
+        total = record.finished - record.started
+        if record.upstream is not None:
+            self.metrics.observe_request(record.upstream, record.model, record.status,
+                                         record.ttft_s, total)
+        self.access_log.write(record)
+
+    def _refused(self, error: RequestError, path: str) -> None:
+        self.metrics.reject(error.status)
+        self._refusals.warning("refused %s with %d: %s", path, error.status, str(error))
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send, path: str, kind: str,
+                     record: RequestRecord, session_id: str | None, declared: bytes | None,
+                     trace: dict[str, str]) -> None:
+        try:
+            tenant = self._authenticate(scope["headers"])
+            if tenant is not None:
+                record.tenant = tenant.name
             raw = await read_body(receive, self.config.max_body_bytes, declared)
             decoded = decode_body(raw)
             body = decoded.value
@@ -324,42 +410,59 @@ class Gateway:
                         "cache_salt")
                 del body["cache_salt"]
             parsed = parse_request(kind, body)
+            record.model = parsed.model
             salt = tenant.cache_salt if tenant is not None else parsed.cache_salt
             if tenant is not None:
                 body["cache_salt"] = salt
             # Only a tenant's salt changes the body; otherwise the caller's bytes go upstream.
             forwarded = decoded.encode() if self.tenants is not None else raw
             plan = self.router.plan(
-                parsed, f"gw-{next(self._ids)}-{time.monotonic_ns()}", self._identity(salt),
+                parsed, record.request_id, self._identity(salt),
                 tenant=tenant.name if tenant else None,
                 allowed=tenant.upstreams if tenant else None,
                 session_id=session_id,
             )
         except ClientGone:
+            record.status = CLIENT_LEFT
+            record.error = "client left before its body was read"
             return
         except RequestError as exc:
-            self.metrics.reject(exc.status)
-            await send_error(send, exc)
-            return
+            error = exc
         except InputFormatError as exc:
-            self.metrics.reject(400)
-            await send_error(send, RequestError(str(exc), exc.where or "body"))
-            return
+            error = RequestError(str(exc), exc.where or "body")
         except KvreuseError as exc:  # e.g. a chat request and a tokenizer without a template
-            self.metrics.reject(400)
-            await send_error(send, RequestError(str(exc), None))
+            error = RequestError(str(exc), None)
+        else:
+            if plan is None:
+                self.metrics.reject(503)
+                self._refusals.warning("no upstream admitted for %s (request %s)", path,
+                                       record.request_id)
+                record.status, record.error = 503, "no upstream admitted"
+                record.sent_first_byte()
+                await send_json(send, 503, NO_UPSTREAM)
+                return
+            self.metrics.decision_seconds.observe(plan.decision_s)
+            assert self.forwarder is not None
+            await self.forwarder.forward(receive, send, path, forwarded, parsed, plan, record,
+                                         trace)
             return
-        if plan is None:
-            self.metrics.reject(503)
-            await send_json(send, 503, NO_UPSTREAM)
-            return
-        self.metrics.decision_seconds.observe(plan.decision_s)
-        assert self.forwarder is not None
-        await self.forwarder.forward(receive, send, path, forwarded, parsed, plan)
+        self._refused(error, path)
+        record.status, record.error = error.status, str(error)
+        record.sent_first_byte()
+        await send_error(send, error)
 
-    def _authenticate(self, authorization: str | None) -> Tenant | None:
+    def _authenticate(self, headers: list[tuple[bytes, bytes]]) -> Tenant | None:
+        """The caller's tenant from its one ``Authorization`` header (None with tenants off);
+        :class:`RequestError` 401 for a missing or unknown key, 400 for two headers."""
         if self.tenants is None:
             return None
+        authorization = None
+        for name, value in headers:
+            if name == b"authorization":
+                if authorization is not None:
+                    raise RequestError("send one Authorization header, not several",
+                                       "authorization", 400)
+                authorization = value
         tenant = self.tenants.authenticate(authorization)
         if tenant is None:
             raise RequestError("unknown or missing API key: send Authorization: Bearer KEY",

@@ -8,6 +8,8 @@ gateway options in ``[gateway]``::
     policy = "exact"
     tokenizer = "build/tiny-llama"
     tenants = "tenants.toml"
+    access_log = "json"                # off (default), text or json
+    metrics_port = 9464                # /metrics on its own listener
 
     [gateway.policy_options]
     spill_threshold_s = 0.2
@@ -33,6 +35,7 @@ from urllib.parse import urlsplit
 from kvreuse.errors import ConfigError
 
 CALLER_SALT_MODES = ("reject", "strip")
+ACCESS_LOG_MODES = ("off", "text", "json")
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +85,8 @@ class GatewayConfig:
     read_timeout_s: float = 600.0
     upstream_api_key: str | None = None
     seed: int = 0
+    access_log: str = "off"  # off, text or json: one line per request on stdout
+    metrics_port: int | None = None  # serve /metrics on this port instead of the main one
 
     def __post_init__(self) -> None:
         if not self.upstreams:
@@ -101,6 +106,14 @@ class GatewayConfig:
         if self.metrics_interval_s < 0:
             raise ConfigError(f"metrics_interval_s must be >= 0 (0: no scraping), got "
                               f"{self.metrics_interval_s}")
+        if self.access_log not in ACCESS_LOG_MODES:
+            raise ConfigError(f"access_log must be one of {', '.join(ACCESS_LOG_MODES)}, got "
+                              f"{self.access_log!r}")
+        if self.metrics_port is not None and (
+                isinstance(self.metrics_port, bool) or not isinstance(self.metrics_port, int)
+                or not 1 <= self.metrics_port <= 65535):
+            raise ConfigError(f"metrics_port must be a TCP port (1-65535), got "
+                              f"{self.metrics_port!r}")
         for name in ("health_interval_s", "connect_timeout_s", "read_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -14,21 +14,75 @@ gateway saw; ``kvreuse_gateway_engine_token_hit_rate`` from deltas of the engine
 ``vllm:prefix_cache_hits_total`` / ``vllm:prefix_cache_queries_total`` since the gateway's first
 scrape. They agree when the gateway is the engine's only client and every response carries
 usage (streams only carry it with ``stream_options.include_usage``).
+
+Request duration and TTFT (``kvreuse_gateway_request_duration_seconds``,
+``kvreuse_gateway_time_to_first_byte_seconds``) are histograms by upstream, model and status,
+timed from the request's arrival at the gateway; for a non-streamed response the first byte is
+the whole answer. Label values are bounded whatever callers send: ``model`` is a model some
+upstream has answered with 2xx (at most :data:`MAX_MODEL_LABELS` of them), else ``other``;
+``status`` is a common HTTP status or its class (``4xx``).
+
+Also exported: ejections per upstream, the Redis sync counters of a shared index
+(:class:`~kvreuse.gateway.shared_index.SyncStats`) when one is attached, and
+prometheus_client's process, platform and GC collectors.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import (
+    GC_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvreuse.gateway.subscriber import StreamStats
 from kvreuse.gateway.upstreams import UpstreamState
 
+if TYPE_CHECKING:
+    from kvreuse.gateway.shared_index import SyncStats
+
 DECISION_BUCKETS = (5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 0.1)
+TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                30.0, 60.0)
+DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                    120.0, 300.0, 600.0)
+MAX_MODEL_LABELS = 64
+OTHER_MODEL = "other"
+# Statuses labelled by their code; any other is labelled by its class ("4xx"), so an upstream
+# answering odd codes cannot multiply the histograms' series.
+LABELLED_STATUSES = frozenset((200, 400, 401, 403, 404, 408, 413, 422, 429, 499, 500, 502, 503,
+                               504))
+
+
+def status_label(status: int) -> str:
+    """The ``status`` label value of an HTTP status. O(1)."""
+    return str(status) if status in LABELLED_STATUSES else f"{status // 100}xx"
+
+
+class ModelLabels:
+    """Bounds the ``model`` label: a model becomes a label value once an upstream has served
+    it (a 2xx answer), up to ``limit`` models; anything else is ``other``. A caller sending
+    random model names therefore cannot create series."""
+
+    def __init__(self, limit: int = MAX_MODEL_LABELS) -> None:
+        self.limit = limit
+        self.served: set[str] = set()
+
+    def served_by_upstream(self, model: str) -> None:
+        """An upstream answered a request for ``model`` with 2xx. O(1)."""
+        if len(self.served) < self.limit:
+            self.served.add(model)
+
+    def label(self, model: str | None) -> str:
+        return model if model is not None and model in self.served else OTHER_MODEL
 
 
 @dataclass(slots=True)
@@ -61,6 +115,7 @@ class GatewayState:
     tallies: dict[str, TokenTally] = field(default_factory=dict)
     streams: dict[str, StreamStats] = field(default_factory=dict)
     index_size: Callable[[str], IndexSize] = lambda name: IndexSize()
+    shared_sync: SyncStats | None = None  # set when a Redis-shared index is attached
 
 
 class _StateCollector:
@@ -118,9 +173,29 @@ class _StateCollector:
                 engine_cached.add_metric(name, deltas[1])
             if upstream.engine.kv_usage is not None:
                 kv_usage.add_metric(name, upstream.engine.kv_usage)
+        ejections = CounterMetricFamily("kvreuse_gateway_upstream_ejections",
+                                        "times the upstream was ejected", labels=up)
+        for upstream in state.upstreams:
+            ejections.add_metric([upstream.name], upstream.ejections)
         yield from (healthy, in_flight, queued, blocks, tokens, rate, engine_rate, predicted,
-                    realized, prompt, engine_cached, engine_prompt, kv_usage)
+                    realized, prompt, engine_cached, engine_prompt, kv_usage, ejections)
         yield from self._events(state)
+        if state.shared_sync is not None:
+            yield from self._shared_sync(state.shared_sync)
+
+    @staticmethod
+    def _shared_sync(stats: SyncStats) -> Iterable[Metric]:
+        prefix = "kvreuse_gateway_shared_index_"
+        for name, value, doc in (
+            ("published", stats.published, "routed records written to Redis"),
+            ("received", stats.received, "other gateways' records applied"),
+            ("dropped", stats.dropped, "local records not shared (queue full or Redis down)"),
+            ("malformed", stats.malformed, "Redis entries skipped as malformed"),
+            ("redis_errors", stats.redis_errors, "Redis errors (each retried)"),
+        ):
+            yield CounterMetricFamily(prefix + name, doc, value=value)
+        yield GaugeMetricFamily(prefix + "connected", "1 while Redis answers",
+                                value=1.0 if stats.connected else 0.0)
 
     @staticmethod
     def _events(state: GatewayState) -> Iterable[Metric]:
@@ -174,10 +249,26 @@ class GatewayMetrics:
             "kvreuse_gateway_rejected", "requests refused before routing, by HTTP status",
             ["status"], registry=self.registry,
         )
+        by = ["upstream", "model", "status"]
+        self.duration_seconds = Histogram(
+            "kvreuse_gateway_request_duration_seconds",
+            "arrival at the gateway to the response's last byte", by,
+            buckets=DURATION_BUCKETS, registry=self.registry,
+        )
+        self.ttft_seconds = Histogram(
+            "kvreuse_gateway_time_to_first_byte_seconds",
+            "arrival at the gateway to the response's first byte (TTFT for streams)", by,
+            buckets=TTFT_BUCKETS, registry=self.registry,
+        )
+        self.models = ModelLabels()
         self.registry.register(_StateCollector(state))
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        self.registry.register(GC_COLLECTOR)
         # labels() hashes and locks on every call; the hot path keeps the children it made.
         self._request_children: dict[tuple[str, str, str, str], Any] = {}
         self._rejected_children: dict[int, Any] = {}
+        self._timing_children: dict[tuple[str, str, str], tuple[Any, Any]] = {}
 
     def count_request(self, upstream: str, policy: str, branch: str, status: str) -> None:
         """One finished (or failed) request. O(1)."""
@@ -193,3 +284,17 @@ class GatewayMetrics:
         if child is None:
             child = self._rejected_children[status] = self.rejected.labels(str(status))
         child.inc()
+
+    def observe_request(self, upstream: str, model: str | None, status: int,
+                        ttft_s: float | None, total_s: float) -> None:
+        """One answered request's TTFT (when a byte reached the client) and duration. O(1)."""
+        if 200 <= status < 300 and model is not None:
+            self.models.served_by_upstream(model)
+        key = (upstream, self.models.label(model), status_label(status))
+        children = self._timing_children.get(key)
+        if children is None:
+            children = self._timing_children[key] = (self.ttft_seconds.labels(*key),
+                                                     self.duration_seconds.labels(*key))
+        if ttft_s is not None:
+            children[0].observe(ttft_s)
+        children[1].observe(total_s)

@@ -29,6 +29,7 @@ from kvreuse.gateway.asgi import (
 )
 from kvreuse.gateway.metrics import GatewayMetrics, TokenTally
 from kvreuse.gateway.router import Candidate, Plan, Router
+from kvreuse.gateway.telemetry import RequestRecord
 from kvreuse.gateway.upstream_client import UpstreamError, UpstreamPool, UpstreamResponse
 from kvreuse.gateway.validation import ParsedRequest
 
@@ -125,17 +126,25 @@ class Forwarder:
         self._names = {name: name.encode("latin-1") for name in pools}
 
     async def forward(self, receive: Receive, send: Send, path: str, body: bytes,
-                      parsed: ParsedRequest, plan: Plan) -> None:
+                      parsed: ParsedRequest, plan: Plan, record: RequestRecord,
+                      trace: Mapping[str, str]) -> None:
+        """Answer the client from the first candidate that answers; ``record`` learns which
+        upstream, the decision, the tokens and the status; ``trace`` (validated trace-context
+        headers) goes upstream with the request id."""
         failures: list[str] = []
         last_error: tuple[int, bytes, bytes | None] | None = None
+        headers = {"x-request-id": plan.request.request_id, **trace}
         for attempt, candidate in enumerate(self.router.candidates(plan, self.retries + 1)):
             upstream = candidate.upstream
+            record.upstream = upstream.name
+            record.branch = candidate.branch
+            record.predicted_cached_tokens = candidate.predicted_cached_tokens
             if attempt:
+                record.retries = attempt
                 self.metrics.retries.labels(upstream.name).inc()
             self.router.committed(plan, candidate)
             try:
-                response = await self.pools[upstream.name].request(
-                    "POST", path, body, {"x-request-id": plan.request.request_id})
+                response = await self.pools[upstream.name].request("POST", path, body, headers)
             except UpstreamError as exc:
                 failures.append(self._failed(plan, candidate, exc.kind, str(exc)))
                 continue
@@ -154,20 +163,27 @@ class Forwarder:
                     await response.aclose()
                     failures.append(self._failed(plan, candidate, "stream", f"broke: {exc}"))
                     continue
-                await self._stream(receive, send, plan, candidate, response, first, stream)
+                await self._stream(receive, send, plan, candidate, response, first, stream,
+                                   record)
                 return
             try:
                 content = await response.read()
             except UpstreamError as exc:
                 failures.append(self._failed(plan, candidate, "body", f"broke: {exc}"))
                 continue
-            await self._whole(send, plan, candidate, response, content)
+            await self._whole(send, plan, candidate, response, content, record)
             return
+        record.error = "; ".join(failures) or "no upstream to try"
+        log.warning("request %s failed on every upstream tried: %s", record.request_id,
+                    record.error)
+        record.sent_first_byte()
         if last_error is not None:
             status, content, content_type = last_error
+            record.status = status
             await send_bytes(send, status, content,
                              [(b"content-type", content_type)] if content_type else [])
             return
+        record.status = 502
         message = "no upstream answered: " + "; ".join(failures) if failures else (
             "no upstream to try")
         await send_json(send, 502, {"error": {"message": message, "type": "upstream_error",
@@ -179,6 +195,7 @@ class Forwarder:
         upstream = candidate.upstream
         self.router.first_byte(plan, candidate)
         self.router.finished(plan, candidate)
+        log.warning("upstream %s failed (%s %s)", upstream.name, kind, detail)
         if upstream.record_failure():
             log.warning("upstream %s ejected after %d failures", upstream.name,
                         upstream.failures)
@@ -198,8 +215,9 @@ class Forwarder:
         return headers
 
     def _done(self, plan: Plan, candidate: Candidate, status: int,
-              usage: dict[str, Any] | None) -> None:
+              usage: dict[str, Any] | None, record: RequestRecord) -> None:
         upstream = candidate.upstream
+        record.status = status
         self.router.finished(plan, candidate)
         if status < 500:
             upstream.record_success(probe=False)
@@ -207,6 +225,7 @@ class Forwarder:
                                    str(status))
         counted = cached_tokens_of(usage)
         if counted is not None:
+            record.prompt_tokens, record.cached_tokens = counted
             tally = self.tallies.get(upstream.name)
             if tally is None:
                 tally = self.tallies[upstream.name] = TokenTally()
@@ -216,16 +235,17 @@ class Forwarder:
             tally.requests_with_usage += 1
 
     async def _whole(self, send: Send, plan: Plan, candidate: Candidate,
-                     response: UpstreamResponse, content: bytes) -> None:
+                     response: UpstreamResponse, content: bytes, record: RequestRecord) -> None:
         self.router.first_byte(plan, candidate)
         usage = usage_of(content) if response.status == 200 else None
-        self._done(plan, candidate, response.status, usage)
+        self._done(plan, candidate, response.status, usage, record)
+        record.sent_first_byte()
         await send_bytes(send, response.status, content,
                          self._headers(candidate, response.header_bytes(b"content-type")))
 
     async def _stream(self, receive: Receive, send: Send, plan: Plan, candidate: Candidate,
                       response: UpstreamResponse, first: bytes,
-                      rest: AsyncIterator[bytes]) -> None:
+                      rest: AsyncIterator[bytes], record: RequestRecord) -> None:
         """Relay the stream chunk by chunk; the request is done when the upstream's stream
         ends, breaks (an SSE error event ends the client's stream) or the client leaves (the
         upstream connection is then closed, which makes vLLM abort the request)."""
@@ -235,6 +255,7 @@ class Forwarder:
         content_type = response.header_bytes(b"content-type") or b"text/event-stream"
 
         async def relay() -> int:
+            record.sent_first_byte()
             await send({"type": "http.response.start", "status": 200,
                         "headers": self._headers(candidate, content_type)})
             status = 200
@@ -246,6 +267,9 @@ class Forwarder:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
             except UpstreamError as exc:
                 status = 502
+                record.error = f"mid-stream: {exc}"
+                log.warning("request %s: upstream %s failed mid-stream: %s", record.request_id,
+                            upstream.name, exc)
                 upstream.record_failure()
                 self.metrics.upstream_errors.labels(upstream.name, "midstream").inc()
                 await send({"type": "http.response.body", "more_body": True, "body": sse_error(
@@ -261,7 +285,7 @@ class Forwarder:
         finally:
             await response.aclose()
             self._done(plan, candidate, CLIENT_LEFT if status is None else status,
-                       scanner.usage)
+                       scanner.usage, record)
 
     @staticmethod
     async def _read_quietly(response: UpstreamResponse) -> bytes:

@@ -337,6 +337,7 @@ def attach(gateway: Any, redis_url: str, *, capacity_blocks: int = 1 << 20,
 
     gateway.app = app
     gateway.shared_index = sync
+    gateway.state.shared_sync = sync.stats  # exported on /metrics
     return sync
 
 
