@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -13,6 +14,7 @@ import pytest
 from kvreuse.cli.main import build_parser
 from kvreuse.cli.route import build_config
 from kvreuse.errors import ConfigError
+from kvreuse.testing.processes import EngineSpec, Fleet, Process
 from kvreuse.testing.servers import free_port
 
 
@@ -68,3 +70,51 @@ def test_engine_command_serves(tmp_path: Path) -> None:
     finally:
         process.terminate()
         process.wait(timeout=10)
+
+
+def wait_for_line(proc: Process, needle: str, timeout_s: float = 20.0) -> str:
+    """The first line of ``proc``'s output containing ``needle`` (waits for it)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for line in proc.log_path.read_text(errors="replace").splitlines():
+            if needle in line:
+                return line
+        time.sleep(0.1)
+    raise AssertionError(f"{proc.name} never printed {needle!r}:\n{proc.log_tail()}")
+
+
+def test_route_and_engine_announce_themselves_and_log_each_request(tmp_path: Path) -> None:
+    """Real processes: each prints one start-up line; the gateway serves /metrics only on
+    --metrics-port, writes a JSON access line per request and warns about a failed upstream
+    at the default log level."""
+    with Fleet(tmp_path) as fleet:
+        engine = fleet.start_engine("engine0", EngineSpec(events=False))
+        engine_line = wait_for_line(engine, "kvreuse engine: serving")
+        assert engine.url in engine_line and "model sim" in engine_line
+        metrics_port = free_port()
+        dead = f"http://127.0.0.1:{free_port()}"
+        gateway = fleet.start_gateway(
+            "gateway", [engine], policy="round_robin",
+            extra_args=["--metrics-port", str(metrics_port), "--access-log", "json",
+                        "--upstream", f"{dead},name=dead", "--eject-after", "5",
+                        "--health-interval", "60"])
+        line = wait_for_line(gateway, "kvreuse route: serving")
+        assert gateway.url in line and "policy round_robin" in line
+        assert f"engine0={engine.url} (sim)" in line and "dead=" in line
+        assert f"/metrics on port {metrics_port}" in line and "access log json" in line
+        assert gateway.log_path.read_text().count("kvreuse route: serving") == 1
+        assert httpx.get(gateway.url + "/metrics").status_code == 404
+        page = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics")
+        assert page.status_code == 200 and "process_cpu_seconds_total" in page.text
+        assert httpx.get(f"http://127.0.0.1:{metrics_port}/v1/models").status_code == 404
+        for _ in range(2):  # round robin: one of the two goes to the dead upstream first
+            body = {"model": "sim", "prompt": "hello", "max_tokens": 1}
+            assert httpx.post(gateway.url + "/v1/completions", json=body).status_code == 200
+        warning = wait_for_line(gateway, "upstream dead failed")
+        assert "WARNING kvreuse.gateway.proxy" in warning
+        wait_for_line(gateway, '"request_id":"gw-1-')
+        records = [json.loads(text) for text in gateway.log_path.read_text().splitlines()
+                   if text.startswith("{")]
+        assert len(records) == 2 and {r["status"] for r in records} == {200}
+        assert sorted(r["retries"] for r in records) == [0, 1]
+        assert all(r["upstream"] == "engine0" and r["model"] == "sim" for r in records)
