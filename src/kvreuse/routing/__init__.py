@@ -21,6 +21,7 @@ from kvreuse.routing.cost import CostRouting
 from kvreuse.routing.estimators import ApproxTrees, block_chain
 from kvreuse.routing.events import KvCleared, KvEvent, KvRemoved, KvStored
 from kvreuse.routing.mirror import CacheMirror
+from kvreuse.routing.peers import DynamoKvCost, LlmdScorers
 from kvreuse.routing.pinning import TenantPinned
 from kvreuse.routing.registry import DESCRIPTIONS, POLICIES, build_policy, policy_names
 from kvreuse.routing.ring import ConsistentRing, prefix_key, stable_hash
@@ -36,6 +37,7 @@ __all__ = [
     "ConsistentRing",
     "CostModel",
     "CostRouting",
+    "DynamoKvCost",
     "Exact",
     "FleetView",
     "KvCleared",
@@ -43,6 +45,7 @@ __all__ = [
     "KvRemoved",
     "KvStored",
     "LeastLoad",
+    "LlmdScorers",
     "PolicyBase",
     "PrefixHash",
     "RandomChoice",

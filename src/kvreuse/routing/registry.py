@@ -12,6 +12,7 @@ from kvreuse.routing.affinity import PrefixHash, SessionAffinity
 from kvreuse.routing.base import CostModel, ReplicaId, RoutingPolicy
 from kvreuse.routing.cache_aware import CacheAware, CacheAwareSGLang, Exact
 from kvreuse.routing.cost import CostRouting
+from kvreuse.routing.peers import DynamoKvCost, LlmdScorers
 from kvreuse.routing.pinning import TenantPinned
 from kvreuse.routing.simple import LeastLoad, RandomChoice, RoundRobin
 
@@ -27,6 +28,8 @@ POLICIES: dict[str, PolicyFactory] = {
     "cache_aware_sglang": CacheAwareSGLang,
     "exact": Exact,
     "cost": CostRouting,
+    "llm_d": LlmdScorers,
+    "dynamo_kv": DynamoKvCost,
 }
 
 DESCRIPTIONS: dict[str, str] = {
@@ -39,6 +42,9 @@ DESCRIPTIONS: dict[str, str] = {
     "cache_aware_sglang": "SGLang router rule: fleet-wide abs/rel imbalance fallback",
     "exact": "true replica contents from KV events (lagged), longest match, spill bound",
     "cost": "minimum predicted TTFT = queue delay + overhead + uncached / rate",
+    "llm_d": "llm-d scheduler rule: prefix-cache 3 + queue 2 + kv-cache utilization 2, max score",
+    "dynamo_kv": "NVIDIA Dynamo KV router rule: min of overlap weight x prefill blocks + decode "
+    "blocks",
 }
 
 
