@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 
 .PHONY: demo test lint typecheck unit bench clean chromium vllm-env vllm-model redis peers \
-	bench-routers soak native bench-sim
+	bench-routers soak native bench-sim prometheus
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -97,6 +97,18 @@ redis:
 	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server; \
 	fi
 
+# Prometheus (Debian: the server and promtool) for tests/deploy, which check, unit-test and
+# evaluate deploy/monitoring's rules; the tests start their own server on a free 127.0.0.1 port
+# with a temporary storage directory (never the packaged service). Idempotent, like redis.
+PROMETHEUS ?= /usr/bin/prometheus
+PROMTOOL ?= /usr/bin/promtool
+prometheus:
+	@if [ ! -x $(PROMETHEUS) ] || [ ! -x $(PROMTOOL) ]; then \
+	  SUDO=$$( [ "$$(id -u)" -eq 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq prometheus; \
+	fi
+
 # Peer routers for benchmarks/routers.py in their own environment (never in .venv), and wrk
 # (Debian) to measure a gateway's request rate without a Python client in the way.
 PEERS_VENV ?= .venv-peers
@@ -127,11 +139,14 @@ soak: $(VENV)/.all redis
 # pytest exits 5 when it collects nothing; that is a broken suite here, so say so and fail.
 # KVREUSE_REQUIRE_BROWSER makes the browser test fail, not skip, if chromium is missing.
 # KVREUSE_REQUIRE_VLLM makes the real-vLLM tests (tests/vllm) fail, not skip, without vLLM.
+# KVREUSE_REQUIRE_REDIS and KVREUSE_REQUIRE_PROMETHEUS do the same for redis-server and
+# prometheus/promtool.
 # The suite runs on the compiled core when it built; the core's own tests then run once more
 # on its pure-Python source (KVREUSE_PURE=1), the form a machine without a compiler runs.
 CORE_TESTS := tests/index tests/sim tests/routing tests/test_native.py tests/test_tokens.py
-unit: $(VENV)/.all native chromium vllm-model redis
-	KVREUSE_REQUIRE_BROWSER=1 KVREUSE_REQUIRE_VLLM=1 KVREUSE_REQUIRE_REDIS=1 KVREUSE_VLLM_PYTHON=$(KVREUSE_VLLM_PYTHON) \
+unit: $(VENV)/.all native chromium vllm-model redis prometheus
+	KVREUSE_REQUIRE_BROWSER=1 KVREUSE_REQUIRE_VLLM=1 KVREUSE_REQUIRE_REDIS=1 \
+	KVREUSE_REQUIRE_PROMETHEUS=1 KVREUSE_VLLM_PYTHON=$(KVREUSE_VLLM_PYTHON) \
 	KVREUSE_TINY_MODEL=$(TINY_MODEL) $(PY) -m pytest -q; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; fi; \
 	if [ $$rc -eq 0 ]; then \
