@@ -24,6 +24,7 @@ from kvreuse.routing.mirror import CacheMirror
 from kvreuse.routing.peers import DynamoKvCost, LlmdScorers
 from kvreuse.routing.pinning import TenantPinned
 from kvreuse.routing.registry import DESCRIPTIONS, POLICIES, build_policy, policy_names
+from kvreuse.routing.relative_spill import RelativeSpill
 from kvreuse.routing.ring import ConsistentRing, prefix_key, stable_hash
 from kvreuse.routing.simple import LeastLoad, RandomChoice, RoundRobin
 
@@ -49,6 +50,7 @@ __all__ = [
     "PolicyBase",
     "PrefixHash",
     "RandomChoice",
+    "RelativeSpill",
     "ReplicaId",
     "ReplicaLoad",
     "RequestView",

@@ -14,6 +14,7 @@ from kvreuse.routing.cache_aware import CacheAware, CacheAwareSGLang, Exact
 from kvreuse.routing.cost import CostRouting
 from kvreuse.routing.peers import DynamoKvCost, LlmdScorers
 from kvreuse.routing.pinning import TenantPinned
+from kvreuse.routing.relative_spill import RelativeSpill
 from kvreuse.routing.simple import LeastLoad, RandomChoice, RoundRobin
 
 PolicyFactory = Callable[..., RoutingPolicy]
@@ -30,6 +31,7 @@ POLICIES: dict[str, PolicyFactory] = {
     "cost": CostRouting,
     "llm_d": LlmdScorers,
     "dynamo_kv": DynamoKvCost,
+    "relative_spill": RelativeSpill,
 }
 
 DESCRIPTIONS: dict[str, str] = {
@@ -45,6 +47,8 @@ DESCRIPTIONS: dict[str, str] = {
     "llm_d": "llm-d scheduler rule: prefix-cache 3 + queue 2 + kv-cache utilization 2, max score",
     "dynamo_kv": "NVIDIA Dynamo KV router rule: min of overlap weight x prefill blocks + decode "
     "blocks",
+    "relative_spill": "longest match unless its TTFT exceeds the fastest by slack x the fleet's "
+    "prefill time for the request; misses to the emptiest near-fastest cache",
 }
 
 

@@ -41,6 +41,11 @@ from kvreuse.sim.scenario_params import (
     CONTRACT_POOL,
     CONTRACT_RUNS,
     CONTRACTS,
+    LONG_CONTEXT,
+    LONG_CONTEXT_EXPECTATIONS,
+    LONG_CONTEXT_PARAMS,
+    LONG_CONTEXT_POOL,
+    LONG_CONTEXT_RUNS,
     MISSION_1_EXPECTATIONS,
     MISSION_1_RUNS,
     MISSION_2_EXPECTATIONS,
@@ -197,6 +202,31 @@ CONTRACT_SCENARIO = Scenario(
     expectations=CONTRACT_EXPECTATIONS,
 )
 
+# ---------------------------------------------------------------------------- long context
+
+
+def _long_context_requests(seed: int, variant: str, scale: float) -> list[SimRequest]:
+    return replace(LONG_CONTEXT, duration_s=LONG_CONTEXT.duration_s * scale).generate(seed)
+
+
+def _long_context_fleet(replicas: int, variant: str) -> FleetConfig:
+    replica = ReplicaConfig(pool_tokens=LONG_CONTEXT_POOL, time_per_output_token_s=0.02)
+    return FleetConfig(
+        replicas=replicas, replica=_replica_variant(replica, variant), kv_event_lag_s=0.0
+    )
+
+
+LONG_CONTEXT_SCENARIO = Scenario(
+    name="long-context",
+    summary="stress: 12,000-token documents on 4 replicas, where a fixed 200 ms spill bound "
+    "scatters the hot set",
+    params=LONG_CONTEXT_PARAMS,
+    runs=LONG_CONTEXT_RUNS,
+    requests=_long_context_requests,
+    fleet=_long_context_fleet,
+    expectations=LONG_CONTEXT_EXPECTATIONS,
+)
+
 # ---------------------------------------------------------------------------- missions
 
 
@@ -262,6 +292,7 @@ SCENARIOS: dict[str, Scenario] = {
         MISSION_2,
         MISSION_3,
         MISSION_4,
+        LONG_CONTEXT_SCENARIO,
     )
 }
 

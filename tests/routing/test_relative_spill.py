@@ -1,0 +1,142 @@
+"""relative_spill's rule: affinity within a bound relative to the request's fleet prefill time,
+spills, misses to the smallest cache nearby, ties, and candidate subsets."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvreuse.errors import ConfigError
+from kvreuse.routing import (
+    CostModel,
+    FleetView,
+    KvStored,
+    ReplicaLoad,
+    RequestView,
+    RoutingDecision,
+    TenantPinned,
+    build_policy,
+)
+from kvreuse.routing.relative_spill import RelativeSpill, relative_spill_rule
+from kvreuse.tokens import pack
+
+COST = CostModel(prefill_tokens_per_s=1000.0, overhead_s=0.0)
+"""1,000 tokens/s and no overhead: every predicted time below is tokens / 1000."""
+
+
+def loads(*queued: int, in_flight: tuple[int, ...] | None = None) -> tuple[ReplicaLoad, ...]:
+    flights = in_flight or (0,) * len(queued)
+    return tuple(ReplicaLoad(f"r{i}", q, 0, f) for i, (q, f) in enumerate(zip(queued, flights,
+                                                                             strict=True)))
+
+
+def rule(matched: list[int], queued: list[int], prompt: int, slack: float,
+         sizes: list[int] | None = None, in_flight: tuple[int, ...] | None = None,
+         threshold: float = 0.1) -> RoutingDecision:
+    size = dict(zip((f"r{i}" for i in range(len(queued))), sizes or [0] * len(queued),
+                    strict=True))
+    return relative_spill_rule({f"r{i}": m for i, m in enumerate(matched)},
+                               loads(*queued, in_flight=in_flight), prompt, COST,
+                               size.__getitem__, threshold, slack)
+
+
+def test_affinity_while_the_wait_is_within_slack_times_the_fleet_prefill_time() -> None:
+    """Prompt 1000, r0 holds 900 behind 1500 queued tokens: ttft 1.6 s against r1's 1.0 s;
+    R = mean delay 0.75 + 1.0 = 1.75 s, so slack 1 allows 1.0 + 1.75 and keeps affinity."""
+    decision = rule([900, 0], [1500, 0], 1000, slack=1.0)
+    assert (decision.replica, decision.branch, decision.predicted_cached_tokens) == (
+        "r0", "affinity", 900)
+
+
+def test_spill_when_the_wait_exceeds_the_bound() -> None:
+    """Slack 0.25, r1 idle holding 200: limit 0.8 + 0.25 x 1.75 = 1.24 s < r0's 1.6 s, so the
+    request spills to r1 (20 % cached: a spill, not a miss)."""
+    decision = rule([900, 200], [1500, 0], 1000, slack=0.25)
+    assert (decision.replica, decision.branch, decision.predicted_cached_tokens) == (
+        "r1", "spill", 200)
+
+
+def test_spill_goes_to_the_longest_match_within_the_bound() -> None:
+    """r0 (900 cached) is too slow; r1 holds 500 and r2 nothing, both within: r1 wins."""
+    decision = rule([900, 500, 0], [3000, 0, 0], 1000, slack=0.5)
+    assert (decision.replica, decision.branch, decision.predicted_cached_tokens) == (
+        "r1", "spill", 500)
+
+
+def test_the_bound_scales_with_the_prompt() -> None:
+    """The same 1.5 s queue difference spills a 1,000-token prompt at slack 0.25 but not a
+    10,000-token one (R = 0.75 + 10 s): long prompts stay with their cache."""
+    short = rule([900, 0], [1500, 0], 1000, slack=0.25, threshold=0.0)
+    long = rule([9000, 0], [1500, 0], 10_000, slack=0.25)
+    assert (short.replica, long.replica) == ("r1", "r0")
+
+
+def test_longest_match_ties_go_to_the_faster_then_fewer_in_flight() -> None:
+    """Equal matches: the shorter predicted TTFT wins; equal TTFT, fewer requests in flight."""
+    assert rule([500, 500], [300, 100], 1000, slack=1.0).replica == "r1"
+    assert rule([500, 500], [0, 0], 1000, slack=1.0, in_flight=(4, 2)).replica == "r1"
+    assert rule([500, 500], [0, 0], 1000, slack=1.0, in_flight=(2, 2)).replica == "r0"
+
+
+def test_misses_go_to_the_smallest_cache_among_nearly_fastest_replicas() -> None:
+    """No useful match (50 of 1000 is under 10 %): R = 1.1 s, window 0.22 s; r0 (0.1 s queue)
+    and r1 (idle) qualify, r2 (1 s queue) does not; r0 caches least of the two."""
+    decision = rule([50, 0, 0], [100, 0, 1000], 1000, slack=2.0, sizes=[10, 500, 0])
+    assert (decision.replica, decision.branch) == ("r0", "miss_smallest_cache")
+
+
+def test_miss_ties_on_cache_size_go_to_the_faster() -> None:
+    """Equal cache sizes among near replicas: the shorter predicted TTFT wins."""
+    assert rule([0, 0], [100, 0], 1000, slack=2.0, sizes=[7, 7]).replica == "r1"
+
+
+def test_slack_zero_is_least_ttft_and_infinity_is_pure_affinity() -> None:
+    """Slack 0 keeps only the fastest replicas; infinite slack never spills."""
+    assert rule([900, 0], [5000, 0], 1000, slack=0.0, threshold=0.0).replica == "r1"
+    assert rule([900, 0], [10**9, 0], 1000, slack=math.inf).branch == "affinity"
+
+
+def request(tokens: list[int], request_id: str = "q") -> RequestView:
+    return RequestView(request_id, pack(tokens), len(tokens))
+
+
+def test_policy_only_chooses_among_the_candidates_it_is_given() -> None:
+    """A candidate subset (pins, a model's replicas) bounds the choice and the reference: r0
+    holds the prompt but is not a candidate, so the request goes to a candidate."""
+    policy = RelativeSpill(cost=COST)
+    prompt = list(range(100))
+    policy.on_routed(request(prompt, "a"), RoutingDecision("r0", "affinity"), 0.0)
+    full = FleetView(loads(0, 0, 0))
+    assert policy.route(request(prompt, "b"), full).replica == "r0"  # type: ignore[union-attr]
+    subset = full.restrict(["r1", "r2"])
+    decision = policy.route(request(prompt, "c"), subset)
+    assert decision is not None and decision.replica in ("r1", "r2")
+    assert decision.branch == "miss_smallest_cache"
+    pinned = TenantPinned(RelativeSpill(cost=COST), {"acme": ["r2"]})
+    acme = RequestView("d", pack(prompt), len(prompt), tenant="acme")
+    assert pinned.route(acme, full).replica == "r2"  # type: ignore[union-attr]
+
+
+def test_exact_estimator_learns_from_kv_events() -> None:
+    """With estimator 'exact' the policy follows the replicas' KV events, not its own record."""
+    policy = RelativeSpill(estimator="exact", block_size=4, cost=COST)
+    assert policy.uses_kv_events
+    prompt = list(range(40))
+    policy.on_kv_event(KvStored("r1", pack(prompt)))
+    decision = policy.route(request(prompt), FleetView(loads(0, 0)))
+    assert decision is not None and (decision.replica, decision.predicted_cached_tokens) == (
+        "r1", 40)
+
+
+def test_empty_fleet_is_backpressure() -> None:
+    """No candidate: None, as every policy answers."""
+    assert RelativeSpill().route(request([1, 2]), FleetView(())) is None
+
+
+@pytest.mark.parametrize("options", [{"slack": -1.0}, {"slack": math.nan},
+                                     {"cache_threshold": 1.5}, {"estimator": "psychic"}])
+def test_bad_options_are_configuration_errors(options: dict[str, object]) -> None:
+    """A negative or NaN slack, a threshold outside [0, 1] or an unknown estimator is refused."""
+    with pytest.raises(ConfigError):
+        build_policy("relative_spill", **options)
