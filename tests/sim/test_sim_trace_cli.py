@@ -106,7 +106,8 @@ def test_simulate_rejects_unknown_policy(capsys: pytest.CaptureFixture[str]) -> 
 
 
 def test_simulate_trace_with_report(tmp_path: Path) -> None:
-    """--trace replays a file; --report writes an HTML page with embedded PNG plots."""
+    """--trace replays a file; --report writes an HTML page with embedded PNG plots, among
+    them relative_spill's hit rate / p95 curve over its slack."""
     trace = tmp_path / "t.jsonl"
     trace.write_text("\n".join(head(150) if TRACE.exists() else [GOOD]) + "\n")
     report = tmp_path / "r.html"
@@ -115,7 +116,8 @@ def test_simulate_trace_with_report(tmp_path: Path) -> None:
             "--policy", "round_robin,cache_aware", "--json", str(out), "--report", str(report)]
     assert main(args) == 0
     page = report.read_text()
-    assert page.count("data:image/png;base64,") == 5
+    assert page.count("data:image/png;base64,") == 6
+    assert "relative_spill: hit rate vs p95 TTFT as slack varies" in page
     assert json.loads(out.read_text())["bounds"]["replicas"] == 2
 
 

@@ -120,6 +120,23 @@ def _sweep(plt: Any, rows: Sequence[ScenarioRun]) -> str:
     return _png(fig)
 
 
+def _knob_curve(plt: Any, rows: Sequence[ScenarioRun]) -> str:
+    """relative_spill's trade-off: token hit rate against p95 TTFT, one point per slack."""
+    fig, ax = plt.subplots(figsize=(12, 4))
+    hits = [row.summary.token_hit_rate * 100 for row in rows]
+    p95s = [row.summary.ttft_p95_s for row in rows]
+    ax.plot(hits, p95s, marker="o", color="tab:blue")
+    for row, x, y in zip(rows, hits, p95s, strict=True):
+        slack = float(dict(row.spec.options).get("slack", math.inf))
+        ax.annotate(f"slack {slack:g}" if math.isfinite(slack) else "slack inf", (x, y),
+                    textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set_xlabel("token hit rate (%)")
+    ax.set_ylabel("p95 TTFT (s)")
+    ax.set_title(f"relative_spill's knob: hit rate vs p95 as slack varies "
+                 f"(x{rows[0].spec.replicas}; rightwards: more affinity)")
+    return _png(fig)
+
+
 def _lab_link(scenario: str, row: ScenarioRun, seed: int) -> str:
     """An anchor to the lab's view of this run, or a dash when the lab cannot show it."""
     from kvreuse.web.links import lab_url_for_run
@@ -141,8 +158,10 @@ def write_report(
     parameters: dict[str, Any],
     *,
     seed: int = 0,
+    knob: Sequence[ScenarioRun] = (),
 ) -> None:
-    """Render and write the page. Raises :class:`ConfigError` without matplotlib.
+    """Render and write the page. Raises :class:`ConfigError` without matplotlib. ``knob``:
+    relative_spill's runs over its slack values, plotted as its hit rate / p95 curve.
 
     Each run links to the same view in ``kvreuse lab`` where the lab can show it."""
     plt = _pyplot()
@@ -154,6 +173,9 @@ def write_report(
     ]
     if sweep:
         images.append(("Spill-threshold sweep", _sweep(plt, sweep)))
+    if knob:
+        images.append(("relative_spill: hit rate vs p95 TTFT as slack varies",
+                       _knob_curve(plt, knob)))
     plt.close("all")
     esc = html.escape
     table_rows = "".join(

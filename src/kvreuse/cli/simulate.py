@@ -26,6 +26,7 @@ from rich.table import Table
 
 from kvreuse.errors import ConfigError
 from kvreuse.routing import POLICIES
+from kvreuse.routing.relative_spill import SLACKS
 from kvreuse.sim.config import CACHE_KINDS, SCHEDULERS, FleetConfig, ReplicaConfig
 from kvreuse.sim.requests import SimRequest
 from kvreuse.sim.runner import ScenarioRun, check, run_spec
@@ -215,7 +216,9 @@ def run(args: argparse.Namespace) -> int:
         from kvreuse.cli.simreport import write_report
 
         sweep = _sweep(scenario, rows, traffic, args)
-        write_report(args.report, scenario, rows, bounds, sweep, parameters, seed=args.seed)
+        knob = _slack_sweep(scenario, rows, traffic, args)
+        write_report(args.report, scenario, rows, bounds, sweep, parameters, seed=args.seed,
+                     knob=knob)
         console.print(f"report: {args.report}")
     return 0
 
@@ -239,6 +242,26 @@ def _sweep(
         fleet = _adjust(scenario.fleet(replicas, variant), args)
         out.append(run_spec(scenario, spec, traffic[variant], args.seed, None, fleet))
     return out
+
+
+def _slack_sweep(
+    scenario: Scenario,
+    rows: Sequence[ScenarioRun],
+    traffic: dict[str, list[SimRequest]],
+    args: argparse.Namespace,
+) -> list[ScenarioRun]:
+    """relative_spill over its knob's values (SLACKS) on the first cached variant's traffic,
+    at the smallest fleet of the run: the curve its one trade-off moves along."""
+    variant = next((r.spec.variant for r in rows if r.spec.variant != "no_cache"), None)
+    if variant is None:
+        return []
+    replicas = min(r.spec.replicas for r in rows)
+    fleet = _adjust(scenario.fleet(replicas, variant), args)
+    return [
+        run_spec(scenario, RunSpec("relative_spill", replicas, variant, (("slack", slack),)),
+                 traffic[variant], args.seed, None, fleet)
+        for slack in SLACKS
+    ]
 
 
 def _json_default(value: Any) -> Any:
