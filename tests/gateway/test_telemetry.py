@@ -140,6 +140,36 @@ def test_refusals_get_an_access_line_and_a_warning(
     assert any("refused /v1/completions with 401" in r.getMessage() for r in caplog.records)
 
 
+def test_json_line_survives_a_lone_surrogate_in_the_model(
+    engines: list[Engine], gateway_factory: Factory, access_lines: list[str]
+) -> None:
+    """A model sent as the JSON escape \\ud800 (not encodable as UTF-8) still gets a valid
+    JSON access line holding it escaped."""
+    gateway = gateway_factory(engines[:1], policy="round_robin", access_log="json")
+    body = b'{"model": "m\\ud800", "prompt": "hello", "max_tokens": 1}'
+    response = httpx.post(gateway.url + "/v1/completions", content=body,
+                          headers={"content-type": "application/json"}, timeout=10)
+    assert response.status_code < 500
+    assert len(access_lines) == 1
+    assert json.loads(access_lines[0])["model"] == "m\ud800"
+
+
+def test_a_flood_of_refusals_is_logged_a_few_lines_a_second(
+    engines: list[Engine], tmp_path: Path, gateway_factory: Factory,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """200 bad keys in a burst: at most a burst's worth of warnings, then a count of the
+    suppressed ones; each refusal still gets its 401."""
+    gateway = gateway_factory(engines[:1], tenants=str(write_tenants(tmp_path)))
+    with caplog.at_level(logging.WARNING, logger="kvreuse.gateway"), httpx.Client() as client:
+        for _ in range(200):
+            response = client.post(gateway.url + "/v1/completions", headers=bearer("bad"),
+                                   json={"model": "sim", "prompt": "x"})
+            assert response.status_code == 401
+    refusals = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert 1 <= len(refusals) < 100
+
+
 def test_access_log_off_writes_nothing(engines: list[Engine], gateway_factory: Factory,
                                        access_lines: list[str]) -> None:
     """The default (off) writes no access line."""

@@ -391,7 +391,7 @@ class Gateway:
 
     def _refused(self, error: RequestError, path: str) -> None:
         self.metrics.reject(error.status)
-        self._refusals.warning("refused %s with %d: %s", path, error.status, str(error))
+        self._refusals.warning("refused %s with %d: %s", path, error.status, ascii(str(error)))
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send, path: str, kind: str,
                      record: RequestRecord, session_id: str | None, declared: bytes | None,

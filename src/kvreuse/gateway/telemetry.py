@@ -141,7 +141,11 @@ def format_access_line(fields: dict[str, Any], mode: str, now: float) -> str:
     """One access-log line: ``time=... key=value ...`` (text) or a JSON object (json)."""
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z"
     if mode == "json":
-        return msgspec.json.encode({"time": stamp, **fields}).decode()
+        line = {"time": stamp, **fields}
+        try:
+            return msgspec.json.encode(line).decode()
+        except UnicodeEncodeError:  # a lone surrogate a caller sent as "\ud800": escape it
+            return json.dumps(line, separators=(",", ":"))
     return f"time={stamp} " + " ".join(f"{k}={_text_value(v)}" for k, v in fields.items())
 
 
@@ -184,6 +188,7 @@ class ThrottledLog:
         self.suppressed = 0
 
     def warning(self, message: str, *args: object) -> None:
+        """``message % args`` (each argument cut to 300 characters), unless over budget."""
         now = time.monotonic()
         if now - self._window_start >= self.interval_s:
             self._window_start = now
@@ -195,7 +200,9 @@ class ThrottledLog:
         if self.suppressed:
             message += f" ({self.suppressed} similar messages suppressed)"
             self.suppressed = 0
-        self.logger.warning(message, *args)
+        self.logger.warning(message, *(
+            arg[:300] + "..." if isinstance(arg, str) and len(arg) > 300 else arg
+            for arg in args))
 
 
 def configure_logging(level: str) -> None:
