@@ -21,6 +21,10 @@ time per output token: what is measured is HTTP and the gateway, not a simulated
     the sender never waits for answers (no coordinated omission) and each latency is timed from
     the moment its request is handed to the socket (how late the sender was against the
     schedule is printed apart). Added latency = gateway percentile - direct percentile.
+(d) **access log cost**: the same open loop, tick by tick, to that gateway (``--access-log
+    off``) and to a second one in front of the same engines with ``--access-log json`` (lines
+    into its log file); latency percentiles and CPU microseconds per request of each
+    (``--access-log-seconds``, 0 skips it).
 
 Requests are short completions (``max_tokens`` 1) over ``--prompts`` distinct prompts that
 share a system-like prefix, so cache-aware policies have real matching to do. Prints the
@@ -175,13 +179,17 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def _open_loop(gateway: str, engines: list[str], bodies: list[bytes], rate: float,
+async def _open_loop(targets: dict[str, list[str]], bodies: list[bytes], rate: float,
                      seconds: float, warmup_s: float) -> list[Latencies]:
+    """Each tick sends one request to every target (round robin over a target's URLs), so the
+    targets share the same moments of the machine; the sender's lateness is measured on the
+    first target."""
     headers = {"content-type": "application/json"}
-    gw_pool = UpstreamPool(gateway, max_connections=256, headers=headers)
-    direct = [UpstreamPool(url, max_connections=256, headers=headers) for url in engines]
-    samples: dict[str, list[float]] = {"gateway": [], "direct": []}
-    failed = {"gateway": 0, "direct": 0}
+    pools = {kind: [UpstreamPool(url, max_connections=256, headers=headers) for url in urls]
+             for kind, urls in targets.items()}
+    first = next(iter(targets))
+    samples: dict[str, list[float]] = {kind: [] for kind in targets}
+    failed = dict.fromkeys(targets, 0)
     lateness: list[float] = []
     loop = asyncio.get_running_loop()
     tasks: list[asyncio.Task[None]] = []
@@ -189,7 +197,7 @@ async def _open_loop(gateway: str, engines: list[str], bodies: list[bytes], rate
     async def one(kind: str, pool: UpstreamPool, body: bytes, scheduled: float,
                   record: bool) -> None:
         started = time.perf_counter()
-        if record and kind == "gateway":
+        if record and kind == first:
             lateness.append((started - scheduled) * 1000.0)
         try:
             response = await pool.request("POST", "/v1/completions", body)
@@ -214,18 +222,20 @@ async def _open_loop(gateway: str, engines: list[str], bodies: list[bytes], rate
             await asyncio.sleep(delay)
         record = i >= warmup_s * rate
         body = bodies[i % len(bodies)]
-        # Each tick sends one request through the gateway and one straight to an engine, so
-        # both see the same moments of the machine (other processes, GC, timer jitter).
-        tasks.append(loop.create_task(one("gateway", gw_pool, body, scheduled, record)))
-        tasks.append(loop.create_task(
-            one("direct", direct[i % len(direct)], body, scheduled, record)))
+        # Each tick sends one request to every target (e.g. through the gateway and straight
+        # to an engine), so all see the same moments of the machine (other processes, GC,
+        # timer jitter).
+        for kind, kind_pools in pools.items():
+            tasks.append(loop.create_task(
+                one(kind, kind_pools[i % len(kind_pools)], body, scheduled, record)))
         if len(tasks) > 4096:
             tasks = [t for t in tasks if not t.done()]
     await asyncio.gather(*tasks)
-    for pool in (gw_pool, *direct):
-        await pool.aclose()
+    for kind_pools in pools.values():
+        for pool in kind_pools:
+            await pool.aclose()
     out = []
-    for kind in ("direct", "gateway"):
+    for kind in reversed(targets):
         values = samples[kind] or [float("nan")]
         out.append(Latencies(kind, len(samples[kind]) + failed[kind], failed[kind],
                              percentile(values, 0.5), percentile(values, 0.9),
@@ -305,6 +315,79 @@ async def _client_cost(kind: str, urls: list[str], bodies: list[bytes], concurre
 CLIENTS = ("httpx, one client", "httpx, one per upstream", "UpstreamPool")
 
 
+# ---------------------------------------------------------------------------------- (d) access log
+
+
+def access_log_overhead(fleet: Fleet, engines: list[Process], gateway: Process,
+                        bodies: list[bytes], args: argparse.Namespace) -> None:
+    """The same open loop at ``--rate`` req/s sent, tick by tick, to the gateway of (a)-(b)
+    (access log off) and to a second gateway in front of the same engines writing a JSON
+    access line per request to its log file; latencies and CPU per request of each."""
+    logged = fleet.start_gateway(
+        "gateway-access-log", engines, policy=args.policy,
+        extra_args=["--metrics-interval", "0", "--health-interval", "2", "--access-log",
+                    "json"])
+    closed_loop("warmup", logged.url, bodies, args.connections, 1.0, fleet.workdir,
+                shutil.which("wrk") is not None and not args.no_wrk)
+    def access_lines() -> int:
+        return sum(1 for line in logged.log_path.read_text(errors="replace").splitlines()
+                   if line.startswith('{"time"'))
+
+    lines_before = access_lines()
+    cpu_before = {p.name: cpu_seconds(p.pid) for p in (gateway, logged)}
+    lat = run_async(_open_loop({"log off": [gateway.url], "log json": [logged.url]}, bodies,
+                               args.rate, args.access_log_seconds, warmup_s=1.0))
+    cpu = {p.name: cpu_seconds(p.pid) - cpu_before[p.name] for p in (gateway, logged)}
+    lines = access_lines() - lines_before
+    print(f"\n(d) access log: {args.rate:g} req/s to a gateway with --access-log off and "
+          f"{args.rate:g} req/s to one with --access-log json, interleaved, "
+          f"{args.access_log_seconds:g} s ({lines} access lines written)")
+    by = {entry.target: entry for entry in lat}
+    for entry in lat:
+        if entry.target == "sender lateness":
+            continue
+        process = gateway if entry.target == "log off" else logged
+        per_request = cpu[process.name] / max(entry.sent, 1) * 1e6
+        print(f"    {entry.target:10s} p50 {entry.p50_ms:6.2f} ms  p90 {entry.p90_ms:6.2f} ms  "
+              f"p99 {entry.p99_ms:6.2f} ms  CPU {per_request:4.0f} us/request  "
+              f"({entry.sent} sent, {entry.errors} errors)")
+    off, on = by["log off"], by["log json"]
+    off_cpu = cpu[gateway.name] / max(off.sent, 1) * 1e6
+    on_cpu = cpu[logged.name] / max(on.sent, 1) * 1e6
+    print(f"    access log json - off: p50 {on.p50_ms - off.p50_ms:+.2f} ms, "
+          f"p99 {on.p99_ms - off.p99_ms:+.2f} ms, CPU {on_cpu - off_cpu:+.0f} us/request")
+    fleet.forget(logged)
+    for mode in ("json", "text"):
+        print(f"    in-process, one {mode} line formatted and written to a file: "
+              f"{line_cost_us(mode, fleet.workdir):.1f} us")
+
+
+def line_cost_us(mode: str, workdir: Path, lines: int = 20_000) -> float:
+    """CPU microseconds per access line (format plus a logging handler writing a file): the
+    access log's own cost, apart from the noise of a loaded machine."""
+    import logging
+
+    from kvreuse.gateway.telemetry import AccessLog, RequestRecord, access_log
+
+    handler = logging.FileHandler(workdir / f"access-{mode}.log")
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    access_log.addHandler(handler)
+    try:
+        writer = AccessLog(mode, "cache_aware")
+        record = RequestRecord("gw-12345-678901234567", "/v1/completions", 0.0, model="sim",
+                               tenant="acme", upstream="engine0", branch="hit",
+                               predicted_cached_tokens=512, cached_tokens=512,
+                               prompt_tokens=700, status=200, first_byte=0.012,
+                               finished=0.020)
+        started = time.process_time()
+        for _ in range(lines):
+            writer.write(record)
+        return (time.process_time() - started) / lines * 1e6
+    finally:
+        access_log.removeHandler(handler)
+        handler.close()
+
+
 # ---------------------------------------------------------------------------------- main
 
 
@@ -318,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--latency-seconds", type=float, default=15.0)
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--no-wrk", action="store_true", help="use the asyncio client")
+    parser.add_argument("--access-log-seconds", type=float, default=15.0,
+                        help="seconds of (d), the access log's cost; 0 skips it")
     parser.add_argument("--client-seconds", type=float, default=3.0,
                         help="seconds per client in (c); 0 skips it")
     args = parser.parse_args(argv)
@@ -356,8 +441,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"    gateway / direct-to-one-engine throughput: {proxied.rps / direct.rps:.2f}; "
               f"load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
 
-        lat = run_async(_open_loop(gateway.url, [e.url for e in engines], bodies, args.rate,
-                                   args.latency_seconds, warmup_s=1.0))
+        lat = run_async(_open_loop({"gateway": [gateway.url], "direct": [e.url for e in engines]},
+                                   bodies, args.rate, args.latency_seconds, warmup_s=1.0))
         print(f"\n(b) open loop, {args.rate:g} req/s through the gateway + {args.rate:g} req/s "
               f"direct, interleaved, {args.latency_seconds:g} s")
         for entry in lat:
@@ -376,6 +461,8 @@ def main(argv: list[str] | None = None) -> int:
                 rps, us = run_async(_client_cost(kind, [e.url for e in engines], bodies,
                                                  args.connections, args.client_seconds))
                 print(f"    {kind:24s} {us:7.0f} us CPU per request  ({rps:,.0f} req/s)")
+        if args.access_log_seconds > 0:
+            access_log_overhead(fleet, engines, gateway, bodies, args)
         if not gateway.alive():
             print(gateway.log_tail())
 
