@@ -24,16 +24,19 @@ class Engine:
 
 
 def start_engine(name: str, *, model: str = "sim", events: bool = True, shape: str = "map",
-                 **overrides: object) -> Engine:
+                 replay: bool = False, **overrides: object) -> Engine:
     settings: dict[str, object] = {"model": model, "block_size": 4, "num_blocks": 4096,
                                    "prefill_tokens_per_s": 1e6, "overhead_s": 0.0,
                                    "time_per_output_token_s": 0.001}
     settings.update(overrides)
     endpoint = f"tcp://127.0.0.1:{free_port()}" if events else None
+    replay_endpoint = f"tcp://127.0.0.1:{free_port()}" if events and replay else None
     engine = build_engine(EngineConfig(**settings), TextApproximation(),  # type: ignore[arg-type]
-                          events_endpoint=endpoint, topic="kv-events", shape=shape)
+                          events_endpoint=endpoint, replay_endpoint=replay_endpoint,
+                          topic="kv-events", shape=shape)
     server = ServerThread(engine.app).start()
-    upstream = UpstreamConfig(server.url, name=name, events=endpoint, topic="kv-events")
+    upstream = UpstreamConfig(server.url, name=name, events=endpoint, replay=replay_endpoint,
+                              topic="kv-events")
     return Engine(server, engine, upstream)
 
 

@@ -185,3 +185,55 @@ def test_index_agrees_under_concurrent_requests(seed: int) -> None:
             engine.cache_blocks(step, tokens)
             running[step] = prompt
         index.check_invariants()
+
+
+def test_budget_trims_the_blocks_stored_longest_ago() -> None:
+    """Past its budget the index forgets its oldest blocks at once, says so in routing
+    events, and never holds more than the budget."""
+    index = EventIndex("r0", budget_tokens=8)
+    removed: list[KvRemoved] = []
+    for chain in range(10):
+        base = 100 * chain
+        applied = index.apply(store([base + 1, base + 2], [base, base + 1, base + 2, base + 3]))
+        removed += [e for e in applied.routing_events if isinstance(e, KvRemoved)]
+        assert index.tree_tokens <= 8
+        index.check_invariants()
+    assert index.match(pack([900, 901, 902, 903, 0])) == 4  # the newest chain stays
+    assert index.match(pack([0, 1, 2, 3, 0])) == 0  # the oldest went
+    assert index.trimmed_blocks == len(removed) == 16
+    assert {r.replica for r in removed} == {"r0"}
+
+
+def test_budget_bounds_a_forged_chain_holes_included() -> None:
+    """A long chain whose parents were removed keeps its holes in the tree; the budget counts
+    them, so removing parents cannot be used to grow the tree past it."""
+    index = EventIndex("r0", budget_tokens=64)
+    parent = None
+    for i in range(200):
+        index.apply(store([i + 1], [2 * i, 2 * i + 1], parent=parent))
+        if parent is not None:
+            index.apply(BlockRemoved((h(parent),)))
+        parent = i + 1
+        assert index.tree_tokens <= 64
+    index.check_invariants()
+
+
+def test_emptied_namespaces_are_forgotten() -> None:
+    """Removing a salt's last block drops its root: caller-chosen salts do not pile up."""
+    index = EventIndex("r0")
+    for n in range(50):
+        index.apply(store([n + 1], [n, n], salt=f"salt-{n}"))
+        index.apply(BlockRemoved((h(n + 1),)))
+    assert index.identities() == []
+    index.check_invariants()
+
+
+def test_set_budget_trims_now_and_returns_what_went() -> None:
+    """Lowering the budget trims immediately (a capacity scraped late)."""
+    index = EventIndex("r0")
+    for chain in range(4):
+        index.apply(store([10 * chain + 1], [chain, chain]))
+    events = index.set_budget(4)
+    assert index.tree_tokens == 4 and len(events) == 2
+    assert all(isinstance(e, KvRemoved) for e in events)
+    index.check_invariants()

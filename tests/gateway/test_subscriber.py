@@ -155,3 +155,81 @@ def test_a_failing_consumer_does_not_stop_the_stream() -> None:
 
     count, error = asyncio.run(scenario())
     assert count == 2 and "policy bug" in error
+
+
+def test_tracker_drops_a_far_ahead_number_without_adopting_it() -> None:
+    """A jump past the window is dropped; the stream's position does not move."""
+    tracker = SequenceTracker(window=100)
+    tracker.advance(10)
+    verdict = tracker.check(2**62)
+    assert not verdict.apply and verdict.drop == "seq_far_ahead"
+    assert tracker.check(11).apply and tracker.check(11).missing_from is None
+    assert tracker.check(60).missing_from == 11  # inside the window: a gap as before
+
+
+def test_tracker_refuses_negative_numbers() -> None:
+    """A negative sequence number (the replay end marker's) is never a live batch."""
+    tracker = SequenceTracker()
+    assert tracker.check(-1).drop == "negative_seq"
+    assert tracker.last_seq is None
+
+
+def test_tracker_adopts_a_consistent_rival_numbering() -> None:
+    """A forged first number adopted as baseline heals: three consecutive real batches behind
+    it are adopted (with a cold reset); a lone stray number never is."""
+    tracker = SequenceTracker(window=100)
+    tracker.advance(2**62)  # the forged batch came first
+    assert tracker.check(500).drop == "duplicate_batch"
+    assert tracker.check(501).drop == "duplicate_batch"
+    verdict = tracker.check(502)
+    assert verdict.apply and verdict.restarted
+    tracker.advance(502)
+    assert tracker.check(900).drop == "seq_far_ahead"
+    assert tracker.check(5000).drop == "seq_far_ahead"  # not consecutive: no run
+    assert tracker.check(503).apply
+
+
+def test_a_gap_the_replay_socket_cannot_confirm_is_dropped() -> None:
+    """A forged number inside the window: the publisher's replay buffer has nothing from the
+    gap's start on, so the batch is dropped and the index is not made cold."""
+
+    async def scenario() -> tuple[list[int], list[str], dict[str, int], int | None]:
+        async with Harness(replay=True) as h:
+            await h.publisher.publish([removed(1)], ts=1.0)
+            await h.until(1)
+            last = h.subscriber.tracker.last_seq
+            assert last is not None
+            forged = encode_payload([AllBlocksCleared()], ts=0.0)
+            await h.subscriber.handle([b"kv", (last + 50).to_bytes(8, "big"), forged])
+            await h.publisher.publish([removed(2)], ts=2.0)
+            await h.until(2)
+            return ([b.seq for b in h.batches], h.cold, h.subscriber.stats.dropped,
+                    h.subscriber.tracker.last_seq)
+
+    seqs, cold, dropped, last = asyncio.run(scenario())
+    assert seqs[1] == seqs[0] + 1 and last == seqs[1]
+    assert cold == [] and dropped == {"seq_unconfirmed": 1}
+
+
+def test_resync_forgets_and_refolds_the_replay_buffer() -> None:
+    """A requested resync makes the index cold, then delivers every buffered batch up to the
+    stream's position; the live stream continues after it."""
+
+    async def scenario() -> tuple[list[int], list[str], int, int | None]:
+        async with Harness(replay=True) as h:
+            for n in range(3):
+                await h.publisher.publish([removed(n)], ts=float(n))
+            await h.until(3)
+            live = [b.seq for b in h.batches]
+            h.batches.clear()
+            h.subscriber.request_resync()
+            await h.until(4)  # the probe batch + 3 buffered ones at least
+            await h.publisher.publish([removed(9)], ts=9.0)
+            await h.until(len(h.batches) + 1)
+            replayed = [b.seq for b in h.batches]
+            assert set(live) <= set(replayed), (live, replayed)
+            return replayed, h.cold, h.subscriber.stats.resyncs, h.subscriber.tracker.last_seq
+
+    seqs, cold, resyncs, last = asyncio.run(scenario())
+    assert resyncs == 1 and len(cold) == 1 and "suspect" in cold[0]
+    assert seqs[-1] == last and seqs[:-1] == sorted(seqs[:-1])

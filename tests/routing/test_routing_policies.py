@@ -242,3 +242,43 @@ def test_pins_to_nothing_are_rejected() -> None:
     """An empty replica list for a tenant is a configuration error."""
     with pytest.raises(ConfigError, match="acme"):
         TenantPinned(RoundRobin(), {"acme": []})
+
+
+def test_exact_routes_suspect_replicas_on_its_fallback_trees() -> None:
+    """With a fallback set, a suspect replica is predicted from the prompts sent to it, the
+    others still from KV events."""
+    from kvreuse.routing.estimators import ApproxTrees
+
+    policy = build_policy("exact", block_size=4)
+    assert isinstance(policy, CacheAware)
+    policy.fallback = ApproxTrees()
+    tokens = pack(list(range(40)))
+    req = RequestView("q", tokens, 40)
+    view = fleet(0, 0)
+    policy.on_kv_event(KvStored("r0", tokens))  # r0's events claim it all (stale)
+    policy.on_routed(req, RoutingDecision("r1", "test", 0), 0.0)  # sent to r1 before
+    assert policy.predict(req, view) == {"r0": 40, "r1": 0}
+    policy.suspects = frozenset({"r0"})
+    assert policy.predict(req, view) == {"r0": 0, "r1": 0}
+    policy.suspects = frozenset({"r0", "r1"})
+    assert policy.predict(req, view) == {"r0": 0, "r1": 40}
+
+
+def test_approx_trees_keep_each_replica_within_its_own_capacity() -> None:
+    """set_capacity caps one replica's tree, trims it at once, and record keeps it there."""
+    from kvreuse.routing.estimators import ApproxTrees
+
+    trees = ApproxTrees()
+    for i in range(20):
+        for replica in ("r0", "r1"):
+            trees.record(request([1000 * i + t for t in range(10)]), replica, float(i))
+    assert trees.tree_tokens("r0") == trees.tree_tokens("r1") == 200
+    trees.set_capacity("r0", 50)
+    assert trees.tree_tokens("r0") == 50 and trees.tree_tokens("r1") == 200
+    for i in range(20, 40):
+        trees.record(request([1000 * i + t for t in range(10)]), "r0", float(i))
+        assert trees.tree_tokens("r0") <= 50
+    assert trees.capacity_of("r0") == 50 and trees.capacity_of("r1") is None
+    newest = request([39_000 + t for t in range(10)])
+    assert trees.predict(newest, ("r0",), 41.0) == {"r0": 10}
+    trees.check_invariants()

@@ -102,6 +102,14 @@ class _VllmMetrics:
             gauge = GaugeMetricFamily(name, doc, labels=labels)
             gauge.add_metric(values, float(gauge_value))
             out.append(gauge)
+        # vLLM's info metric for its CacheConfig (labels only; value 1): gateways read the KV
+        # capacity, num_gpu_blocks x block_size, from it.
+        config = replica.config
+        info = GaugeMetricFamily("vllm:cache_config_info",
+                                 "Information of the LLMEngine CacheConfig",
+                                 labels=["block_size", "enable_prefix_caching", "num_gpu_blocks"])
+        info.add_metric([str(config.block_size), "True", str(config.num_blocks)], 1.0)
+        out.append(info)
         return out
 
 

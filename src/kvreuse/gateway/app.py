@@ -55,7 +55,7 @@ from kvreuse.gateway.subscriber import EventSubscriber
 from kvreuse.gateway.telemetry import AccessLog, RequestRecord, ThrottledLog, trace_headers
 from kvreuse.gateway.tenants import Tenant, Tenants, load_tenants
 from kvreuse.gateway.upstream_client import UpstreamError, UpstreamPool
-from kvreuse.gateway.upstreams import UpstreamState, parse_prometheus
+from kvreuse.gateway.upstreams import UpstreamState, parse_kv_capacity, parse_prometheus
 from kvreuse.gateway.validation import (
     ENDPOINT_KINDS,
     RequestError,
@@ -140,13 +140,19 @@ class Gateway:
                         f"not upstreams; known: {', '.join(sorted(known))}"
                     )
         self.router = Router(self.policy, self.upstreams, self.tokenizer)
+        self.router.events_silence_s = config.events_silence_s
+        self.router.on_suspect = self._resync
+        for upstream in self.upstreams:
+            self.router.set_budget(upstream.name, self.index_budget(upstream))
         self.tallies: dict[str, TokenTally] = {}
         self.state = GatewayState(self.upstreams, self.tallies, self.router.streams,
-                                  self.router.index_size)
+                                  self.router.index_size, health=self.router.health,
+                                  index_budget=self.router.budget_of)
         self.metrics = GatewayMetrics(self.state)
         self.access_log = AccessLog(config.access_log, self.policy.name)
         self._refusals = ThrottledLog(log)
         self.subscribers: list[EventSubscriber] = []
+        self._subscriber_tasks: dict[str, asyncio.Task[None]] = {}
         self._ids = itertools.count()
         self._tasks: list[asyncio.Task[None]] = []
         # Per upstream, two pools: proxied requests, and probes/scrapes/model lists, so that a
@@ -197,20 +203,23 @@ class Gateway:
                 subscriber = self._subscriber(upstream)
                 subscriber.open()
                 self.subscribers.append(subscriber)
-                self._tasks.append(loop.create_task(subscriber.run()))
+                self._subscriber_tasks[upstream.name] = loop.create_task(subscriber.run())
             self._tasks.append(loop.create_task(self._probe_loop(upstream)))
             if config.metrics_interval_s > 0:
                 self._tasks.append(loop.create_task(self._scrape_loop(upstream)))
         if self.announce is not None:
             self._tasks.append(loop.create_task(self._announce(self.announce)))
+        if self.subscribers:
+            self._tasks.append(loop.create_task(self._watchdog()))
         try:
             yield
         finally:
             for subscriber in self.subscribers:
                 subscriber.close()
-            for task in self._tasks:
+            tasks = [*self._tasks, *self._subscriber_tasks.values()]
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
             for pool in (*self._pools.values(), *self._control.values()):
                 await pool.aclose()
 
@@ -223,7 +232,52 @@ class Gateway:
             on_batch=lambda batch: self.router.apply_batch(name, batch),
             on_cold=lambda reason: self.router.mark_cold(name, reason),
             stats=self.router.streams[name],
+            max_frame_bytes=self.config.kv_events_max_frame_bytes,
+            seq_window=self.config.kv_events_seq_window,
         )
+
+    def _resync(self, name: str) -> None:
+        for subscriber in self.subscribers:
+            if subscriber.replica == name:
+                subscriber.request_resync()
+
+    def index_budget(self, upstream: UpstreamState) -> int:
+        """Tokens each index kept for ``upstream`` may hold: its KV capacity (scraped from
+        vllm:cache_config_info, else configured) times index_budget_factor, or
+        index_budget_tokens when neither says."""
+        capacity = upstream.kv_capacity_tokens or upstream.config.capacity_tokens
+        if capacity is None:
+            return self.config.index_budget_tokens
+        return max(int(capacity * self.config.index_budget_factor), 1)
+
+    async def _watchdog(self, every_s: float = 1.0, stuck_s: float = 30.0) -> None:
+        """Run again any subscriber whose loop ended without being closed (a bug that escaped
+        its catch-all), or whose loop has not turned for ``stuck_s``."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(every_s)
+            now = time.monotonic()
+            for subscriber in self.subscribers:
+                if subscriber.closed:
+                    continue
+                task = self._subscriber_tasks.get(subscriber.replica)
+                beat = subscriber.stats.heartbeat_at
+                stuck = beat is not None and now - beat > stuck_s
+                if task is not None and not task.done() and not stuck:
+                    continue
+                reason = "stuck" if stuck else "stopped"
+                if task is not None and task.done() and not task.cancelled():
+                    error = task.exception()
+                    if error is not None:
+                        reason = f"died: {error!r}"
+                if task is not None and not task.done():
+                    task.cancel()
+                subscriber.stats.restarts += 1
+                subscriber.stats.note(f"{subscriber.replica}: subscriber {reason}; restarted")
+                log.warning("KV-event subscriber of %s %s; restarting it", subscriber.replica,
+                            reason)
+                subscriber.stats.heartbeat_at = now
+                self._subscriber_tasks[subscriber.replica] = loop.create_task(subscriber.run())
 
     async def _get(self, upstream: UpstreamState, path: str) -> tuple[int, bytes]:
         """GET on the control pool; raises UpstreamError."""
@@ -280,7 +334,12 @@ class Gateway:
         with contextlib.suppress(UpstreamError, UnicodeDecodeError):
             status, text = await self._get(upstream, "/metrics")
             if status == 200:
-                upstream.update_engine(parse_prometheus(text.decode()))
+                decoded = text.decode()
+                upstream.update_engine(parse_prometheus(decoded))
+                capacity = parse_kv_capacity(decoded)
+                if capacity is not None and capacity != upstream.kv_capacity_tokens:
+                    upstream.kv_capacity_tokens = capacity
+                    self.router.set_budget(upstream.name, self.index_budget(upstream))
 
     # ------------------------------------------------------------------ endpoints
 
@@ -290,7 +349,20 @@ class Gateway:
     async def ready(self, request: Request) -> Response:
         admitted = [u.name for u in self.upstreams if u.healthy]
         ejected = [u.name for u in self.upstreams if not u.healthy]
-        body = {"ready": bool(admitted), "admitted": admitted, "ejected": ejected}
+        body: dict[str, Any] = {"ready": bool(admitted), "admitted": admitted,
+                                "ejected": ejected}
+        # Degraded, not down: an upstream whose events went silent (or whose index is
+        # suspect) still serves, routed on the approximate estimate; failing readiness would
+        # take the whole gateway out of its load balancer for it. Operators see it here and
+        # in kvreuse_gateway_kv_subscriber_state / _kv_events_last_age_seconds.
+        silent = [name for name in self.router.indexes if self.router.events_silent(name)]
+        stopped = [s.replica for s in self.subscribers
+                   if s.stats.state in ("failed", "stopped") and not s.closed]
+        body["kv_events_silent"] = silent
+        body["kv_subscribers_down"] = stopped
+        body["index_suspect"] = self.router.suspects()
+        if silent or stopped or body["index_suspect"]:
+            body["degraded"] = True
         return JSONResponse(body, status_code=200 if admitted else 503)
 
     async def prometheus(self, request: Request) -> Response:

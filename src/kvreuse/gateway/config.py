@@ -1,8 +1,8 @@
 """Gateway configuration: upstreams from ``--upstream`` flags or a TOML file, and the knobs.
 
 A flag is ``URL[,key=value...]`` with keys ``name``, ``events``, ``replay``, ``bind``,
-``topic`` and ``weight``; a TOML file has the same keys per ``[[upstreams]]`` table and the
-gateway options in ``[gateway]``::
+``topic``, ``weight`` and ``capacity_tokens``; a TOML file has the same keys per
+``[[upstreams]]`` table and the gateway options in ``[gateway]``::
 
     [gateway]
     policy = "exact"
@@ -21,7 +21,9 @@ gateway options in ``[gateway]``::
     weight = 1.0
 
 ``weight`` scales the load the policies see (load / weight): an upstream of weight 2 is taken
-to drain its queue twice as fast.
+to drain its queue twice as fast. ``capacity_tokens`` is the engine's KV capacity when its
+``/metrics`` has no ``vllm:cache_config_info``: the gateway's indexes for it are bounded to
+``index_budget_factor`` times that.
 """
 
 from __future__ import annotations
@@ -49,11 +51,15 @@ class UpstreamConfig:
     bind: bool = True
     topic: str = ""
     weight: float = 1.0
+    capacity_tokens: int | None = None  # KV capacity, when its /metrics does not say
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise ConfigError(f"upstream url must be http(s)://HOST:PORT, got {self.url!r}")
+        if self.capacity_tokens is not None and self.capacity_tokens < 1:
+            raise ConfigError(f"upstream {self.url}: capacity_tokens must be >= 1, got "
+                              f"{self.capacity_tokens}")
         if self.weight <= 0:
             raise ConfigError(f"upstream {self.url}: weight must be > 0, got {self.weight}")
         for key in ("events", "replay"):
@@ -87,6 +93,13 @@ class GatewayConfig:
     seed: int = 0
     access_log: str = "off"  # off, text or json: one line per request on stdout
     metrics_port: int | None = None  # serve /metrics on this port instead of the main one
+    # Every index kept per upstream is bounded to its KV capacity (scraped, else the
+    # upstream's capacity_tokens) times this factor; to index_budget_tokens when unknown.
+    index_budget_factor: float = 2.0
+    index_budget_tokens: int = 1 << 22
+    kv_events_max_frame_bytes: int = 16 * 1024 * 1024
+    kv_events_seq_window: int = 100_000
+    events_silence_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not self.upstreams:
@@ -98,7 +111,8 @@ class GatewayConfig:
             raise ConfigError(
                 f"caller_salt must be one of {CALLER_SALT_MODES}, got {self.caller_salt!r}"
             )
-        for name in ("max_body_bytes", "eject_after", "readmit_after"):
+        for name in ("max_body_bytes", "eject_after", "readmit_after", "index_budget_tokens",
+                     "kv_events_max_frame_bytes", "kv_events_seq_window"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.retries < 0:
@@ -114,7 +128,8 @@ class GatewayConfig:
                 or not 1 <= self.metrics_port <= 65535):
             raise ConfigError(f"metrics_port must be a TCP port (1-65535), got "
                               f"{self.metrics_port!r}")
-        for name in ("health_interval_s", "connect_timeout_s", "read_timeout_s"):
+        for name in ("health_interval_s", "connect_timeout_s", "read_timeout_s",
+                     "index_budget_factor", "events_silence_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
 
@@ -132,7 +147,13 @@ def _coerce_upstream(raw: dict[str, Any], where: str) -> UpstreamConfig:
         raise ConfigError(f"{where}: 'url' is required")
     values: dict[str, Any] = {}
     for key, value in raw.items():
-        if key == "weight":
+        if key == "capacity_tokens":
+            try:
+                values[key] = int(value)
+            except (TypeError, ValueError):
+                raise ConfigError(f"{where}: capacity_tokens must be an integer, got "
+                                  f"{value!r}") from None
+        elif key == "weight":
             try:
                 values[key] = float(value)
             except (TypeError, ValueError):

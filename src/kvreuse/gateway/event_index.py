@@ -80,12 +80,15 @@ def salt_of(extra_keys: tuple[object, ...] | None, lora_name: str | None) -> str
 class EventIndex:
     """The cache contents of upstream ``replica`` as its events describe them."""
 
-    def __init__(self, replica: str) -> None:
+    def __init__(self, replica: str, budget_tokens: int | None = None) -> None:
         self.replica = replica
         self.block_size = 0  # learned from the first BlockStored
+        self.budget_tokens = budget_tokens
+        self.trimmed_blocks = 0
         self._roots: dict[CacheIdentity, _Block] = {}
         self._by_hash: dict[BlockHash, _Block] = {}
         self._present_tokens = 0
+        self._tree_tokens = 0  # every block in the tree, holes included
 
     # ------------------------------------------------------------------ queries
 
@@ -93,6 +96,11 @@ class EventIndex:
     def cached_tokens(self) -> int:
         """Tokens in blocks the upstream holds. O(1)."""
         return self._present_tokens
+
+    @property
+    def tree_tokens(self) -> int:
+        """Tokens of every block the tree keeps, holes included: what the budget bounds. O(1)."""
+        return self._tree_tokens
 
     @property
     def num_blocks(self) -> int:
@@ -129,7 +137,12 @@ class EventIndex:
         if event.medium not in CACHED_MEDIA:
             return Applied(ignored=True)
         if isinstance(event, BlockStored):
-            return self._stored(event, now)
+            applied = self._stored(event, now)
+            budget = self.budget_tokens
+            if budget is not None and self._tree_tokens > budget:
+                trimmed = self._trim(budget, now)
+                return Applied(applied.routing_events + trimmed, applied.orphan_blocks)
+            return applied
         assert isinstance(event, BlockRemoved), f"unknown event {event!r}"
         return self._removed(event, now)
 
@@ -138,6 +151,32 @@ class EventIndex:
         self._roots.clear()
         self._by_hash.clear()
         self._present_tokens = 0
+        self._tree_tokens = 0
+
+    def set_budget(self, tokens: int | None) -> list[KvEvent]:
+        """Bound the tree to ``tokens`` (None: unbounded), trimming now if it is over; returns
+        the routing events of what was trimmed."""
+        self.budget_tokens = tokens
+        if tokens is None or self._tree_tokens <= tokens:
+            return []
+        return list(self._trim(tokens, 0.0))
+
+    def _trim(self, budget: int, now: float) -> tuple[KvEvent, ...]:
+        """Forget the blocks stored longest ago until the tree fits ``budget``. The engine's
+        cache cannot hold more than its capacity, so a tree past it holds blocks whose removal
+        was lost (or forged stores): the oldest are the likeliest gone. Amortized O(1) per
+        block (each hash is trimmed once)."""
+        out: list[KvEvent] = []
+        while self._tree_tokens > budget and self._by_hash:
+            block_hash = next(iter(self._by_hash))
+            block = self._by_hash[block_hash]
+            path, identity = self._path(block), self._identity(block)
+            self._drop_hash(block, block_hash, all_copies=True)
+            self.trimmed_blocks += 1
+            if not block.hashes:
+                keep = block.end - self._size(block)
+                out.append(KvRemoved(self.replica, path, keep, identity, now))
+        return tuple(out)
 
     def _stored(self, event: BlockStored, now: float) -> Applied:
         hashes = event.block_hashes
@@ -164,6 +203,7 @@ class EventIndex:
             child = node.children.get(key)
             if child is None:
                 child = node.children[key] = _Block(key, node, node.end + size, node.identity)
+                self._tree_tokens += size
             if not child.hashes:
                 self._present_tokens += size
             previous = self._by_hash.get(block_hash)
@@ -206,7 +246,11 @@ class EventIndex:
             if node.children:
                 break
             del node.parent.children[node.key]
+            self._tree_tokens -= self._size(node)
             node = node.parent
+        if node is not None and node.parent is None and not node.children:
+            # An emptied namespace goes too: caller-chosen salts must not pile up roots.
+            self._roots.pop(node.identity, None)
 
     # ------------------------------------------------------------------ helpers
 
@@ -240,6 +284,7 @@ class EventIndex:
         """O(n): hash map and tree agree, token totals add up, no absent leaf lingers."""
         present = 0
         seen = 0
+        tree = 0
         for root in self._roots.values():
             stack = list(root.children.values())
             while stack:
@@ -252,6 +297,8 @@ class EventIndex:
                     assert self._by_hash.get(block_hash) is node, "hash map disagrees with tree"
                 seen += len(node.hashes)
                 present += self._size(node) if node.present else 0
+                tree += self._size(node)
                 stack.extend(node.children.values())
         assert seen == len(self._by_hash), f"{len(self._by_hash)} hashes, {seen} in the tree"
         assert present == self._present_tokens, f"cached_tokens {self._present_tokens} != {present}"
+        assert tree == self._tree_tokens, f"tree_tokens {self._tree_tokens} != {tree}"

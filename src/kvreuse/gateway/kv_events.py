@@ -56,6 +56,14 @@ _decoder = msgspec.msgpack.Decoder()
 _encoder = msgspec.msgpack.Encoder()
 
 
+class MalformedBatch(InputFormatError):
+    """A frame or payload that cannot be a batch; ``reason`` is its metric label."""
+
+    def __init__(self, reason: str, message: str, where: str | None = None) -> None:
+        self.reason = reason
+        super().__init__(message, where)
+
+
 @dataclass(frozen=True, slots=True)
 class EventBatch:
     """One published message: its sequence number, the engine's timestamp, the events that
@@ -72,7 +80,9 @@ def normalize_hash(value: object, where: str) -> BlockHash:
     """A wire hash (int or bytes) as :data:`BlockHash` bytes. Negative ints (a signed-i64
     producer) are taken modulo 2**64."""
     if isinstance(value, bool):
-        raise InputFormatError(f"a block hash must be an integer or bytes, got {value!r}", where)
+        raise InputFormatError(
+            f"a block hash must be an integer or bytes, got {value!r:.80}", where
+        )
     if isinstance(value, int):
         return BlockHash((value & _U64).to_bytes(8, "big"))
     if isinstance(value, bytes | bytearray | memoryview):
@@ -89,10 +99,12 @@ def decode_message(frames: Sequence[bytes]) -> EventBatch:
     """Decode ``[topic, seq, payload]``. Raises :class:`InputFormatError` when the frames or the
     payload are unusable; bad events inside a good payload are reported, not raised. O(events)."""
     if len(frames) != 3:
-        raise InputFormatError(f"expected 3 frames (topic, seq, payload), got {len(frames)}")
+        raise MalformedBatch("bad_frames",
+                             f"expected 3 frames (topic, seq, payload), got {len(frames)}")
     _, seq_frame, payload = frames
     if len(seq_frame) != 8:
-        raise InputFormatError(f"the sequence frame must be 8 bytes, got {len(seq_frame)}")
+        raise MalformedBatch("bad_frames",
+                             f"the sequence frame must be 8 bytes, got {len(seq_frame)}")
     seq = int.from_bytes(seq_frame, "big", signed=True)
     return decode_payload(payload, seq)
 
@@ -102,19 +114,26 @@ def decode_payload(payload: bytes, seq: int) -> EventBatch:
     try:
         raw = _decoder.decode(payload)
     except msgspec.DecodeError as exc:
-        raise InputFormatError(f"payload is not msgpack: {exc}", where=f"seq {seq}") from None
+        raise MalformedBatch("not_msgpack", f"payload is not msgpack: {exc}", f"seq {seq}"
+                             ) from None
+    except RecursionError:
+        # msgspec recurses once per nesting level: [[[...]]] 100,000 deep exhausts the stack.
+        raise MalformedBatch("too_deep", "payload nests deeper than the decoder allows",
+                             f"seq {seq}") from None
     if not isinstance(raw, list) or len(raw) not in (2, 3):
-        raise InputFormatError(
-            "payload must be an array [ts, events, data_parallel_rank]", where=f"seq {seq}"
+        raise MalformedBatch(
+            "bad_payload", "payload must be an array [ts, events, data_parallel_rank]",
+            f"seq {seq}"
         )
     ts, events = raw[0], raw[1]
     dp_rank = raw[2] if len(raw) == 3 else None
     if not isinstance(ts, int | float) or isinstance(ts, bool):
-        raise InputFormatError(f"ts must be a number, got {ts!r}", where=f"seq {seq}")
+        raise MalformedBatch("bad_payload", f"ts must be a number, got {ts!r:.80}", f"seq {seq}")
     if not isinstance(events, list):
-        raise InputFormatError("events must be an array", where=f"seq {seq}")
+        raise MalformedBatch("bad_payload", "events must be an array", f"seq {seq}")
     if dp_rank is not None and not isinstance(dp_rank, int):
-        raise InputFormatError(f"data_parallel_rank must be an integer, got {dp_rank!r}")
+        raise MalformedBatch("bad_payload",
+                             f"data_parallel_rank must be an integer, got {dp_rank!r:.80}")
     decoded: list[KVCacheEvent] = []
     malformed: list[str] = []
     for index, event in enumerate(events):
@@ -141,7 +160,7 @@ def decode_event(raw: object, where: str = "event") -> KVCacheEvent:
         raise InputFormatError("an event must be a map with 'type' or a tagged array", where)
     parser = _PARSERS.get(kind) if isinstance(kind, str) else None
     if parser is None:
-        raise InputFormatError(f"unknown event type {kind!r}", where)
+        raise InputFormatError(f"unknown event type {kind!r:.80}", where)
     return parser(fields, f"{where} ({kind})")
 
 
@@ -155,7 +174,7 @@ def _hashes(fields: dict[str, Any], where: str) -> tuple[BlockHash, ...]:
 def _optional_str(fields: dict[str, Any], name: str, where: str) -> str | None:
     value = fields.get(name)
     if value is not None and not isinstance(value, str):
-        raise InputFormatError(f"{name} must be a string or null, got {value!r}", where)
+        raise InputFormatError(f"{name} must be a string or null, got {value!r:.80}", where)
     return value
 
 
@@ -170,7 +189,9 @@ def _parse_stored(fields: dict[str, Any], where: str) -> BlockStored:
         raise InputFormatError("token_ids must be an array of token ids (uint32)", where)
     block_size = fields.get("block_size")
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-        raise InputFormatError(f"block_size must be a positive integer, got {block_size!r}", where)
+        raise InputFormatError(
+            f"block_size must be a positive integer, got {block_size!r:.80}", where
+        )
     if len(tokens) != len(hashes) * block_size and len(hashes) != 1:
         raise InputFormatError(
             f"{len(tokens)} token_ids do not fill {len(hashes)} blocks of {block_size}", where

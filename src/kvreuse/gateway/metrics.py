@@ -29,6 +29,7 @@ prometheus_client's process, platform and GC collectors.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -45,6 +46,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from kvreuse.gateway.subscriber import StreamStats
 from kvreuse.gateway.upstreams import UpstreamState
+from kvreuse.routing.index_health import IndexHealth
+
+SUBSCRIBER_STATES = ("idle", "running", "resyncing", "stopped", "failed")
 
 if TYPE_CHECKING:
     from kvreuse.gateway.shared_index import SyncStats
@@ -116,6 +120,9 @@ class GatewayState:
     streams: dict[str, StreamStats] = field(default_factory=dict)
     index_size: Callable[[str], IndexSize] = lambda name: IndexSize()
     shared_sync: SyncStats | None = None  # set when a Redis-shared index is attached
+    health: dict[str, IndexHealth] = field(default_factory=dict)
+    index_budget: Callable[[str], int | None] = lambda name: None
+    clock: Callable[[], float] = time.monotonic
 
 
 class _StateCollector:
@@ -182,6 +189,7 @@ class _StateCollector:
         yield from self._events(state)
         if state.shared_sync is not None:
             yield from self._shared_sync(state.shared_sync)
+        yield from self._health(state)
 
     @staticmethod
     def _shared_sync(stats: SyncStats) -> Iterable[Metric]:
@@ -198,6 +206,41 @@ class _StateCollector:
                                 value=1.0 if stats.connected else 0.0)
 
     @staticmethod
+    def _health(state: GatewayState) -> Iterable[Metric]:
+        up = ["upstream"]
+        suspect = GaugeMetricFamily(
+            "kvreuse_gateway_index_suspect",
+            "1 while the KV-event index predicts more cached tokens than the engine reports "
+            "(routed on the approximate estimate, rebuilt), else 0", labels=up)
+        error = GaugeMetricFamily(
+            "kvreuse_gateway_index_prediction_error",
+            "share of recently predicted cached tokens the engine did not have", labels=up)
+        shortfall = CounterMetricFamily(
+            "kvreuse_gateway_index_shortfall_tokens",
+            "cached tokens predicted by the KV-event index but not reported by the engine",
+            labels=up)
+        excess = CounterMetricFamily(
+            "kvreuse_gateway_index_excess_tokens",
+            "cached tokens reported by the engine that the KV-event index did not predict",
+            labels=up)
+        transitions = CounterMetricFamily(
+            "kvreuse_gateway_index_state_changes", "suspect/exact transitions", labels=up)
+        budget = GaugeMetricFamily(
+            "kvreuse_gateway_index_budget_tokens",
+            "tokens each index kept for the upstream may hold", labels=up)
+        for name, health in state.health.items():
+            suspect.add_metric([name], 1.0 if health.suspect else 0.0)
+            error.add_metric([name], health.window_error())
+            shortfall.add_metric([name], health.shortfall_tokens)
+            excess.add_metric([name], health.excess_tokens)
+            transitions.add_metric([name], health.transitions)
+        for upstream in state.upstreams:
+            tokens = state.index_budget(upstream.name)
+            if tokens is not None:
+                budget.add_metric([upstream.name], tokens)
+        yield from (suspect, error, shortfall, excess, transitions, budget)
+
+    @staticmethod
     def _events(state: GatewayState) -> Iterable[Metric]:
         received = CounterMetricFamily("kvreuse_gateway_kv_events_received",
                                        "KV events decoded", labels=["upstream"])
@@ -206,13 +249,31 @@ class _StateCollector:
                                                                                    "reason"])
         gaps = CounterMetricFamily("kvreuse_gateway_kv_event_gaps", "sequence gaps seen",
                                    labels=["upstream", "outcome"])
+        subscriber = GaugeMetricFamily(
+            "kvreuse_gateway_kv_subscriber_state",
+            "1 for the KV-event subscriber's current state (idle, running, resyncing, stopped, "
+            "failed)", labels=["upstream", "state"])
+        age = GaugeMetricFamily("kvreuse_gateway_kv_events_last_age_seconds",
+                                "seconds since the last KV-event batch was applied",
+                                labels=["upstream"])
+        restarts = CounterMetricFamily("kvreuse_gateway_kv_subscriber_restarts",
+                                       "subscriber loops restarted by the watchdog",
+                                       labels=["upstream"])
+        resyncs = CounterMetricFamily("kvreuse_gateway_kv_index_resyncs",
+                                      "index rebuilds from the replay socket (suspect index)",
+                                      labels=["upstream"])
+        trimmed = CounterMetricFamily("kvreuse_gateway_index_trimmed_blocks",
+                                      "blocks forgotten to keep the index within its budget",
+                                      labels=["upstream"])
+        now = state.clock()
         for name, stats in state.streams.items():
             received.add_metric([name], stats.events)
+            # Batches by reason (stats.dropped: malformed frames, forged or stale sequence
+            # numbers, apply errors), then events inside applied batches.
             for reason, value in (
+                *sorted(stats.dropped.items()),
                 ("malformed_event", stats.malformed_events),
-                ("malformed_batch", stats.malformed_batches),
                 ("lost_batch", stats.lost_batches),
-                ("duplicate_batch", stats.duplicates),
                 ("orphan_block", stats.orphan_blocks),
                 ("unknown_removal", stats.unknown_removals),
                 ("other_medium", stats.ignored_events),
@@ -220,7 +281,14 @@ class _StateCollector:
                 dropped.add_metric([name, reason], value)
             gaps.add_metric([name, "replayed"], stats.repaired_gaps)
             gaps.add_metric([name, "cold"], stats.gaps - stats.repaired_gaps)
-        yield from (received, dropped, gaps)
+            for known in SUBSCRIBER_STATES:
+                subscriber.add_metric([name, known], 1.0 if stats.state == known else 0.0)
+            if stats.last_batch_at is not None:
+                age.add_metric([name], max(now - stats.last_batch_at, 0.0))
+            restarts.add_metric([name], stats.restarts)
+            resyncs.add_metric([name], stats.resyncs)
+            trimmed.add_metric([name], stats.trimmed_blocks)
+        yield from (received, dropped, gaps, subscriber, age, restarts, resyncs, trimmed)
 
 
 class GatewayMetrics:

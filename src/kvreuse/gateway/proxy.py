@@ -233,6 +233,7 @@ class Forwarder:
             tally.cached_tokens += counted[1]
             tally.predicted_tokens += candidate.predicted_cached_tokens
             tally.requests_with_usage += 1
+            self.router.realized(candidate, counted[0], counted[1])
 
     async def _whole(self, send: Send, plan: Plan, candidate: Candidate,
                      response: UpstreamResponse, content: bytes, record: RequestRecord) -> None:

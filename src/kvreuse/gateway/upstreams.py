@@ -14,6 +14,7 @@ gateway's mean uncached prompt size. Loads are divided by the upstream's weight.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from kvreuse.gateway.config import UpstreamConfig
@@ -53,6 +54,24 @@ def parse_prometheus(text: str, names: tuple[str, ...] = ENGINE_METRICS) -> dict
     return out
 
 
+_CACHE_CONFIG = "vllm:cache_config_info{"
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_kv_capacity(text: str) -> int | None:
+    """The engine's KV capacity in tokens from vLLM's ``vllm:cache_config_info`` info metric
+    (``num_gpu_blocks`` × ``block_size`` labels), or None when absent or not yet known (vLLM
+    reports ``num_gpu_blocks="None"`` before profiling). O(lines)."""
+    for line in text.splitlines():
+        if not line.startswith(_CACHE_CONFIG):
+            continue
+        labels = dict(_LABEL.findall(line[len(_CACHE_CONFIG) : line.rfind("}")]))
+        blocks, size = labels.get("num_gpu_blocks", ""), labels.get("block_size", "")
+        if blocks.isdigit() and size.isdigit() and int(blocks) > 0 and int(size) > 0:
+            return int(blocks) * int(size)
+    return None
+
+
 @dataclass(slots=True)
 class EngineSnapshot:
     """The last scrape of an upstream's /metrics (absent metrics stay None)."""
@@ -83,6 +102,7 @@ class UpstreamState:
         self.sent_requests = 0
         self.engine = EngineSnapshot()
         self.engine_baseline: EngineSnapshot | None = None
+        self.kv_capacity_tokens: int | None = None  # scraped from vllm:cache_config_info
 
     # ------------------------------------------------------------------ health
 

@@ -81,8 +81,14 @@ class CacheAware(PolicyBase):
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
         self.cost = cost or CostModel()
+        self.block_size = block_size
         self.trees: ApproxTrees | None = None
         self.mirror: CacheMirror | None = None
+        # A gateway that checks the KV-event mirror against realized hits sets these: replicas
+        # in ``suspects`` are then predicted from ``fallback`` (its own approximate trees, fed
+        # by on_routed). Both unset in the simulator, whose mirror is never wrong.
+        self.fallback: ApproxTrees | None = None
+        self.suspects: frozenset[ReplicaId] = frozenset()
         if estimator == "approx":
             self.trees = ApproxTrees(
                 eviction_interval_s=eviction_interval_s,
@@ -102,7 +108,13 @@ class CacheAware(PolicyBase):
         if self.trees is not None:
             return self.trees.predict(request, ids, fleet.now)
         assert self.mirror is not None
-        return self.mirror.predict(request, ids, fleet.now)
+        predicted = self.mirror.predict(request, ids, fleet.now)
+        if self.fallback is not None and self.suspects:
+            approx = self.fallback.predict(request, ids, fleet.now)
+            for replica in self.suspects:
+                if replica in predicted:
+                    predicted[replica] = approx[replica]
+        return predicted
 
     def route(self, request: RequestView, fleet: FleetView) -> RoutingDecision | None:
         if not fleet.replicas:
@@ -135,6 +147,8 @@ class CacheAware(PolicyBase):
     def on_routed(self, request: RequestView, decision: RoutingDecision, now: float) -> None:
         if self.trees is not None:
             self.trees.record(request, decision.replica, now)
+        if self.fallback is not None:
+            self.fallback.record(request, decision.replica, now)
 
     def on_kv_event(self, event: KvEvent) -> None:
         if self.mirror is not None:

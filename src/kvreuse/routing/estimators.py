@@ -94,6 +94,25 @@ class ApproxTrees:
         self._num_nodes = 0
         self._singles: dict[int, tuple[int, ...]] = {}
         self._plans: dict[tuple[ReplicaId, ...], FleetPlan] = {}
+        self._caps: dict[int, int] = {}  # replica bit -> its own cap (set_capacity)
+
+    # ------------------------------------------------------------------ budgets
+
+    def set_capacity(self, replica: ReplicaId, tokens: int) -> None:
+        """Cap ``replica``'s tree at ``tokens`` (instead of ``capacity_tokens``), trimming its
+        LRU leaves now if it is over. A gateway calls it with each upstream's budget."""
+        if tokens < 0:
+            raise ConfigError(f"capacity must be >= 0 tokens, got {tokens}")
+        bit = self._bit(replica)
+        self._caps[bit] = tokens
+        if self._tokens[bit] > tokens:
+            self._evict(bit, self._tokens[bit] - tokens, keep=None)
+
+    def capacity_of(self, replica: ReplicaId) -> int | None:
+        """The cap :meth:`record` trims ``replica`` to. O(1)."""
+        bit = self._bits.get(replica)
+        cap = None if bit is None else self._caps.get(bit)
+        return self.capacity_tokens if cap is None else cap
 
     # ------------------------------------------------------------------ queries
 
@@ -184,7 +203,7 @@ class ApproxTrees:
             return
         if not node.below.get(bit):
             self._push(bit, node)
-        cap = self.capacity_tokens
+        cap = self._caps.get(bit, self.capacity_tokens) if self._caps else self.capacity_tokens
         if cap is not None and self._tokens[bit] > cap:
             self._evict(bit, self._tokens[bit] - cap, keep=node)
 
