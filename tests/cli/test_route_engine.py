@@ -118,3 +118,19 @@ def test_route_and_engine_announce_themselves_and_log_each_request(tmp_path: Pat
         assert len(records) == 2 and {r["status"] for r in records} == {200}
         assert sorted(r["retries"] for r in records) == [0, 1]
         assert all(r["upstream"] == "engine0" and r["model"] == "sim" for r in records)
+
+
+def test_route_names_the_flag_of_a_port_in_use() -> None:
+    """A --metrics-port already taken: exit 1 with an error naming the flag and the port."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "kvreuse.cli.main", "route", "--upstream",
+             "http://127.0.0.1:1", "--port", str(free_port()), "--metrics-port", str(port)],
+            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert f"--metrics-port {port}: cannot listen on 127.0.0.1:{port}" in result.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -154,12 +155,27 @@ def run(args: argparse.Namespace) -> int:
         by_listener(gateway.app, gateway.metrics_app, config.metrics_port), host=args.host,
         port=args.port, log_level=args.log_level, access_log=False, loop=stack.loop,
         http=stack.http)
-    sockets = [server_config.bind_socket()]
+    sockets = [listen(args.host, args.port, "--port")]
     if config.metrics_port is not None:
-        sockets.append(uvicorn.Config(gateway.metrics_app, host=args.host,
-                                      port=config.metrics_port).bind_socket())
+        sockets.append(listen(args.host, config.metrics_port, "--metrics-port"))
     uvicorn.Server(server_config).run(sockets=sockets)
     return 0
+
+
+def listen(host: str, port: int, flag: str) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (served by uvicorn); a port in use is a
+    :class:`ConfigError` naming the flag, not a bare errno."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"{flag} {port}: cannot listen on {host}:{port}: "
+                          f"{exc.strerror or exc}") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def by_listener(app: Any, metrics_app: Any, metrics_port: int | None) -> Any:

@@ -302,7 +302,9 @@ class Gateway:
         config = self.config
         parts = []
         for upstream in config.upstreams:
-            served = "|".join(models.get(upstream.name, [])) or "models unknown"
+            # Model names come from the upstreams: escaped, so the line stays one line.
+            served = "|".join(m if m.isprintable() else ascii(m)
+                              for m in models.get(upstream.name, [])) or "models unknown"
             events = f", events {upstream.events}" if upstream.events else ""
             parts.append(f"{upstream.name}={upstream.url} ({served}{events})")
         metrics = (f"port {config.metrics_port}" if config.metrics_port is not None
