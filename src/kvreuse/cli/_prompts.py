@@ -8,14 +8,15 @@ any other file is a raw text prompt.
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvreuse.cli.args import read_bytes
 from kvreuse.errors import ConfigError, InputFormatError
+from kvreuse.json_input import parse_json
 from kvreuse.lint.fingerprint import DEFAULT_BLOCK_SIZE, Revisions
 from kvreuse.tokenizers import NAMED_TOKENIZERS, TokenizerBundle, load_tokenizer
 
@@ -100,13 +101,19 @@ def setup_prompts(args: argparse.Namespace) -> PromptSetup:
         if args.template in BUILTIN_TEMPLATES:
             override, label = BUILTIN_TEMPLATES[args.template], args.template
         else:
-            path = Path(args.template)
-            if not path.is_file():
+            if not Path(args.template).exists():
                 raise ConfigError(
                     f"--template {args.template}: no such file (or use one of "
                     f"{', '.join(BUILTIN_TEMPLATES)})"
                 )
-            override, label = path.read_text(encoding="utf-8"), str(path)
+            data = read_bytes(args.template, "--template")
+            try:
+                override, label = data.decode("utf-8"), args.template
+            except UnicodeDecodeError as exc:
+                raise InputFormatError(
+                    f"not valid UTF-8: byte {exc.start} is 0x{data[exc.start]:02x}",
+                    where=args.template,
+                ) from None
     template: ChatTemplate | None = None
     if override is not None or bundle.templates:
         template = bundle.chat_template(override=override, name=args.template_name, clock=clock)
@@ -129,35 +136,24 @@ def _unwrap(value: object) -> object:
 
 
 def read_requests(path_text: str) -> list[tuple[str, Mapping[str, Any] | str]]:
-    """(label, request or raw text) for every request in a file."""
+    """(label, request or raw text) for every request in a file. Malformed input (not UTF-8,
+    not JSON, nested too deeply, oversized numbers, lone surrogates) raises
+    :class:`InputFormatError` naming the file, the line and the field."""
+    data = read_bytes(path_text, "request file")
     path = Path(path_text)
-    if not path.is_file():
-        raise ConfigError(f"no such file: {path_text}")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputFormatError(f"cannot read: {exc}", where=path_text) from None
     if path.suffix == ".jsonl":
         out: list[tuple[str, Mapping[str, Any] | str]] = []
-        for number, line in enumerate(text.splitlines(), start=1):
+        for number, line in enumerate(data.split(b"\n"), start=1):
             if not line.strip():
                 continue
             where = f"{path_text}:{number}"
-            try:
-                value = _unwrap(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise InputFormatError(f"not valid JSON: {exc.msg}", where=where) from None
+            value = _unwrap(parse_json(line, where))
             if not isinstance(value, Mapping):
                 raise InputFormatError("each line must be a request object", where=where)
             out.append((where, value))
         return out
     if path.suffix == ".json":
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise InputFormatError(
-                f"not valid JSON (line {exc.lineno}): {exc.msg}", where=path_text
-            ) from None
+        value = parse_json(data, path_text)
         items = value if isinstance(value, list) else [value]
         result: list[tuple[str, Mapping[str, Any] | str]] = []
         for index, item in enumerate(items):
@@ -167,7 +163,12 @@ def read_requests(path_text: str) -> list[tuple[str, Mapping[str, Any] | str]]:
                 raise InputFormatError("a request must be a JSON object", where=where)
             result.append((where, item))
         return result
-    return [(path_text, text)]
+    try:
+        return [(path_text, data.decode("utf-8"))]
+    except UnicodeDecodeError as exc:
+        raise InputFormatError(
+            f"not valid UTF-8 text: byte {exc.start} is 0x{data[exc.start]:02x}", where=path_text
+        ) from None
 
 
 def load_prompts(paths: list[str], setup: PromptSetup) -> list[Prompt]:

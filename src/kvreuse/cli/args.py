@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from kvreuse.errors import ConfigError
 
 
 def positive_int(text: str) -> int:
@@ -17,11 +23,134 @@ def positive_int(text: str) -> int:
 
 
 def non_negative_float(text: str) -> float:
-    """A float >= 0."""
+    """A finite float >= 0."""
+    value = _finite(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+_WORDS: dict[str, Any] = {
+    "none": None, "null": None, "true": True, "false": False,
+    "inf": math.inf, "infinity": math.inf,
+}
+
+
+def option_value(text: str) -> Any:
+    """A policy option's value as ``route`` and ``simulate`` read it: JSON (``0.2``, ``null``,
+    ``"in_flight"``), the words the run labels print (``None``, ``True``, ``False``, ``inf``),
+    else the text itself (``in_flight``)."""
+    stripped = text.strip()
+    if stripped.lower() in _WORDS:
+        return _WORDS[stripped.lower()]
+    try:
+        return json.loads(stripped)
+    except ValueError:
+        return stripped
+
+
+def key_value(text: str, flag: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` into ``(KEY, option_value(VALUE))``; a malformed item names ``flag``."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"{flag} expects KEY=VALUE, got {text!r}")
+    return key.strip(), option_value(value)
+
+
+def policy_spec(text: str) -> tuple[str, dict[str, Any]]:
+    """``name`` or ``name[key=value,...]`` (the form run labels print, e.g.
+    ``prefix_hash[overload=None]``) into the name and its options. O(len(text))."""
+    text = text.strip()
+    if "[" not in text:
+        return text, {}
+    name, _, rest = text.partition("[")
+    if not rest.endswith("]"):
+        raise ConfigError(
+            f"--policy {text!r}: options go in brackets, e.g. prefix_hash[overload=None]"
+        )
+    options: dict[str, Any] = {}
+    for item in rest[:-1].split(","):
+        if item.strip():
+            key, value = key_value(item, f"--policy {name}[...]")
+            options[key] = value
+    return name.strip(), options
+
+
+def split_policies(text: str) -> list[str]:
+    """Split ``--policy a,b[x=1,y=2],c`` on the commas outside brackets."""
+    parts: list[str] = []
+    current: list[str] = []
+    depth = 0
+    for char in text:
+        if char == "[":
+            depth += 1
+        elif char == "]":
+            depth -= 1
+        if char == "," and depth == 0:
+            parts.append("".join(current))
+            current = []
+        else:
+            current.append(char)
+    parts.append("".join(current))
+    return [p.strip() for p in parts if p.strip()]
+
+
+def input_file(path_text: str, what: str) -> Path:
+    """``path_text`` as a readable regular file, else a :class:`ConfigError` saying which
+    (``what`` names the flag or argument, e.g. ``--config``) and why: missing, a directory, or
+    not a regular file."""
+    path = Path(path_text)
+    if path.is_dir():
+        raise ConfigError(f"{what} {path_text}: is a directory; give a file")
+    if not path.exists():
+        raise ConfigError(f"{what} {path_text}: no such file")
+    if not path.is_file():
+        raise ConfigError(f"{what} {path_text}: not a regular file")
+    return path
+
+
+def read_bytes(path_text: str, what: str) -> bytes:
+    """The bytes of :func:`input_file` ``path_text``; unreadable files raise
+    :class:`ConfigError` naming ``what`` and the reason."""
+    path = input_file(path_text, what)
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{what} {path_text}: cannot read: {exc.strerror}") from None
+
+
+def positive_float(text: str) -> float:
+    """A finite float > 0."""
+    value = _finite(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """A float in (0, 1]."""
+    value = _finite(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def _finite(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
     return value

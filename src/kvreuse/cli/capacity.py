@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 from typing import Any
 
 from kvreuse.capacity.model import GIB, KIB, cache_budget, dtype_bytes, kv_shape_from_config
@@ -17,7 +16,17 @@ from kvreuse.capacity.workload import (
     format_bytes,
     parse_workload,
 )
+from kvreuse.cli.args import (
+    fraction,
+    input_file,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    read_bytes,
+)
 from kvreuse.errors import ConfigError, InputFormatError
+from kvreuse.json_input import parse_json
 
 
 def register(subparsers: Any) -> None:
@@ -32,37 +41,54 @@ def register(subparsers: Any) -> None:
             "add replicas)."
         ),
     )
-    parser.add_argument("--config", required=True, help="the model's config.json")
+    parser.add_argument(
+        "--config", required=True,
+        help="the model's config.json (alone: print the KV bytes per token)",
+    )
     parser.add_argument("--kv-cache-dtype", help="KV cache dtype if not the model's (e.g. fp8)")
     memory = parser.add_argument_group("replica memory")
-    memory.add_argument("--kv-pool-gib", type=float, help="KV pool per replica, if known")
-    memory.add_argument("--gpu-memory-gib", type=float, help="memory per GPU")
-    memory.add_argument("--gpus", type=int, default=1, help="GPUs per replica (tensor parallel)")
-    memory.add_argument("--utilisation", type=float, default=0.9, help="gpu_memory_utilization")
-    memory.add_argument("--weights-gib", type=float, help="model weights per replica")
-    memory.add_argument("--params-b", type=float, help="parameters in billions (weights estimate)")
-    memory.add_argument("--overhead-gib", type=float, default=0.0, help="activations, graphs")
-    memory.add_argument("--pinned-gib", type=float, help="KV pinned by running requests")
-    memory.add_argument("--running-requests", type=int, default=0)
-    memory.add_argument("--running-tokens", type=int, default=0, help="tokens per running request")
-    parser.add_argument("--replicas", type=int, help="replicas in the fleet")
+    memory.add_argument(
+        "--kv-pool-gib", type=positive_float, help="KV pool per replica, if known"
+    )
+    memory.add_argument("--gpu-memory-gib", type=positive_float, help="memory per GPU")
+    memory.add_argument(
+        "--gpus", type=positive_int, default=1, help="GPUs per replica (tensor parallel)"
+    )
+    memory.add_argument(
+        "--utilisation", type=fraction, default=0.9, help="gpu_memory_utilization, in (0, 1]"
+    )
+    memory.add_argument("--weights-gib", type=non_negative_float, help="model weights per replica")
+    memory.add_argument(
+        "--params-b", type=positive_float, help="parameters in billions (weights estimate)"
+    )
+    memory.add_argument(
+        "--overhead-gib", type=non_negative_float, default=0.0, help="activations, graphs"
+    )
+    memory.add_argument(
+        "--pinned-gib", type=non_negative_float, help="KV pinned by running requests"
+    )
+    memory.add_argument("--running-requests", type=non_negative_int, default=0)
+    memory.add_argument(
+        "--running-tokens", type=non_negative_int, default=0, help="tokens per running request"
+    )
+    parser.add_argument("--replicas", type=positive_int, help="replicas in the fleet (>= 1)")
     parser.add_argument("--workload", help="workload description JSON")
     parser.add_argument("--trace", help="Mooncake-format JSONL trace")
-    parser.add_argument("--window", type=float, default=300.0, help="trace hot-set window (s)")
+    parser.add_argument(
+        "--window", type=positive_float, default=300.0, help="trace hot-set window (s)"
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     parser.set_defaults(func=run)
 
 
-def _read_json(path: str) -> Any:
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError(f"no such file: {path}")
-    try:
-        return json.loads(file.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise InputFormatError(
-            f"not valid JSON (line {exc.lineno}): {exc.msg}", where=path
-        ) from None
+def _read_json(path: str, flag: str) -> Any:
+    return parse_json(read_bytes(path, flag), path)
+
+
+def _has_memory(args: argparse.Namespace) -> bool:
+    """Whether the flags give (or let us derive) a KV pool: otherwise only the per-token size
+    can be computed."""
+    return args.kv_pool_gib is not None or args.gpu_memory_gib is not None
 
 
 def _weights_gib(args: argparse.Namespace, config: Any) -> float | None:
@@ -77,11 +103,22 @@ def _weights_gib(args: argparse.Namespace, config: Any) -> float | None:
 def run(args: argparse.Namespace) -> int:
     if args.workload and args.trace:
         raise ConfigError("give --workload or --trace, not both")
-    config = _read_json(args.config)
+    config = _read_json(args.config, "--config")
     if not isinstance(config, dict):
         raise InputFormatError("config.json must be a JSON object", where=args.config)
     shape = kv_shape_from_config(config, args.kv_cache_dtype, where=args.config)
     per_token = shape.bytes_per_token
+    if not _has_memory(args) and not (args.workload or args.trace):
+        if args.json:
+            print(json.dumps({"kv_bytes_per_token": per_token, "kv_shape": shape.describe()},
+                             indent=2))
+            return 0
+        print(f"KV per token: {shape.describe()} = {per_token:,} bytes ({per_token / KIB:g} KiB)")
+        print(
+            "for each replica's idle cache budget, add --kv-pool-gib, or --gpu-memory-gib with "
+            "--weights-gib (or --params-b)"
+        )
+        return 0
     budget = cache_budget(
         bytes_per_token=per_token,
         kv_pool_gib=args.kv_pool_gib,
@@ -98,14 +135,17 @@ def run(args: argparse.Namespace) -> int:
     replicas = args.replicas
     trace_summary = None
     if args.workload:
-        parts, described = parse_workload(_read_json(args.workload), args.workload)
+        parts, described = parse_workload(_read_json(args.workload, "--workload"), args.workload)
         replicas = replicas or described
     elif args.trace:
-        path = Path(args.trace)
-        if not path.is_file():
-            raise ConfigError(f"no such file: {args.trace}")
-        with path.open(encoding="utf-8") as lines:
-            hot = trace_hot_set(parse_mooncake(lines, args.trace), args.window)
+        path = input_file(args.trace, "--trace")
+        try:
+            with path.open(encoding="utf-8") as lines:
+                hot = trace_hot_set(parse_mooncake(lines, args.trace), args.window)
+        except UnicodeDecodeError as exc:
+            raise InputFormatError(f"not valid UTF-8 (byte {exc.start})", args.trace) from None
+        except OSError as exc:
+            raise ConfigError(f"--trace {args.trace}: cannot read: {exc.strerror}") from None
         trace_summary = hot.describe()
         parts = [HotPart("trace hot blocks", hot.max_hot_tokens, hot.max_hot_tokens, trace_summary)]
     replicas = replicas or 1

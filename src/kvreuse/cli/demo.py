@@ -17,7 +17,7 @@ def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "demo",
         help="the seed's six-turn chat through the radix and block indexes",
-        description="Replay seed 001's six-turn chat (1,500-token system prompt, 150-token user "
+        description="Replay the six-turn chat (1,500-token system prompt, 150-token user "
         "messages, 250-token answers inserted at finish) through a RadixIndex and a vLLM-style "
         "BlockIndex and print the prefill table.",
     )
@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
             )
         )
         return 0
-    table = Table(title="Six-turn chat (seed 001): prefill tokens per turn")
+    table = Table(title="The six-turn chat: prefill tokens per turn")
     table.add_column("turn", justify="right")
     table.add_column("prompt tokens", justify="right")
     table.add_column("prefilled (radix)", justify="right")

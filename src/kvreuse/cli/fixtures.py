@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvreuse.cli._prompts import add_prompt_arguments, load_prompts, setup_prompts
+from kvreuse.cli.args import read_bytes
 from kvreuse.errors import InputFormatError
+from kvreuse.json_input import parse_json
 from kvreuse.lint.fingerprint import DEFAULT_PREFIX_TOKENS, PrefixFingerprint, fingerprint
 from kvreuse.lint.fixtures import (
     BlockRuleCheck,
@@ -73,12 +75,9 @@ def _current(args: argparse.Namespace) -> tuple[list[Prompt], dict[str, PrefixFi
 
 
 def _read_golden(path: Path) -> list[GoldenRecord]:
-    if not path.is_file():
+    if not path.exists():
         return []
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise InputFormatError(f"not valid JSON: {exc.msg}", where=str(path)) from None
+    data = parse_json(read_bytes(str(path), "--golden"), str(path))
     return load_golden(data, str(path))
 
 

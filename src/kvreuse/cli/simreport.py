@@ -11,9 +11,11 @@ import html
 import io
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvreuse import defaults
 from kvreuse.errors import ConfigError
 from kvreuse.sim.runner import ScenarioRun, check
 from kvreuse.sim.scenarios import Scenario
@@ -41,7 +43,9 @@ def _png(fig: Any) -> str:
 
 
 def _labels(rows: Sequence[ScenarioRun]) -> list[str]:
-    return [f"{r.spec.label} x{r.spec.replicas}" for r in rows]
+    from kvreuse.cli.simulate import run_label
+
+    return [run_label(r) for r in rows]
 
 
 def _per_policy(plt: Any, rows: Sequence[ScenarioRun]) -> str:
@@ -57,15 +61,22 @@ def _per_policy(plt: Any, rows: Sequence[ScenarioRun]) -> str:
 
 
 def _load(plt: Any, rows: Sequence[ScenarioRun]) -> str:
-    fig, ax = plt.subplots(figsize=(12, 4))
-    width = 0.8 / max(len(rows), 1)
+    """Grouped bars: one group per replica, one bar per run, the tick under each group's
+    middle and the legend outside the plot, so no bar hides under it."""
+    fig, ax = plt.subplots(figsize=(12, 4.5))
+    count = max(len(rows), 1)
+    width = 0.8 / count
+    widest = max((r.spec.replicas for r in rows), default=1)
     for i, row in enumerate(rows):
         loads = load_per_replica(row.run)
-        xs = [k + i * width for k in range(len(loads))]
+        xs = [k - 0.4 + (i + 0.5) * width for k in range(len(loads))]
         ax.bar(xs, loads, width, label=_labels([row])[0])
+    ax.set_xticks(range(widest))
+    ax.set_xticklabels([f"replica {k + 1}" for k in range(widest)])
+    ax.set_xlim(-0.5, widest - 0.5)
     ax.set_xlabel("replica")
     ax.set_ylabel("prefill GPU-seconds (measured requests)")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     ax.set_title("load per replica")
     return _png(fig)
 
@@ -78,21 +89,28 @@ def _over_time(plt: Any, rows: Sequence[ScenarioRun]) -> str:
                 label=_labels([row])[0])
     ax.set_xlabel("arrival time (s)")
     ax.set_ylabel("token hit rate (%)")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     ax.set_title("hit rate over time (2 s buckets)")
     return _png(fig)
 
 
 def _bands(plt: Any, rows: Sequence[ScenarioRun]) -> str:
-    fig, ax = plt.subplots(figsize=(12, 4))
-    for row in rows:
-        points = ttft_by_band(row.run)
-        ax.plot([p.band for p in points], [p.ttft_p95_s for p in points], marker="o",
-                label=_labels([row])[0])
+    """Bands are categories, not a scale: grouped bars per band, no line drawn between them."""
+    fig, ax = plt.subplots(figsize=(12, 4.5))
+    per_row = [ttft_by_band(row.run) for row in rows]
+    bands = list(dict.fromkeys(p.band for points in per_row for p in points))
+    count = max(len(rows), 1)
+    width = 0.8 / count
+    for i, (row, points) in enumerate(zip(rows, per_row, strict=True)):
+        by_band = {p.band: p.ttft_p95_s for p in points}
+        xs = [k - 0.4 + (i + 0.5) * width for k, band in enumerate(bands) if band in by_band]
+        ax.bar(xs, [by_band[b] for b in bands if b in by_band], width, label=_labels([row])[0])
+    ax.set_xticks(range(len(bands)))
+    ax.set_xticklabels(bands)
     ax.set_xlabel("prompt length band (tokens)")
     ax.set_ylabel("p95 TTFT (s)")
-    ax.legend(fontsize=7)
-    ax.set_title("TTFT by prompt-length band")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    ax.set_title("p95 TTFT by prompt-length band")
     return _png(fig)
 
 
@@ -137,15 +155,31 @@ def _knob_curve(plt: Any, rows: Sequence[ScenarioRun]) -> str:
     return _png(fig)
 
 
-def _lab_link(scenario: str, row: ScenarioRun, seed: int) -> str:
+@dataclass(frozen=True, slots=True)
+class LabLinks:
+    """How the report's runs map onto ``kvreuse lab``: where it serves, and the flags that
+    change a run the way the lab's controls can (or cannot: ``showable=False``)."""
+
+    base_url: str = defaults.lab_base_url()
+    scale: float = 1.0
+    cache_tokens: int | None = None
+    scheduling: str | None = None
+    showable: bool = True
+
+
+def _lab_link(scenario: Scenario, row: ScenarioRun, seed: int, links: LabLinks) -> str:
     """An anchor to the lab's view of this run, or a dash when the lab cannot show it."""
     from kvreuse.web.links import lab_url_for_run
 
     spec = row.spec
-    url = lab_url_for_run(
-        scenario, spec.policy, spec.replicas, seed=seed, variant=spec.variant,
-        options=dict(spec.options),
-    )
+    url = None
+    if links.showable:
+        pool = row.run.config.replica.pool_tokens
+        url = lab_url_for_run(
+            scenario.name, spec.policy, spec.replicas, seed=seed, variant=spec.variant,
+            options=dict(spec.options), cache_tokens=links.cache_tokens or pool,
+            scale=links.scale, scheduling=links.scheduling, base_url=links.base_url,
+        )
     return f"<a href='{html.escape(url)}'>open in lab</a>" if url else "-"
 
 
@@ -157,13 +191,20 @@ def write_report(
     sweep: Sequence[ScenarioRun],
     parameters: dict[str, Any],
     *,
-    seed: int = 0,
+    seed: int = defaults.SEED,
+    links: LabLinks | None = None,
+    changed: Sequence[str] = (),
     knob: Sequence[ScenarioRun] = (),
 ) -> None:
-    """Render and write the page. Raises :class:`ConfigError` without matplotlib. ``knob``:
-    relative_spill's runs over its slack values, plotted as its hit rate / p95 curve.
+    """Render and write the page. Raises :class:`ConfigError` without matplotlib or when the
+    file cannot be written. ``knob``: relative_spill's runs over its slack values, plotted as
+    its hit rate / p95 curve.
 
-    Each run links to the same view in ``kvreuse lab`` where the lab can show it."""
+    Each run links to the same run in ``kvreuse lab`` (at ``links.base_url``) where the lab can
+    show it; ``changed`` are the reasons a figure may leave its stated range."""
+    from kvreuse.cli.simulate import bounds_text, verdict_reason
+
+    links = links or LabLinks()
     plt = _pyplot()
     images = [
         ("Hit rate and p95 TTFT per policy", _per_policy(plt, rows)),
@@ -185,14 +226,16 @@ def write_report(
             f"{r.summary.ttft_p50_s:.3f}", f"{r.summary.ttft_p95_s:.3f}",
             f"{r.summary.max_over_mean_load:.2f}", f"{r.summary.evicted_tokens:,}",
             r.summary.requests,
-        )) + f"<td>{_lab_link(scenario.name, r, seed)}</td></tr>"
+        )) + f"<td>{_lab_link(scenario, r, seed, links)}</td></tr>"
         for r in rows
     )
     verdicts = "".join(
         f"<li>{'in range' if v.ok else '<b>OUT OF RANGE</b>'}: {esc(v.expectation.policy)} "
         f"x{v.expectation.replicas} {esc(v.expectation.variant)} {esc(v.expectation.metric)} = "
         f"{v.value:.3g} (range {v.expectation.low:g}-{v.expectation.high:g}; "
-        f"{esc(v.expectation.source)})</li>"
+        f"{esc(v.expectation.source)})"
+        + ("" if v.ok else f": {esc(verdict_reason(v, changed))}")
+        + "</li>"
         for v in check(scenario, rows)
     )
     params = "".join(
@@ -214,12 +257,16 @@ img{{max-width:100%}}</style></head><body>
 <table><tr><th>run</th><th>replicas</th><th>token hit</th><th>request hit</th>
 <th>prefill GPU-s/1k</th><th>TTFT p50 s</th><th>TTFT p95 s</th><th>max/mean load</th>
 <th>evicted tokens</th><th>requests</th><th>lab</th></tr>{table_rows}</table>
-<p>Lab links open this run in <code>kvreuse lab</code> (start it first; it serves on
-127.0.0.1).</p>
-<p>Bounds over {bounds.replicas} x {bounds.cache_tokens:,} tokens: infinite cache
-{bounds.infinite_hit_rate:.1%}, pooled LRU {bounds.pooled_lru_hit_rate:.1%}.</p>
+<p>Lab links open the same run in <code>kvreuse lab</code> at
+<code>{esc(links.base_url)}</code>: start it first (<code>kvreuse lab</code>; for another
+address, <code>kvreuse lab --port N</code> and <code>kvreuse simulate --lab-url
+http://127.0.0.1:N/</code>).</p>
+<p>Hit-rate references {esc(bounds_text(bounds))}.</p>
 <ul>{verdicts}</ul>{figures}
 <h2>Parameters</h2><table><tr><th>name</th><th>value</th><th>source</th></tr>{params}</table>
 </body></html>
 """
-    path.write_text(page, encoding="utf-8")
+    try:
+        path.write_text(page, encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"--report {path}: cannot write: {exc.strerror}") from None

@@ -1,12 +1,14 @@
 """``kvreuse simulate``: run a named scenario or replay a trace through routing policies.
 
-    kvreuse simulate --scenario belgavi [--policy a,b] [--replicas 3,6] [--seed N]
-                     [--json FILE] [--report FILE.html]
+    kvreuse simulate --scenario belgavi [--policy a,b[key=value]] [--replicas 3,6] [--seed N]
+                     [--policy-option KEY=VALUE] [--json FILE|-] [--report FILE.html]
     kvreuse simulate --trace FILE --replicas N --cache-tokens C --policy round_robin,exact
 
-Prints a table (one row per policy × fleet size × variant); ``--json`` writes
-``{"scenario", "seed", "parameters", "runs": [...], "bounds": {...}}``; ``--report`` writes a
-self-contained HTML page with PNG plots (needs the ``report`` extra: matplotlib).
+Prints a table (one row per run, labelled with its policy options and variant, plus a no-cache
+baseline of each policy on its fleet size); ``--json`` writes ``{"scenario", "seed",
+"parameters", "runs": [...], "bounds": {...}}`` (``-``: to stdout, the table then goes to
+stderr); ``--report`` writes a self-contained HTML page with PNG plots (needs the ``report``
+extra: matplotlib).
 """
 
 from __future__ import annotations
@@ -14,22 +16,24 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
+from kvreuse import defaults
+from kvreuse.cli.args import key_value, policy_spec, split_policies
+from kvreuse.cli.tables import make_console, print_table
 from kvreuse.errors import ConfigError
-from kvreuse.routing import POLICIES
+from kvreuse.routing import POLICIES, policy_option_names
 from kvreuse.routing.relative_spill import SLACKS
 from kvreuse.sim.config import CACHE_KINDS, SCHEDULERS, FleetConfig, ReplicaConfig
 from kvreuse.sim.requests import SimRequest
-from kvreuse.sim.runner import ScenarioRun, check, run_spec
+from kvreuse.sim.runner import ScenarioRun, Verdict, check, run_spec
 from kvreuse.sim.scenarios import SPILLS, RunSpec, Scenario, get_scenario
 from kvreuse.sim.trace import Bounds, compute_bounds, parse_trace
 
@@ -41,25 +45,53 @@ def register(subparsers: Any) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--scenario", help="a name from `kvreuse scenarios`")
     source.add_argument("--trace", type=Path, help="Mooncake-format JSONL trace to replay")
-    parser.add_argument("--policy", help=f"comma-separated policies: {', '.join(POLICIES)}")
+    parser.add_argument(
+        "--policy",
+        help=f"comma-separated policies: {', '.join(POLICIES)}; options in brackets as the "
+        "table labels print them, e.g. prefix_hash[overload=None]",
+    )
+    parser.add_argument(
+        "--policy-option", action="append", default=[], metavar="KEY=VALUE",
+        help="a policy keyword option for every chosen policy that takes it, as `kvreuse "
+        "route` takes it, e.g. overload=null or spill_threshold_s=0.1 (repeatable)",
+    )
     parser.add_argument("--replicas", help="comma-separated fleet sizes, e.g. 3,6")
-    parser.add_argument("--seed", type=int, default=0, help="workload and policy seed (0)")
-    parser.add_argument("--json", type=Path, help="write results as JSON to this file")
+    parser.add_argument(
+        "--seed", type=int, default=defaults.SEED,
+        help=f"workload and policy seed ({defaults.SEED})",
+    )
+    parser.add_argument(
+        "--no-baseline", action="store_true",
+        help="leave out the no-cache baseline row of each policy and fleet size",
+    )
+    parser.add_argument(
+        "--json", type=Path, metavar="FILE",
+        help="write results as JSON to this file (- for stdout; the table goes to stderr)",
+    )
     parser.add_argument("--report", type=Path, help="write an HTML report with plots here")
+    parser.add_argument(
+        "--lab-url", default=defaults.lab_base_url(), metavar="URL",
+        help="where the report's 'open in lab' links point: the address `kvreuse lab` serves "
+        f"on (default {defaults.lab_base_url()})",
+    )
     parser.add_argument(
         "--scale", type=float, default=1.0,
         help="multiply the scenario's measured duration (e.g. 0.25 for a quick look)",
     )
     parser.add_argument("--cache-tokens", type=int, help="KV pool per replica, in tokens")
     parser.add_argument(
-        "--trace-block-size", type=int, default=512, help="tokens per trace hash id (512)"
+        "--trace-block-size", type=int, default=defaults.TRACE_BLOCK_SIZE,
+        help=f"tokens per trace hash id ({defaults.TRACE_BLOCK_SIZE})",
     )
-    parser.add_argument("--prefill-rate", type=float, default=10_000.0,
-                        help="trace: prefill tokens per second per replica (10000)")
-    parser.add_argument("--overhead", type=float, default=0.015,
-                        help="trace: prefill overhead per request, seconds (0.015)")
-    parser.add_argument("--tpot", type=float, default=0.02,
-                        help="trace: decode seconds per output token (0.02)")
+    parser.add_argument("--prefill-rate", type=float, default=defaults.TRACE_PREFILL_TOKENS_PER_S,
+                        help="trace: prefill tokens per second per replica "
+                        f"({defaults.TRACE_PREFILL_TOKENS_PER_S:g})")
+    parser.add_argument("--overhead", type=float, default=defaults.TRACE_OVERHEAD_S,
+                        help="trace: prefill overhead per request, seconds "
+                        f"({defaults.TRACE_OVERHEAD_S:g})")
+    parser.add_argument("--tpot", type=float, default=defaults.TRACE_TIME_PER_OUTPUT_TOKEN_S,
+                        help="trace: decode seconds per output token "
+                        f"({defaults.TRACE_TIME_PER_OUTPUT_TOKEN_S:g})")
     parser.add_argument("--scheduling", choices=SCHEDULERS, help="replica queue order")
     parser.add_argument(
         "--cache-kind", choices=tuple(CACHE_KINDS),
@@ -90,16 +122,80 @@ def _replica_counts(text: str | None) -> list[int]:
     return counts
 
 
-def _policies(text: str | None) -> list[str]:
-    names = _split(text)
-    for name in names:
+Choice = tuple[str, tuple[tuple[str, Any], ...]]
+"""A policy name and its options, as a :class:`RunSpec` holds them."""
+
+
+def _policies(text: str | None) -> list[Choice]:
+    chosen: list[Choice] = []
+    for item in split_policies(text or ""):
+        name, options = policy_spec(item)
         if name not in POLICIES:
             raise ConfigError(f"unknown policy {name!r}; choose from: {', '.join(POLICIES)}")
-    return names
+        accepted = policy_option_names(name)
+        for key in options:
+            if key not in accepted:
+                raise ConfigError(
+                    f"--policy {item}: {name} has no option {key!r}; it takes: "
+                    f"{', '.join(sorted(accepted)) or 'none'}"
+                )
+        chosen.append((name, tuple(options.items())))
+    return chosen
 
 
-def _adjust(config: FleetConfig, args: argparse.Namespace) -> FleetConfig:
+def _select(scenario: Scenario, chosen: list[Choice], counts: list[int]) -> list[RunSpec]:
+    """The scenario's runs, or every chosen policy (default: the scenario's own, with their
+    options) on every chosen fleet size (default: the scenario's) under each of its variants."""
+    if not chosen and not counts:
+        return list(scenario.runs)
+    variants = list(dict.fromkeys(spec.variant for spec in scenario.runs))
+    policies = chosen or list(dict.fromkeys((s.policy, s.options) for s in scenario.runs))
+    sizes = counts or list(dict.fromkeys(spec.replicas for spec in scenario.runs))
+    return [
+        RunSpec(policy, n, variant, options)
+        for variant in variants
+        for policy, options in policies
+        for n in sizes
+    ]
+
+
+def _with_options(specs: list[RunSpec], items: Sequence[str]) -> list[RunSpec]:
+    """``--policy-option KEY=VALUE`` set on every run whose policy takes ``KEY``."""
+    out = list(specs)
+    for item in items:
+        key, value = key_value(item, "--policy-option")
+        takers = [i for i, s in enumerate(out) if key in policy_option_names(s.policy)]
+        if not takers:
+            names = sorted({s.policy for s in out})
+            raise ConfigError(
+                f"--policy-option {item}: none of the chosen policies ({', '.join(names)}) "
+                f"takes {key!r}"
+            )
+        for i in takers:
+            spec = out[i]
+            options = dict(spec.options)
+            options[key] = value
+            out[i] = replace(spec, options=tuple(options.items()))
+    return out
+
+
+def _with_baselines(specs: list[RunSpec]) -> list[RunSpec]:
+    """Each (policy, fleet size) once more with prefix caching off, unless the runs have it:
+    what the same routing costs when nothing is reused, so every row's saving can be read."""
+    have = {(s.policy, s.replicas) for s in specs if s.variant == "no_cache"}
+    extra = []
+    for spec in specs:
+        key = (spec.policy, spec.replicas)
+        if key not in have:
+            have.add(key)
+            extra.append(RunSpec(spec.policy, spec.replicas, "no_cache"))
+    return specs + extra
+
+
+def _adjust(config: FleetConfig, args: argparse.Namespace, variant: str = "") -> FleetConfig:
     replica = config.replica
+    if variant == "no_cache":
+        replica = replace(replica, prefix_caching=False)
     if args.cache_tokens is not None:
         replica = replace(replica, pool_tokens=args.cache_tokens)
     if args.scheduling is not None:
@@ -125,8 +221,8 @@ def _trace_scenario(args: argparse.Namespace, requests: list[SimRequest]) -> Sce
         overhead_s=args.overhead,
         time_per_output_token_s=args.tpot,
     )
-    counts = _replica_counts(args.replicas) or [8]
-    policies = _policies(args.policy) or ["round_robin", "cache_aware"]
+    counts = _replica_counts(args.replicas) or [defaults.TRACE_REPLICAS]
+    policies = _policies(args.policy) or [(p, ()) for p in defaults.TRACE_POLICIES]
 
     def fleet(replicas: int, variant: str) -> FleetConfig:
         return FleetConfig(replicas=replicas, replica=replica, kv_event_lag_s=0.0)
@@ -135,15 +231,16 @@ def _trace_scenario(args: argparse.Namespace, requests: list[SimRequest]) -> Sce
         name=f"trace:{args.trace.name}",
         summary=f"replay of {args.trace}",
         params=(),
-        runs=tuple(RunSpec(p, n) for p in policies for n in counts),
+        runs=tuple(RunSpec(p, n, "", options) for p, options in policies for n in counts),
         requests=lambda seed, variant, scale: requests,
         fleet=fleet,
     )
 
 
 def run(args: argparse.Namespace) -> int:
-    # Piped output (make demo, CI logs) gets a table wide enough to read, not rich's 80.
-    console = Console() if Console().is_terminal else Console(width=110)
+    to_stdout = args.json is not None and str(args.json) == "-"
+    # With --json -, stdout carries the JSON alone; people read the table on stderr.
+    console = make_console(stderr=to_stdout)
     if args.trace is not None:
         try:
             with args.trace.open(encoding="utf-8") as lines:
@@ -163,12 +260,15 @@ def run(args: argparse.Namespace) -> int:
         }
     else:
         scenario = get_scenario(args.scenario)
-        specs = scenario.select(_policies(args.policy), _replica_counts(args.replicas))
+        specs = _select(scenario, _policies(args.policy), _replica_counts(args.replicas))
         parameters = scenario.parameters()
         if args.scale != 1.0:
             parameters["scale"] = args.scale
     if args.scale <= 0:
         raise ConfigError(f"--scale must be > 0, got {args.scale}")
+    specs = _with_options(specs, args.policy_option)
+    if not args.no_baseline:
+        specs = _with_baselines(specs)
     for option in ("cache_kind", "block_size", "scheduling", "load_lag", "kv_lag"):
         if getattr(args, option) is not None:
             parameters[option] = getattr(args, option)
@@ -187,7 +287,7 @@ def run(args: argparse.Namespace) -> int:
         done_before = 0
         for spec in specs:
             requests = traffic[spec.variant]
-            fleet = _adjust(scenario.fleet(spec.replicas, spec.variant), args)
+            fleet = _adjust(scenario.fleet(spec.replicas, spec.variant), args, spec.variant)
 
             def hook(label: str, done: int, _total: int, base: int = done_before) -> None:
                 progress.update(task, completed=base + done, description=label)
@@ -196,11 +296,13 @@ def run(args: argparse.Namespace) -> int:
             done_before += len(requests)
             progress.update(task, completed=done_before)
 
-    bounds_variant = next((s.variant for s in specs if s.variant != "no_cache"), specs[0].variant)
-    widest = max(s.replicas for s in specs)
+    cached_specs = [s for s in specs if s.variant != "no_cache"] or specs
+    bounds_variant = cached_specs[0].variant
+    widest = max(s.replicas for s in cached_specs)
     pool = _adjust(scenario.fleet(widest, bounds_variant), args).replica.pool_tokens
     bounds = compute_bounds(traffic[bounds_variant], widest, pool)
-    _print_table(console, scenario, rows, bounds)
+    changed = _changed_flags(args)
+    _print_table(console, scenario, rows, bounds, changed)
 
     if args.json is not None:
         payload = {
@@ -210,17 +312,40 @@ def run(args: argparse.Namespace) -> int:
             "runs": [_run_json(row) for row in rows],
             "bounds": bounds.as_dict(),
         }
-        args.json.write_text(json.dumps(payload, indent=2, default=_json_default) + "\n")
-        console.print(f"wrote {args.json}")
+        text = json.dumps(payload, indent=2, default=_json_default) + "\n"
+        if to_stdout:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        else:
+            _write(args.json, text, "--json")
+            console.print(f"wrote {args.json}")
     if args.report is not None:
-        from kvreuse.cli.simreport import write_report
+        from kvreuse.cli.simreport import LabLinks, write_report
 
         sweep = _sweep(scenario, rows, traffic, args)
         knob = _slack_sweep(scenario, rows, traffic, args)
-        write_report(args.report, scenario, rows, bounds, sweep, parameters, seed=args.seed,
-                     knob=knob)
+        links = LabLinks(
+            base_url=args.lab_url,
+            scale=args.scale,
+            cache_tokens=args.cache_tokens,
+            scheduling=args.scheduling,
+            # the lab's replicas are radix trees with no information delays
+            showable=args.cache_kind in (None, "radix") and args.block_size is None
+            and args.load_lag is None and args.kv_lag is None,
+        )
+        write_report(
+            args.report, scenario, rows, bounds, sweep, parameters, seed=args.seed,
+            links=links, changed=changed, knob=knob,
+        )
         console.print(f"report: {args.report}")
     return 0
+
+
+def _write(path: Path, text: str, flag: str) -> None:
+    try:
+        path.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{flag} {path}: cannot write: {exc.strerror}") from None
 
 
 def _sweep(
@@ -239,7 +364,7 @@ def _sweep(
     out = []
     for spill in SPILLS:
         spec = RunSpec("cache_aware", replicas, variant, (("spill_threshold_s", spill),))
-        fleet = _adjust(scenario.fleet(replicas, variant), args)
+        fleet = _adjust(scenario.fleet(replicas, variant), args, variant)
         out.append(run_spec(scenario, spec, traffic[variant], args.seed, None, fleet))
     return out
 
@@ -283,37 +408,100 @@ def _figure(value: float) -> str:
     return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.3g}"
 
 
-def _print_table(
-    console: Console, scenario: Scenario, rows: Sequence[ScenarioRun], bounds: Bounds
-) -> None:
-    table = Table(
-        title=f"{scenario.name}: {scenario.summary}", box=box.SIMPLE_HEAD, padding=(0, 0, 0, 1)
-    )
-    # Policy labels are what a reader scans for: never cut them. Two-line headers and no right
-    # padding keep the table within about 105 columns.
-    table.add_column("policy", no_wrap=True)
-    for name in (
-        "replicas", "token\nhit", "request\nhit", "prefill\nGPU-s/1k", "TTFT\np50", "TTFT\np95",
-        "max/mean\nload", "evicted\ntokens", "requests",
-    ):
-        table.add_column(name, justify="right", no_wrap=True)
-    for row in rows:
-        s = row.summary
-        table.add_row(
-            s.policy, str(s.replicas), f"{s.token_hit_rate:.1%}", f"{s.request_hit_rate:.1%}",
-            f"{s.prefill_gpu_s_per_1k:.1f}", f"{s.ttft_p50_s:.3f}s", f"{s.ttft_p95_s:.3f}s",
-            f"{s.max_over_mean_load:.2f}", f"{s.evicted_tokens:,}", f"{s.requests:,}",
+CHANGE_REASONS: dict[str, str] = {
+    "scale": "--scale {value} measures {percent} of the scenario's window (the ranges are for "
+    "the whole window)",
+    "cache_tokens": "--cache-tokens {value} replaces the scenario's KV pool",
+    "cache_kind": "--cache-kind {value} replaces the replicas' radix trees (the ranges assume "
+    "radix trees)",
+    "block_size": "--block-size {value} changes the cache's granularity",
+    "scheduling": "--scheduling {value} changes the replicas' queue order",
+    "load_lag": "--load-lag {value} delays the router's view of load",
+    "kv_lag": "--kv-lag {value} delays the router's KV events",
+    "seed": "--seed {value} draws other traffic (the ranges were checked with seed 0)",
+}
+"""Why a figure may leave the range the scenario states: the flags that change the setup."""
+
+
+def _changed_flags(args: argparse.Namespace) -> list[str]:
+    """One reason per flag that moves the run away from the scenario as stated."""
+    reasons = []
+    if args.scale != 1.0:
+        reasons.append(
+            CHANGE_REASONS["scale"].format(value=f"{args.scale:g}", percent=f"{args.scale:.0%}")
         )
-    console.print(table)
-    console.print(
-        f"bounds over {bounds.replicas} x {bounds.cache_tokens:,} tokens: infinite cache "
-        f"{bounds.infinite_hit_rate:.1%}, pooled LRU {bounds.pooled_lru_hit_rate:.1%}"
+    for name in ("cache_tokens", "cache_kind", "block_size", "scheduling", "load_lag", "kv_lag"):
+        value = getattr(args, name)
+        if value is not None:
+            reasons.append(CHANGE_REASONS[name].format(value=value))
+    if args.seed != defaults.SEED:
+        reasons.append(CHANGE_REASONS["seed"].format(value=args.seed))
+    return reasons
+
+
+def verdict_reason(verdict: Verdict, changed: Sequence[str]) -> str:
+    """Why ``verdict`` is out of its range: how far, and which flags changed the setup (or that
+    none did, so the model and the stated figure disagree)."""
+    exp = verdict.expectation
+    if verdict.value < exp.low:
+        where = f"{_figure(exp.low - verdict.value)} below the range"
+    else:
+        where = f"{_figure(verdict.value - exp.high)} above the range"
+    if changed:
+        return f"{where}, because {'; '.join(changed)}"
+    return f"{where} with the scenario as stated: the simulation and the stated figure disagree"
+
+
+def run_label(row: ScenarioRun) -> str:
+    """A run's full label and fleet size, as every table and plot names it."""
+    return f"{row.spec.label} x{row.spec.replicas}"
+
+
+SUMMARY_HEADERS = (
+    "run", "token\nhit", "request\nhit", "prefill\nGPU-s/1k", "TTFT\np50 s", "TTFT\np95 s",
+    "max/mean\nload", "evicted\ntokens", "requests",
+)
+
+
+def summary_cells(row: ScenarioRun) -> list[str]:
+    s = row.summary
+    return [
+        run_label(row), f"{s.token_hit_rate:.1%}", f"{s.request_hit_rate:.1%}",
+        f"{s.prefill_gpu_s_per_1k:.1f}", f"{s.ttft_p50_s:.3f}", f"{s.ttft_p95_s:.3f}",
+        f"{s.max_over_mean_load:.2f}", f"{s.evicted_tokens:,}", f"{s.requests:,}",
+    ]
+
+
+def bounds_text(bounds: Bounds) -> str:
+    """The two reference hit rates, with what each does and does not promise."""
+    return (
+        f"over {bounds.replicas} x {bounds.cache_tokens:,} tokens: infinite cache "
+        f"{bounds.infinite_hit_rate:.1%} (a ceiling: no routing reuses more than a cache that "
+        f"never forgets); one pooled LRU cache of {bounds.replicas * bounds.cache_tokens:,} "
+        f"tokens {bounds.pooled_lru_hit_rate:.1%} (a reference, not a ceiling: LRU is not the "
+        "best eviction, and a router that keeps each prefix on one replica can beat it)"
     )
+
+
+def _print_table(
+    console: Console,
+    scenario: Scenario,
+    rows: Sequence[ScenarioRun],
+    bounds: Bounds,
+    changed: Sequence[str],
+) -> None:
+    print_table(
+        console, f"{scenario.name}: {scenario.summary}", SUMMARY_HEADERS,
+        [summary_cells(row) for row in rows],
+    )
+    console.print(bounds_text(bounds), highlight=False)
     for verdict in check(scenario, rows):
         exp = verdict.expectation
         mark = "[green]in range[/green]" if verdict.ok else "[red]OUT OF RANGE[/red]"
+        reason = "" if verdict.ok else f"; {verdict_reason(verdict, changed)}"
         console.print(
             f"{mark} {exp.policy} x{exp.replicas}{' ' + exp.variant if exp.variant else ''} "
-            f"{exp.metric} = {_figure(verdict.value)} (seed range {exp.low:g}-{exp.high:g}; "
-            f"{exp.source})"
+            f"{exp.metric} = {_figure(verdict.value)} (range {exp.low:g}-{exp.high:g}; "
+            f"{exp.source}){reason}",
+            highlight=False,
         )

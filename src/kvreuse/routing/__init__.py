@@ -23,7 +23,13 @@ from kvreuse.routing.events import KvCleared, KvEvent, KvRemoved, KvStored
 from kvreuse.routing.mirror import CacheMirror
 from kvreuse.routing.peers import DynamoKvCost, LlmdScorers
 from kvreuse.routing.pinning import TenantPinned
-from kvreuse.routing.registry import DESCRIPTIONS, POLICIES, build_policy, policy_names
+from kvreuse.routing.registry import (
+    DESCRIPTIONS,
+    POLICIES,
+    build_policy,
+    policy_names,
+    policy_option_names,
+)
 from kvreuse.routing.relative_spill import RelativeSpill
 from kvreuse.routing.ring import ConsistentRing, prefix_key, stable_hash
 from kvreuse.routing.simple import LeastLoad, RandomChoice, RoundRobin
@@ -63,6 +69,7 @@ __all__ = [
     "build_policy",
     "least_loaded",
     "policy_names",
+    "policy_option_names",
     "prefix_key",
     "stable_hash",
 ]

@@ -39,7 +39,7 @@ DESCRIPTIONS: dict[str, str] = {
     "random": "uniform random with a seeded rng, cache-blind",
     "least_load": "smallest predicted queue delay, cache-blind",
     "session_affinity": "session id on a consistent ring (virtual nodes)",
-    "prefix_hash": "first K tokens on a consistent ring, bounded-load spill (seed 000)",
+    "prefix_hash": "first K tokens on a consistent ring, bounded-load spill (contract library)",
     "cache_aware": "router's approximate trees, longest match, per-request 200 ms spill bound",
     "cache_aware_sglang": "SGLang router rule: fleet-wide abs/rel imbalance fallback",
     "exact": "true replica contents from KV events (lagged), longest match, spill bound",
@@ -54,6 +54,16 @@ DESCRIPTIONS: dict[str, str] = {
 
 def policy_names() -> list[str]:
     return list(POLICIES)
+
+
+def policy_option_names(name: str) -> frozenset[str]:
+    """The keyword options policy ``name`` accepts (what ``--policy-option`` may set), besides
+    ``rng`` and ``cost`` which :func:`build_policy` passes itself. Raises :class:`ConfigError`
+    for an unknown name."""
+    factory = POLICIES.get(name)
+    if factory is None:
+        raise ConfigError(f"unknown policy {name!r}; choose one of: {', '.join(POLICIES)}")
+    return frozenset(_accepted_options(factory) - {"rng", "cost"})
 
 
 def build_policy(

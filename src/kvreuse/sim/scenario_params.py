@@ -24,15 +24,15 @@ SIX_TURN_BLOCK_SIZE = 16
 
 SIX_TURN_PARAMS = (
     Param("system_tokens", SIX_TURN_SYSTEM_TOKENS,
-          "seed 001: 'a conversation with a 1,500-token system prompt'"),
-    Param("user_tokens", SIX_TURN_USER_TOKENS, "seed 001: 'user messages of 150 tokens'"),
-    Param("answer_tokens", SIX_TURN_ANSWER_TOKENS, "seed 001: 'answers of 250 tokens'"),
-    Param("turns", SIX_TURN_TURNS, "seed 001's table has six turns"),
-    Param("answers_inserted_at_finish", True, "seed 001: 'answer 1 was inserted into the tree'"),
+          "six-turn: 'a conversation with a 1,500-token system prompt'"),
+    Param("user_tokens", SIX_TURN_USER_TOKENS, "six-turn: 'user messages of 150 tokens'"),
+    Param("answer_tokens", SIX_TURN_ANSWER_TOKENS, "six-turn: 'answers of 250 tokens'"),
+    Param("turns", SIX_TURN_TURNS, "six-turn's table has six turns"),
+    Param("answers_inserted_at_finish", True, "six-turn: 'answer 1 was inserted into the tree'"),
     Param("pool_tokens", SIX_TURN_POOL,
           "large enough that nothing is evicted (the table assumes so)"),
     Param("block_size", SIX_TURN_BLOCK_SIZE,
-          "variant 'block' (vLLM's block pool instead of a radix tree): seed 001: 'a 16-token "
+          "variant 'block' (vLLM's block pool instead of a radix tree): six-turn: 'a 16-token "
           "block size means up to 15 tokens of a match are recomputed'"),
 )
 
@@ -44,12 +44,12 @@ SIX_TURN_RUNS = (
 
 SIX_TURN_EXPECTATIONS = (
     Expectation("round_robin", 1, "prefilled_tokens", 15_900, 15_900,
-                "seed 001: 'total 15,900 prefill tokens'", "no_cache"),
+                "six-turn: 'total 15,900 prefill tokens'", "no_cache"),
     Expectation("round_robin", 1, "prefilled_tokens", 2_400, 2_400,
-                "seed 001: '2,400 prefill tokens -> 85% less'"),
+                "six-turn: '2,400 prefill tokens -> 85% less'"),
     Expectation("round_robin", 1, "prefilled_tokens", 2_400,
                 2_400 + (SIX_TURN_TURNS - 1) * (SIX_TURN_BLOCK_SIZE - 1),
-                "seed 001: 'block hashing reuses whole blocks only (a 16-token block size means "
+                "six-turn: 'block hashing reuses whole blocks only (a 16-token block size means "
                 "up to 15 tokens of a match are recomputed)', in each of the five cached turns",
                 "block"),
 )
@@ -79,32 +79,32 @@ BELGAVI_LARGEST_REQUEST = (
 BELGAVI_POOL = gib_to_tokens(1.0) + BELGAVI_LARGEST_REQUEST
 
 BELGAVI_PARAMS = (
-    Param("rate_rps", 30.0, "seed 001: 'a support chat at 30 requests per second'"),
-    Param("system_prompts", 6, "seed 001: 'one of six 1,500-token system prompts (one per help "
+    Param("rate_rps", 30.0, "belgavi: 'a support chat at 30 requests per second'"),
+    Param("system_prompts", 6, "belgavi: 'one of six 1,500-token system prompts (one per help "
           "topic)'"),
-    Param("system_tokens", 1500, "seed 001: 'six 1,500-token system prompts'"),
-    Param("turns", 3, "seed 001: 'an average of about 550 tokens of history, so about 2,050 "
+    Param("system_tokens", 1500, "belgavi: 'six 1,500-token system prompts'"),
+    Param("turns", 3, "belgavi: 'an average of about 550 tokens of history, so about 2,050 "
           "tokens per prompt': with 150-token messages and 250-token answers, three turns "
           "give prompts of 1,650 / 2,050 / 2,450, mean 2,050"),
-    Param("user_tokens", 150, "seed 001's table: 'user messages of 150 tokens'"),
-    Param("answer_tokens", 250, "seed 001's table: 'answers of 250 tokens'"),
-    Param("gap_s", "8-10", "seed 001: '8 to 10 seconds between turns'"),
-    Param("prefill_tokens_per_s", 10_000.0, "seed 001: 'each replica prefills about 10,000 "
+    Param("user_tokens", 150, "belgavi's table: 'user messages of 150 tokens'"),
+    Param("answer_tokens", 250, "belgavi's table: 'answers of 250 tokens'"),
+    Param("gap_s", "8-10", "belgavi: '8 to 10 seconds between turns'"),
+    Param("prefill_tokens_per_s", 10_000.0, "belgavi: 'each replica prefills about 10,000 "
           "tokens per second'"),
-    Param("overhead_s", 0.015, "seed 001: 'a request costs 15 ms of overhead'"),
-    Param("pool_tokens", BELGAVI_POOL, "seed 001: 'a radix cache of 1 GB per replica' at 128 "
+    Param("overhead_s", 0.015, "belgavi: 'a request costs 15 ms of overhead'"),
+    Param("pool_tokens", BELGAVI_POOL, "belgavi: 'a radix cache of 1 GB per replica' at 128 "
           "KiB/token = 8,192 tokens, plus room for the largest request the replica runs (its "
           f"{BELGAVI_LARGEST_REQUEST:,} tokens of prompt and reserved answer), so serving a "
-          "request never eats into the seed's 1 GB of cache"),
-    Param("time_per_output_token_s", 0.0, "seed 001's lab accounts prefill only (TTFT and "
+          "request never eats into the example's 1 GB of cache"),
+    Param("time_per_output_token_s", 0.0, "belgavi's lab accounts prefill only (TTFT and "
           "prefill GPU-seconds) and gives no decode speed; with 0 only the prefilling request "
-          "pins KV, as in the seed. Raise it to watch decode KV squeeze the cache ('cache "
+          "pins KV, as in the example. Raise it to watch decode KV squeeze the cache ('cache "
           "memory is borrowed')"),
-    Param("duration_s", 60.0, "seed 001: 'The lab generates sixty seconds of synthetic "
+    Param("duration_s", 60.0, "belgavi: 'The lab generates sixty seconds of synthetic "
           "multi-turn chats'"),
     Param("warmup_s", 20.0, "two turn gaps, so every turn position is populated when "
-          "measuring starts (our choice; the seed does not say)"),
-    Param("spill_threshold_s", 0.2, "seed 001: 'cache-aware routing on three replicas and a "
+          "measuring starts (our choice; the example does not say)"),
+    Param("spill_threshold_s", 0.2, "belgavi: 'cache-aware routing on three replicas and a "
           "200 ms spill threshold'"),
 )
 
@@ -118,18 +118,18 @@ BELGAVI_RUNS = (
 
 BELGAVI_EXPECTATIONS = (
     Expectation("round_robin", 7, "prefill_gpu_s_per_1k", 210, 230,
-                "seed 001: 'a request costs 15 ms of overhead plus about 205 ms of prefill'",
+                "belgavi: 'a request costs 15 ms of overhead plus about 205 ms of prefill'",
                 "no_cache"),
     Expectation("round_robin", 6, "token_hit_rate", 0.40, 0.50,
-                "seed 001: 'just under half the prompt tokens come from cache'"),
+                "belgavi: 'just under half the prompt tokens come from cache'"),
     Expectation("round_robin", 6, "prefill_gpu_s_per_1k", 110, 135,
-                "seed 001: 'prefill costs about 120 GPU-seconds per thousand requests'"),
+                "belgavi: 'prefill costs about 120 GPU-seconds per thousand requests'"),
     Expectation("cache_aware", 3, "token_hit_rate", 0.62, 0.72,
-                "seed 001: 'about two thirds of prompt tokens hit'"),
+                "belgavi: 'about two thirds of prompt tokens hit'"),
     Expectation("cache_aware", 3, "prefill_gpu_s_per_1k", 75, 92,
-                "seed 001: 'prefill falls to roughly 83 GPU-seconds per thousand requests'"),
+                "belgavi: 'prefill falls to roughly 83 GPU-seconds per thousand requests'"),
     Expectation("cache_aware", 3, "ttft_p95_s", 0.0, 0.4,
-                "seed 001: 'while p95 TTFT stays under 0.4 s'"),
+                "belgavi: 'while p95 TTFT stays under 0.4 s'"),
 )
 
 CACHE_TREE_OPTIONS = {"cache_aware": {"tree_capacity_tokens": gib_to_tokens(1.0)}}
@@ -151,26 +151,26 @@ CONTRACTS = DocumentWorkload(
 )
 
 CONTRACT_PARAMS = (
-    Param("documents", 2000, "seed 000: 'a library of 2,000 contracts'"),
-    Param("document_tokens", 6000, "seed 000: 'each about 6,000 tokens'"),
-    Param("replicas", 8, "seed 000: 'on eight replicas of an 8-billion-parameter model'"),
-    Param("pool_tokens", CONTRACT_POOL, "seed 000: 'Each replica has roughly 40 GiB of KV "
+    Param("documents", 2000, "contract library: 'a library of 2,000 contracts'"),
+    Param("document_tokens", 6000, "contract library: 'each about 6,000 tokens'"),
+    Param("replicas", 8, "contract library: 'on eight replicas of an 8-billion-parameter model'"),
+    Param("pool_tokens", CONTRACT_POOL, "contract library: 'Each replica has roughly 40 GiB of KV "
           "pool' at 128 KiB/token"),
-    Param("hot_docs", 250, "seed 000: 'the 250 most active contracts receive 80 percent "
+    Param("hot_docs", 250, "contract library: 'the 250 most active contracts receive 80 percent "
           "of questions'"),
-    Param("hot_fraction", 0.8, "seed 000, same sentence"),
-    Param("question_tokens", "60-100", "seed 000: 'prefill only the 60 to 100 tokens of the "
-          "question'"),
-    Param("answer_tokens", 400, "not in the seed; with 30 ms per token (12 s of decode) and "
-          "12 req/s the running requests pin ~15 GiB per replica, seed 000's 'running "
+    Param("hot_fraction", 0.8, "contract library, same sentence"),
+    Param("question_tokens", "60-100", "contract library: 'prefill only the 60 to 100 tokens of "
+          "the question'"),
+    Param("answer_tokens", 400, "not in the example; with 30 ms per token (12 s of decode) and "
+          "12 req/s the running requests pin ~15 GiB per replica, contract library's 'running "
           "requests pin about 15 GiB of it, which leaves about 25 GiB'"),
     Param("time_per_output_token_s", 0.03, "see answer_tokens"),
-    Param("rate_rps", 12.0, "not in the seed; chosen so round robin's misses (6,000 tokens "
+    Param("rate_rps", 12.0, "not in the example; chosen so round robin's misses (6,000 tokens "
           "each at 10,000 tok/s) stay below the fleet's prefill capacity"),
-    Param("prefill_tokens_per_s", 10_000.0, "seed 001's illustrative figure (seed 000 "
+    Param("prefill_tokens_per_s", 10_000.0, "belgavi's illustrative figure (contract library "
           "gives none)"),
-    Param("k", 1024, "seed 000's choose(): k=1024"),
-    Param("overload", 1.25, "seed 000's choose(): overload=1.25"),
+    Param("k", 1024, "contract library's choose(): k=1024"),
+    Param("overload", 1.25, "contract library's choose(): overload=1.25"),
     Param("warmup_s", 120.0, "long enough to fill 8 x 25 GiB of cache before measuring"),
 )
 
@@ -183,14 +183,14 @@ CONTRACT_RUNS = (
 
 CONTRACT_EXPECTATIONS = (
     Expectation("round_robin", 8, "token_hit_rate", 0.0, 0.45,
-                "seed 000: 'most hot questions miss and every miss prefills 6,000 tokens'"),
+                "contract library: 'most hot questions miss and every miss prefills 6,000 tokens'"),
     Expectation("prefix_hash", 8, "token_hit_rate", 0.7, 1.0,
-                "seed 000: 'Under prefix affinity ... hot questions mostly hit'",
+                "contract library: 'Under prefix affinity ... hot questions mostly hit'",
                 "", (("overload", None),)),
     Expectation("prefix_hash", 8, "token_hit_rate", 0.5, 1.0,
-                "seed 000: 'route by affinity until a replica exceeds its share by a margin, "
-                "then spill' (spilled questions each prefill their contract once more, so the "
-                "bound costs some hits)", "", (("load_metric", "in_flight"),)),
+                "contract library: 'route by affinity until a replica exceeds its share by a "
+                "margin, then spill' (spilled questions each prefill their contract once more, so "
+                "the bound costs some hits)", "", (("load_metric", "in_flight"),)),
 )
 
 # ---------------------------------------------------------------------------- missions
@@ -200,7 +200,7 @@ MISSION_1_EXPECTATIONS = (
     Expectation("round_robin", 6, "token_hit_rate", 0.0, 0.0,
                 "cache off: nothing is reused", "no_cache"),
     Expectation("round_robin", 6, "token_hit_rate", 0.40, 0.50,
-                "seed 001: 'just under half the prompt tokens come from cache'"),
+                "belgavi: 'just under half the prompt tokens come from cache'"),
 )
 
 # Where these land (seed 0): ~73 % before, ~45 % after. Before: 1 GiB holds a replica's hot
@@ -213,21 +213,21 @@ MISSION_1_EXPECTATIONS = (
 # when it learns of the stamped prompt (KV events, here with no lag).
 MISSION_2_RUNS = (RunSpec("exact", 6), RunSpec("exact", 6, "timestamp"))
 MISSION_2_EXPECTATIONS = (
-    Expectation("exact", 6, "token_hit_rate", 0.70, 0.80, "seed 001: 'falls from the mid-70s'"),
+    Expectation("exact", 6, "token_hit_rate", 0.70, 0.80, "belgavi: 'falls from the mid-70s'"),
     Expectation("exact", 6, "token_hit_rate", 0.38, 0.48,
-                "seed 001: '... to the low 40s in percent'", "timestamp"),
+                "belgavi: '... to the low 40s in percent'", "timestamp"),
 )
 MISSION_2_PARAMS = (
-    Param("volatile_at", 200, "seed 001: 'with 200 tokens before it and 1,300 after'"),
+    Param("volatile_at", 200, "belgavi: 'with 200 tokens before it and 1,300 after'"),
     Param("volatile_tokens", 4, "a time to the second, e.g. '12:34:56', is a few tokens"),
 )
 
 MISSION_3_RUNS = (RunSpec("round_robin", 6), RunSpec("round_robin", 3), RunSpec("cache_aware", 3))
 MISSION_3_EXPECTATIONS = (
     Expectation("cache_aware", 3, "ttft_p95_s", 0.0, 0.4,
-                "seed 001: 'Same traffic, less than half the prefill capacity'"),
+                "belgavi: 'Same traffic, less than half the prefill capacity'"),
     Expectation("round_robin", 3, "ttft_p95_s", 1.0, math.inf,
-                "round robin on 3 cannot keep up (seed 001: 'seven replicas just to keep up' "
+                "round robin on 3 cannot keep up (belgavi: 'seven replicas just to keep up' "
                 "without cache)"),
 )
 
@@ -242,12 +242,12 @@ SPILLS = (0.0, 0.05, 0.1, 0.2, 0.4, 0.8, math.inf)
 MISSION_4_RUNS = tuple(RunSpec("exact", 4, "", (("spill_threshold_s", s),)) for s in SPILLS)
 MISSION_4_PARAMS = (
     Param("tenants", "acme 18 req/s, globex 12 req/s, 3 system prompts each",
-          "seed 001: 'mission four adds a tenant surge and a burst'; the split is ours and "
+          "belgavi: 'mission four adds a tenant surge and a burst'; the split is ours and "
           "keeps belgavi's 30 req/s and six system prompts"),
     Param("surge", "acme x1.5 from 35 s to 55 s", "ours: 20 s of 50 % more traffic"),
     Param("burst", "everyone x2 from 60 s to 62 s", "ours: a 2 s burst"),
     Param("replicas", 4, "ours: enough capacity that the surge is survivable"),
-    Param("spill_threshold_s", "0 .. inf", "seed 001: 'the right spill threshold is "
+    Param("spill_threshold_s", "0 .. inf", "belgavi: 'the right spill threshold is "
           "neither zero nor infinite'"),
 )
 

@@ -126,7 +126,7 @@ def _six_turn_fleet(replicas: int, variant: str) -> FleetConfig:
 
 SIX_TURN_SCENARIO = Scenario(
     name="six-turn",
-    summary="seed 001's table: one 6-turn chat, 15,900 prefill tokens without cache, 2,400 "
+    summary="the six-turn chat: one conversation, 15,900 prefill tokens without cache, 2,400 "
     "with a radix tree, a few more with vLLM's 16-token blocks",
     params=SIX_TURN_PARAMS,
     runs=SIX_TURN_RUNS,
@@ -166,7 +166,7 @@ def belgavi_fleet(replicas: int, variant: str) -> FleetConfig:
 
 BELGAVI_SCENARIO = Scenario(
     name="belgavi",
-    summary="seed 001's support chat: no cache vs round robin on 6 vs cache-aware on 3",
+    summary="Belgavi's support chat: no cache vs round robin on 6 vs cache-aware on 3",
     params=BELGAVI_PARAMS,
     runs=BELGAVI_RUNS,
     requests=chat_requests(BELGAVI),
@@ -194,7 +194,7 @@ def _contract_fleet(replicas: int, variant: str) -> FleetConfig:
 
 CONTRACT_SCENARIO = Scenario(
     name="contract-library",
-    summary="seed 000's 2,000 contracts on 8 replicas: round robin vs prefix affinity (+ bound)",
+    summary="a library of 2,000 contracts on 8 replicas: round robin vs prefix affinity (+ bound)",
     params=CONTRACT_PARAMS,
     runs=CONTRACT_RUNS,
     requests=_contract_requests,

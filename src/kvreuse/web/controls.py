@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from kvreuse import defaults
 from kvreuse.errors import InputFormatError
 
 BYTES_PER_TOKEN = 128 * 1024
@@ -30,20 +31,21 @@ class LabControls:
     every system prompt at that token (seed 001's mission two), ``None`` for no timestamp.
     ``mission`` names a preset whose goal is checked.
 
-    The defaults are the lab's opening view: belgavi's support chat with its 1 GB caches behind
-    round robin on six replicas.
+    The defaults are the lab's opening view, read from :mod:`kvreuse.defaults` (the values
+    ``kvreuse simulate`` uses): belgavi's support chat with its 1 GiB caches behind round robin
+    on six replicas.
     """
 
-    scenario: str = "belgavi"
-    replicas: int = 6
+    scenario: str = defaults.LAB_SCENARIO
+    replicas: int = defaults.LAB_REPLICAS
     cache_enabled: bool = True
-    cache_tokens: int = 9728
-    routing: str = "round_robin"
-    spill_threshold_s: float = 0.2
-    scheduling: str = "fcfs"
-    arrival_rate: float = 30.0
-    duration_s: float = 60.0
-    seed: int = 0
+    cache_tokens: int = defaults.CACHE_TOKENS
+    routing: str = defaults.LAB_ROUTING
+    spill_threshold_s: float = defaults.SPILL_THRESHOLD_S
+    scheduling: str = defaults.SCHEDULING
+    arrival_rate: float = defaults.ARRIVAL_RATE
+    duration_s: float = defaults.DURATION_S
+    seed: int = defaults.SEED
     timestamp_at: int | None = None
     mission: str | None = None
 

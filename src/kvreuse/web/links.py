@@ -12,10 +12,12 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlencode
 
+from kvreuse.defaults import LAB_HOST, LAB_PORT, lab_base_url
 from kvreuse.web.controls import LabControls
 
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 8765
+DEFAULT_HOST = LAB_HOST
+DEFAULT_PORT = LAB_PORT
+DEFAULT_BASE_URL = lab_base_url()
 
 
 def _text(value: Any) -> str:
@@ -46,11 +48,16 @@ def lab_url(
     *,
     host: str = DEFAULT_HOST,
     port: int = DEFAULT_PORT,
+    base_url: str | None = None,
 ) -> str:
-    """``http://host:port/?...`` opening ``controls`` in a lab started with ``kvreuse lab``
-    (default address: ``kvreuse lab`` with no flags)."""
+    """``http://host:port/?...`` (or ``base_url?...``) opening ``controls`` in a lab started
+    with ``kvreuse lab`` (default address: ``kvreuse lab`` with no flags)."""
     query = lab_query(controls)
-    return f"http://{host}:{port}/" + (f"?{query}" if query else "")
+    base = base_url if base_url is not None else lab_base_url(host, port)
+    base = base.split("?", 1)[0]
+    if not base.endswith("/"):
+        base += "/"
+    return base + (f"?{query}" if query else "")
 
 
 VARIANT_CONTROLS: dict[str, dict[str, Any]] = {
@@ -75,22 +82,29 @@ def lab_url_for_run(
     options: Mapping[str, Any] | None = None,
     cache_tokens: int | None = None,
     duration_s: float | None = None,
+    scale: float = 1.0,
+    scheduling: str | None = None,
     host: str = DEFAULT_HOST,
     port: int = DEFAULT_PORT,
+    base_url: str | None = None,
 ) -> str | None:
     """The lab link for one run of ``kvreuse simulate`` (a scenario's ``RunSpec`` and seed), or
-    ``None`` when the lab cannot show it: a scenario that is not one of the lab's chat
-    scenarios (six-turn, contract-library, traces) or an unknown variant.
+    ``None`` when the lab cannot show that very run: a scenario that is not one of the lab's
+    chat scenarios (six-turn, contract-library, traces), an unknown variant, or a policy option
+    the lab has no control for (``overload``, ``load_metric``...: the lab would run the
+    policy's default instead and show other figures).
 
-    ``options`` are the run's policy options; ``spill_threshold_s`` carries over (``inf`` as
-    :data:`NEVER_SPILL_S`), others (``overload``, ``load_metric``...) have no lab control and
-    are left at the policy's defaults. ``cache_tokens`` defaults to the lab's, which is the
-    simulator's belgavi pool. A mission scenario opens with that mission's goal shown. O(1).
+    ``spill_threshold_s`` carries over (``inf`` as :data:`NEVER_SPILL_S`). ``cache_tokens``
+    (the run's KV pool per replica) defaults to the lab's, which is the simulator's belgavi
+    pool; ``duration_s`` to the scenario's measured window times ``scale`` (``simulate
+    --scale``). A mission scenario opens with that mission's goal shown. O(1).
     """
     from kvreuse.web.adapter import LAB_TRAFFIC  # the simulator's names, read lazily
     from kvreuse.web.missions import MISSIONS
 
     if scenario not in LAB_TRAFFIC or variant not in VARIANT_CONTROLS:
+        return None
+    if any(key != "spill_threshold_s" for key in (options or {})):
         return None
     controls: dict[str, Any] = {
         "scenario": scenario,
@@ -104,8 +118,12 @@ def lab_url_for_run(
         controls["spill_threshold_s"] = min(float(spill), NEVER_SPILL_S)
     if cache_tokens is not None:
         controls["cache_tokens"] = cache_tokens
+    if duration_s is None and scale != 1.0:
+        duration_s = LAB_TRAFFIC[scenario].duration_s * scale
     if duration_s is not None:
         controls["duration_s"] = duration_s
+    if scheduling is not None:
+        controls["scheduling"] = scheduling
     if scenario in MISSIONS:
         controls["mission"] = scenario  # the page shows the mission's goal for this run
-    return lab_url(controls, host=host, port=port)
+    return lab_url(controls, host=host, port=port, base_url=base_url)
