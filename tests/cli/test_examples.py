@@ -104,6 +104,16 @@ def test_capacity_from_the_example_trace(capsys: pytest.CaptureFixture[str]) -> 
 
 
 def test_capacity_errors_name_the_option(capsys: pytest.CaptureFixture[str]) -> None:
-    """Neither a pool nor GPU memory: exit 1 with the options to give."""
-    assert main(["capacity", "--config", CONFIG]) == 1
+    """A workload but neither a pool nor GPU memory: exit 1 with the options to give."""
+    workload = str(Path(CONFIG).parent / "contract-library.json")
+    assert main(["capacity", "--config", CONFIG, "--workload", workload]) == 1
     assert "--kv-pool-gib" in capsys.readouterr().err
+
+
+def test_capacity_config_alone_prints_the_kv_bytes_per_token(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--config alone: the KV bytes per token it can compute, and which flags add the budget."""
+    assert main(["capacity", "--config", CONFIG]) == 0
+    out = capsys.readouterr().out
+    assert "131,072 bytes (128 KiB)" in out and "--kv-pool-gib" in out

@@ -87,12 +87,15 @@ def test_fingerprint_file_change_is_an_event(tmp_path: Path) -> None:
 def test_unreachable_and_foreign_pages_are_reported_not_fatal(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """A dead URL and a page without cache metrics produce error records; the command goes on."""
+    """A dead URL and a page without cache metrics produce error records; the command goes on
+    through every round, then exits 1 naming both."""
     with MetricsServer(["process_cpu_seconds_total 1\n"]) as server:
         dead = "http://127.0.0.1:9/metrics"
         assert main(["hitrate", dead, server.url, "--json", "--count", "1",
-                     "--timeout", "1"]) == 0
-    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+                     "--timeout", "1"]) == 1
+    captured = capsys.readouterr()
+    assert dead in captured.err and server.url in captured.err
+    records = [json.loads(line) for line in captured.out.splitlines()]
     assert records[0]["instance"] == dead and "error" in records[0]
     assert "no prefix-cache metrics" in records[1]["error"]
 

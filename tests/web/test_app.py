@@ -8,7 +8,8 @@ import pytest
 from starlette.testclient import TestClient
 
 from kvreuse.routing import POLICIES
-from kvreuse.web.app import MAX_BODY_BYTES, create_app
+from kvreuse.web.app import MAX_BODY_BYTES, MAX_CONCURRENT_RUNS, create_app
+from kvreuse.web.controls import LIMITS
 from kvreuse.web.missions import MISSIONS
 
 SHORT = {"duration_s": 12}
@@ -162,9 +163,46 @@ def test_malformed_json_is_a_400(client: TestClient) -> None:
 
 
 def test_oversized_bodies_are_refused(client: TestClient) -> None:
-    """A body over the limit is refused before parsing."""
+    """A body over the limit is refused with 413 before parsing."""
     response = client.post("/api/run", content=b" " * (MAX_BODY_BYTES + 1))
-    assert response.status_code == 400 and response.json()["field"] == "body"
+    assert response.status_code == 413 and response.json()["field"] == "body"
+    assert f"{MAX_BODY_BYTES:,}" in response.json()["error"]
+
+
+@pytest.mark.parametrize(
+    ("body", "problem"),
+    [
+        (b'{"routing": "\xff\xfe"}', "not valid UTF-8"),
+        (b'{"routing": "\\ud800"}', "lone UTF-16 surrogate"),
+        (b'{"seed": ' + b"9" * 5000 + b"}", "5,000 digits"),
+        (b"[" * 5000 + b"]" * 5000, "nested too deeply"),
+        (b'{"seed": NaN}', "NaN"),
+        (b'{"arrival_rate": 1e999}', "out of range"),
+        (b'{"seed": 1,}', "not valid JSON"),
+    ],
+)
+def test_malformed_bodies_are_a_400_naming_the_problem(
+    client: TestClient, body: bytes, problem: str
+) -> None:
+    """Invalid Unicode, huge integers, deep nesting, non-finite numbers: 400, never a 500."""
+    response = client.post("/api/run", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    assert response.json()["field"] == "body" and problem in response.json()["error"]
+
+
+def test_one_run_may_not_ask_for_unbounded_work(client: TestClient) -> None:
+    """Maximum rate for the longest duration is more than one run may simulate: 400."""
+    response = client.post("/api/run", json={"arrival_rate": 200, "duration_s": 300})
+    assert response.status_code == 400
+    assert response.json()["field"] == "duration_s"
+    assert f"{LIMITS.max_requests:,}" in response.json()["error"]
+
+
+def test_config_states_the_work_limits(client: TestClient) -> None:
+    """/api/config tells the page how much one run may ask for and how many run at once."""
+    config = client.get("/api/config").json()
+    assert config["limits"]["requests_per_run"] == [1, LIMITS.max_requests]
+    assert config["max_concurrent_runs"] == MAX_CONCURRENT_RUNS
 
 
 def test_bad_query_strings_name_the_field(client: TestClient) -> None:

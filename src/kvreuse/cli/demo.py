@@ -6,10 +6,10 @@ import argparse
 import json
 from typing import Any
 
-from rich.console import Console
 from rich.table import Table
 
 from kvreuse.cli.args import positive_int
+from kvreuse.cli.tables import make_console
 from kvreuse.six_turn import ChatShape, run_six_turn
 
 
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
         f"{result.total_radix_prefilled:,}",
         f"{result.total_block_prefilled:,}",
     )
-    console = Console()
+    console = make_console()
     console.print(table)
     saved = 1 - result.total_radix_prefilled / total
     console.print(

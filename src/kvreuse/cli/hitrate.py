@@ -18,7 +18,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvreuse.errors import ConfigError, InputFormatError
+from kvreuse.cli.args import positive_float, positive_int
+from kvreuse.cli.tables import make_console
+from kvreuse.errors import InputFormatError
 from kvreuse.hitrate.prometheus import cache_counters, metric_names, parse_exposition
 from kvreuse.hitrate.window import (
     FingerprintChange,
@@ -39,8 +41,12 @@ def register(subparsers: Any) -> None:
         ),
     )
     parser.add_argument("urls", nargs="+", help="metrics URLs, e.g. http://127.0.0.1:8000/metrics")
-    parser.add_argument("--interval", type=float, default=5.0, help="seconds between scrapes")
-    parser.add_argument("--window", type=float, default=300.0, help="rate window in seconds")
+    parser.add_argument(
+        "--interval", type=positive_float, default=5.0, help="seconds between scrapes"
+    )
+    parser.add_argument(
+        "--window", type=positive_float, default=300.0, help="rate window in seconds"
+    )
     parser.add_argument(
         "--drop", type=float, default=10.0, help="alert when the rate falls this many points"
     )
@@ -51,8 +57,13 @@ def register(subparsers: Any) -> None:
         help="ignore windows with fewer queried tokens than this (noise)",
     )
     parser.add_argument("--model", help="only count series with this model_name label")
-    parser.add_argument("--count", type=int, help="stop after this many scrape rounds")
-    parser.add_argument("--timeout", type=float, default=5.0, help="HTTP timeout per scrape")
+    parser.add_argument(
+        "--count", type=positive_int,
+        help="stop after this many scrape rounds; exit 1 if an instance's last scrape failed",
+    )
+    parser.add_argument(
+        "--timeout", type=positive_float, default=5.0, help="HTTP timeout per scrape"
+    )
     parser.add_argument("--json", action="store_true", help="print JSON lines, no table")
     parser.add_argument(
         "--fingerprint-file",
@@ -188,14 +199,20 @@ def _alert_json(alert: StepAlert) -> dict[str, Any]:
 
 def _table(monitor: Monitor) -> Any:
     from rich.table import Table
+    from rich.text import Text
 
     table = Table(title=f"token hit rate, {monitor.args.window:.0f} s window")
+    # Instances and errors wrap rather than lose their ends: two URLs that differ only in the
+    # port must not look alike. Figures never shrink.
     for column in ("instance", "source", "window", "lifetime", "queried tok/s", "status"):
-        table.add_column(column, justify="left" if column in ("instance", "status") else "right")
+        if column in ("instance", "status"):
+            table.add_column(column, overflow="fold", ratio=1)
+        else:
+            table.add_column(column, justify="right", no_wrap=True)
     for url in monitor.urls:
         state = monitor.latest.get(url)
         if not isinstance(state, RateReading):
-            table.add_row(url, "", "", "", "", state or "waiting")
+            table.add_row(Text(url), "", "", "", "", Text(state or "waiting"))
             continue
         window = "-" if state.window_rate is None else f"{state.window_rate:.1%}"
         lifetime = "-" if state.lifetime_rate is None else f"{state.lifetime_rate:.1%}"
@@ -204,20 +221,20 @@ def _table(monitor: Monitor) -> Any:
         )
         alerts = [a for a in monitor.alerts if a.instance == url]
         status = f"ALERT: fell {alerts[-1].drop_points:.1f} pts" if alerts else "ok"
-        table.add_row(url, state.family, window, lifetime, per_second, status)
+        table.add_row(Text(url), state.family, window, lifetime, per_second, Text(status))
     return table
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.interval <= 0:
-        raise ConfigError(f"--interval must be positive, got {args.interval}")
     monitor = Monitor(list(args.urls), args)
     rounds = 0
     live = None
     if not args.json:
         from rich.live import Live
 
-        live = Live(_table(monitor), refresh_per_second=4, transient=False)
+        live = Live(
+            _table(monitor), console=make_console(), refresh_per_second=4, transient=False
+        )
         live.start()
     try:
         while args.count is None or rounds < args.count:
@@ -242,4 +259,10 @@ def run(args: argparse.Namespace) -> int:
         if live is not None:
             live.stop()
     sys.stdout.flush()
+    failing = [url for url in monitor.urls if not isinstance(monitor.latest.get(url), RateReading)]
+    if failing:
+        for url in failing:
+            print(f"kvreuse hitrate: {url}: {monitor.latest.get(url, 'not scraped')}",
+                  file=sys.stderr)
+        return 1
     return 0

@@ -1,4 +1,4 @@
-"""``kvreuse lab``: serve the interactive lab (seed 001's "Run the lab") on this machine."""
+"""``kvreuse lab``: serve the interactive lab (the belgavi example) on this machine."""
 
 from __future__ import annotations
 
@@ -8,8 +8,14 @@ import webbrowser
 from typing import Any
 
 from kvreuse.cli.args import positive_int
+from kvreuse.defaults import LAB_HOST as DEFAULT_HOST
+from kvreuse.defaults import LAB_PORT as DEFAULT_PORT
+from kvreuse.defaults import lab_base_url
 from kvreuse.errors import ConfigError
-from kvreuse.web.links import DEFAULT_HOST, DEFAULT_PORT
+
+MAX_CONCURRENT_RUNS = 2
+"""Kept equal to :data:`kvreuse.web.app.MAX_CONCURRENT_RUNS` (tests/web checks), so that
+``kvreuse --help`` need not import starlette."""
 
 
 def register(subparsers: Any) -> None:
@@ -32,6 +38,11 @@ def register(subparsers: Any) -> None:
         default=DEFAULT_PORT,
         help=f"port to listen on (default {DEFAULT_PORT})",
     )
+    parser.add_argument(
+        "--max-concurrent-runs", type=positive_int, default=MAX_CONCURRENT_RUNS, metavar="N",
+        help="simulations run at once; more wait briefly, then get 503 "
+        f"(default {MAX_CONCURRENT_RUNS})",
+    )
     parser.add_argument("--open", action="store_true", help="open the page in a web browser")
     parser.set_defaults(func=run)
 
@@ -49,10 +60,11 @@ def run(args: argparse.Namespace) -> int:
             f"the lab needs starlette and uvicorn ({exc.name} is missing): "
             "pip install 'kvreuse[gateway]'"
         ) from None
-    url = f"http://{args.host}:{args.port}/"
+    url = lab_base_url(args.host, args.port)
     print(f"kvreuse lab: serving {url} (Ctrl-C to stop)", flush=True)
     if args.open:
         # After a moment, so the server is listening when the browser asks.
         threading.Timer(0.8, webbrowser.open, args=(url,)).start()
-    uvicorn.run(create_app(), host=args.host, port=args.port, log_level="warning")
+    app = create_app(max_concurrent_runs=args.max_concurrent_runs)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from rich.console import Console
 from rich.table import Table
 
+from kvreuse.cli.tables import make_console
 from kvreuse.sim.scenarios import SCENARIOS
 
 
@@ -22,7 +22,7 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    console = Console()
+    console = make_console()
     table = Table(title="kvreuse simulate --scenario NAME")
     table.add_column("scenario", style="bold")
     table.add_column("compares")

@@ -1,9 +1,9 @@
 """Tables for people: as wide as the terminal (or ``COLUMNS``), and never a cut number.
 
 rich shrinks every column evenly when a table is wider than the console, which turns
-``1,636,900`` into ``1,636,…``. Here numbers never shrink: text columns (labels, URLs) wrap
-instead, and when even that cannot fit, each row is printed as a block of ``name value`` pairs
-that wraps between pairs.
+``1,636,900`` into ``1,636,…``. Here no cell is ever cut or split: when the whole table does not
+fit, each row is printed as a block instead, its label on one line and its ``name value``
+pairs wrapped between pairs.
 """
 
 from __future__ import annotations
@@ -15,14 +15,13 @@ from typing import TextIO
 
 from rich import box
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
 PIPE_WIDTH = 120
 """Width for output that is not a terminal and has no ``COLUMNS``: logs and CI read wide."""
 
-MIN_TEXT_WIDTH = 12
-"""A text column narrower than this reads worse than the one-block-per-row layout."""
 
 
 def console_width(file: TextIO | None = None) -> int | None:
@@ -42,10 +41,6 @@ def make_console(*, stderr: bool = False) -> Console:
     return Console(file=stream, width=console_width(stream), stderr=stderr)
 
 
-def _header_width(header: str) -> int:
-    return max(len(line) for line in header.split("\n"))
-
-
 def print_table(
     console: Console,
     title: str,
@@ -55,31 +50,26 @@ def print_table(
     text_columns: Sequence[int] = (0,),
 ) -> None:
     """Print ``rows`` under ``headers`` (``\\n`` breaks a header). Columns in ``text_columns``
-    are left-aligned and wrap; the others are right-aligned and keep their full width. When the
+    are left-aligned, the others right-aligned; every cell keeps its full width. When the
     console is too narrow for that, every row becomes one block instead (see the module
     docstring). O(cells)."""
-    number_widths = [
-        max([_header_width(h)] + [len(r[i]) for r in rows])
-        for i, h in enumerate(headers)
-        if i not in text_columns
-    ]
-    text_minimum = len(text_columns) * MIN_TEXT_WIDTH
-    # one column of padding per column, plus the table's two edges
-    needed = sum(number_widths) + text_minimum + len(headers) + 2
-    if needed > console.width:
-        _print_blocks(console, title, headers, rows, text_columns)
-        return
     table = Table(
-        title=Text(title), box=box.SIMPLE_HEAD, padding=(0, 0, 0, 1), title_justify="left"
+        title=Text(title), box=box.SIMPLE_HEAD, padding=(0, 0), title_justify="left",
+        show_edge=False,
     )
     for i, header in enumerate(headers):
         if i in text_columns:
-            table.add_column(header, overflow="fold", min_width=MIN_TEXT_WIDTH)
+            table.add_column(header, no_wrap=True)
         else:
             table.add_column(header, justify="right", no_wrap=True)
     for row in rows:
         # Text, not markup: a label like exact[spill_threshold_s=0.1] is no style tag.
         table.add_row(*(Text(cell) for cell in row))
+    # measured unbounded: rich clamps a measurement to the console, hiding the overflow
+    natural = Measurement.get(console, console.options.update_width(1 << 20), table).maximum
+    if natural > console.width:
+        _print_blocks(console, title, headers, rows, text_columns)
+        return
     console.print(table)
 
 

@@ -39,7 +39,7 @@ from kvreuse.sim.requests import FleetRun
 from kvreuse.sim.scenarios import BELGAVI, SCENARIOS, SURGE, Scenario
 from kvreuse.sim.summary import percentile, prefill_cost_s
 from kvreuse.tokens import TOKEN_BYTES
-from kvreuse.web.controls import ControlChoices, LabControls
+from kvreuse.web.controls import LIMITS, ControlChoices, LabControls
 from kvreuse.web.missions import MISSIONS, Mission, check_goal
 from kvreuse.web.result import (
     LabResult,
@@ -215,6 +215,15 @@ class SimLab:
                 f"prompt: at most {workload.system_tokens - workload.volatile_tokens}, got "
                 f"{controls.timestamp_at}",
                 where="timestamp_at",
+            )
+        planned = controls.arrival_rate * (workload.warmup_s + controls.duration_s)
+        if planned > LIMITS.max_requests:
+            raise InputFormatError(
+                f"this run would simulate about {planned:,.0f} requests ({controls.arrival_rate:g} "
+                f"req/s for {workload.warmup_s:g} s of warm-up and {controls.duration_s:g} s "
+                f"measured); the lab's limit is {LIMITS.max_requests:,}: lower arrival_rate or "
+                "duration_s (kvreuse simulate runs bigger fleets)",
+                where="duration_s",
             )
         requests = tuple(workload.generate(controls.seed))
         need = max((r.prompt_len + r.output_len for r in requests), default=0)

@@ -8,14 +8,23 @@ Routes:
   (:func:`kvreuse.web.result.result_to_json`); ``GET /api/run?...`` takes the same controls as
   a query string (what :func:`kvreuse.web.links.lab_url` builds).
 
-Bad input answers 400 with ``{"error": ..., "field": ...}`` naming what to fix. Runs are
-deterministic for given controls, so recent results are kept and a repeated run (the page's
-replay, a mission re-check) is answered without simulating again.
+Bad input answers 400 with ``{"error": ..., "field": ...}`` naming what to fix: malformed JSON,
+bytes that are not UTF-8, lone surrogates, oversized integers and deep nesting included
+(:func:`kvreuse.json_input.parse_json`). A body over :data:`MAX_BODY_BYTES` is refused with 413
+as soon as its ``Content-Length`` or its first bytes past the limit show it, never read whole.
+
+Work is bounded twice: one run may simulate at most ``Limits.max_requests`` requests (the
+controls' ranges bound the rest), and at most ``max_concurrent_runs`` simulations run at once;
+further runs wait for a slot (up to ``max_waiting_runs`` of them, for at most
+``queue_timeout_s``) and are otherwise answered 503 with ``Retry-After``. Runs are deterministic
+for given controls, so recent results are kept and a repeated run (the page's replay, a mission
+re-check) is answered without simulating again.
 """
 
 from __future__ import annotations
 
-import json
+import asyncio
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -30,13 +39,22 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from kvreuse.errors import ConfigError, InputFormatError
+from kvreuse.json_input import parse_json
 from kvreuse.web.controls import LIMITS, ControlChoices, LabControls, parse_controls, parse_query
 from kvreuse.web.missions import Mission, mission_to_json
 from kvreuse.web.result import SEGMENT_KINDS, LabResult, result_to_json
 
 STATIC_DIR = Path(__file__).parent / "static"
 MAX_BODY_BYTES = 64 * 1024
+MAX_BODY_DEPTH = 8
+"""The controls are a flat object; anything nested deeper than this is not a lab request."""
 RESULT_CACHE_SIZE = 32
+MAX_CONCURRENT_RUNS = 2
+"""Simulations at once by default: each holds a core and up to a few hundred MB."""
+MAX_WAITING_RUNS = 8
+QUEUE_TIMEOUT_S = 30.0
+
+log = logging.getLogger("kvreuse.lab")
 
 
 class LabRunner(Protocol):
@@ -65,8 +83,65 @@ class LabRunner(Protocol):
         ...
 
 
-def _error(message: str, field: str | None, status: int = 400) -> JSONResponse:
-    return JSONResponse({"error": message, "field": field}, status_code=status)
+def _error(
+    message: str, field: str | None, status: int = 400, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    log.info("lab: %s answered %d: %s", field or "request", status, message)
+    return JSONResponse({"error": message, "field": field}, status_code=status, headers=headers)
+
+
+class _BodyTooLarge(Exception):
+    def __init__(self, seen: int) -> None:
+        super().__init__(seen)
+        self.seen = seen
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, or :class:`_BodyTooLarge` as soon as its declared or received size passes
+    ``limit``: an oversized body is never held whole."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+        raise _BodyTooLarge(int(declared))
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _BodyTooLarge(size)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+class RunSlots:
+    """At most ``size`` simulations at once; at most ``waiting`` more wait, each up to
+    ``timeout_s``. :meth:`acquire` returns False (backpressure) when no slot came."""
+
+    def __init__(self, size: int, waiting: int, timeout_s: float) -> None:
+        if size < 1:
+            raise ConfigError(f"max_concurrent_runs must be >= 1, got {size}")
+        self.size = size
+        self.waiting_limit = waiting
+        self.timeout_s = timeout_s
+        self._semaphore = asyncio.Semaphore(size)
+        self.running = 0
+        self.waiting = 0
+
+    async def acquire(self) -> bool:
+        if self._semaphore.locked() and self.waiting >= self.waiting_limit:
+            return False
+        self.waiting += 1
+        try:
+            await asyncio.wait_for(self._semaphore.acquire(), self.timeout_s)
+        except TimeoutError:
+            return False
+        finally:
+            self.waiting -= 1
+        self.running += 1
+        return True
+
+    def release(self) -> None:
+        self.running -= 1
+        self._semaphore.release()
 
 
 class _ResultCache:
@@ -92,14 +167,22 @@ class _ResultCache:
                 self._items.popitem(last=False)
 
 
-def create_app(runner: LabRunner | None = None) -> Starlette:
-    """The ASGI app. ``runner`` defaults to the real simulator (:class:`SimLab`)."""
+def create_app(
+    runner: LabRunner | None = None,
+    *,
+    max_concurrent_runs: int = MAX_CONCURRENT_RUNS,
+    max_waiting_runs: int = MAX_WAITING_RUNS,
+    queue_timeout_s: float = QUEUE_TIMEOUT_S,
+) -> Starlette:
+    """The ASGI app. ``runner`` defaults to the real simulator (:class:`SimLab`); at most
+    ``max_concurrent_runs`` simulations run at once (see the module docstring)."""
     if runner is None:
         from kvreuse.web.adapter import SimLab
 
         runner = SimLab()
     lab: LabRunner = runner
     cache = _ResultCache(RESULT_CACHE_SIZE)
+    slots = RunSlots(max_concurrent_runs, max_waiting_runs, queue_timeout_s)
 
     async def page(request: Request) -> Response:
         return FileResponse(STATIC_DIR / "index.html", media_type="text/html")
@@ -122,7 +205,9 @@ def create_app(runner: LabRunner | None = None) -> Starlette:
                     "duration_s": [1, LIMITS.max_duration_s],
                     "spill_threshold_s": [0, LIMITS.max_spill_threshold_s],
                     "seed": [0, LIMITS.max_seed],
+                    "requests_per_run": [1, LIMITS.max_requests],
                 },
+                "max_concurrent_runs": slots.size,
                 "segment_kinds": list(SEGMENT_KINDS),
                 "missions": [mission_to_json(m) for m in lab.missions().values()],
             }
@@ -132,24 +217,37 @@ def create_app(runner: LabRunner | None = None) -> Starlette:
         cached = cache.get(controls)
         if cached is not None:
             return JSONResponse(cached)
+        if not await slots.acquire():
+            return _error(
+                f"the lab is already running {slots.size} simulation(s) and has "
+                f"{slots.waiting} waiting; try again in a moment",
+                None, 503, {"Retry-After": "2"},
+            )
         try:
             result = await run_in_threadpool(lab.run, controls)
         except InputFormatError as exc:
             return _error(str(exc), exc.where)
         except ConfigError as exc:
             return _error(str(exc), None)
+        finally:
+            slots.release()
         body = result_to_json(result)
         cache.put(controls, body)
         return JSONResponse(body)
 
     async def run_post(request: Request) -> Response:
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            return _error(f"the body is {len(raw)} bytes; the limit is {MAX_BODY_BYTES}", "body")
         try:
-            body = json.loads(raw) if raw.strip() else {}
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return _error(f"the body is not valid JSON: {exc}", "body")
+            raw = await _read_body(request, MAX_BODY_BYTES)
+        except _BodyTooLarge as exc:
+            return _error(
+                f"the body is over the limit of {MAX_BODY_BYTES:,} bytes (at least "
+                f"{exc.seen:,} sent); the controls fit in a few hundred",
+                "body", 413,
+            )
+        try:
+            body = parse_json(raw, max_depth=MAX_BODY_DEPTH) if raw.strip() else {}
+        except InputFormatError as exc:
+            return _error(f"the body: {exc}", "body")
         try:
             controls = parse_controls(body, lab.choices(), lab.defaults())
         except InputFormatError as exc:

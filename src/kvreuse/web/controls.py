@@ -80,6 +80,9 @@ class Limits:
     max_spill_threshold_s: float = 60.0
     max_seed: int = 2**31 - 1
     max_timestamp_at: int = 1_000_000
+    max_requests: int = 20_000
+    """Requests one run may simulate (warm-up included): about 200 req/s for 80 s, a few
+    seconds and a few hundred MB; ``kvreuse simulate`` is for bigger runs."""
 
 
 LIMITS = Limits()

@@ -1,0 +1,158 @@
+"""What `kvreuse simulate` prints: every run's full label, every figure uncut through a pipe and
+at 80 and 100 columns, policy options, baselines, `--json -`, and the reasons of OUT OF RANGE."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvreuse.cli.main import main
+from kvreuse.cli.tables import PIPE_WIDTH
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+
+
+def _piped(args: list[str], columns: int | None) -> str:
+    """`kvreuse ARGS` in a child process whose stdout is a pipe, with COLUMNS set or unset."""
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
+    if columns is not None:
+        env["COLUMNS"] = str(columns)
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys; from kvreuse.cli.main import main; sys.exit(main())",
+         *args],
+        capture_output=True, text=True, env=env, timeout=300, check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def _cells(run: dict[str, Any]) -> list[str]:
+    """The figures of a JSON run as the table formats them."""
+    return [
+        f"{run['token_hit_rate']:.1%}", f"{run['request_hit_rate']:.1%}",
+        f"{run['prefill_gpu_s_per_1k']:.1f}", f"{run['ttft_p50_s']:.3f}",
+        f"{run['ttft_p95_s']:.3f}", f"{run['max_over_mean_load']:.2f}",
+        f"{run['evicted_tokens']:,}", f"{run['requests']:,}",
+    ]
+
+
+@pytest.fixture(scope="module")
+def mission_four(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Mission four at a quarter of its window: seven spill thresholds plus a baseline."""
+    out = tmp_path_factory.mktemp("m4") / "m4.json"
+    assert main(["simulate", "--scenario", "mission-4", "--scale", "0.25",
+                 "--json", str(out)]) == 0
+    payload: dict[str, Any] = json.loads(out.read_text())
+    return payload
+
+
+@pytest.mark.parametrize("columns", [None, 80, 100])
+def test_every_label_and_figure_survives_a_pipe_at_any_width(
+    mission_four: dict[str, Any], columns: int | None
+) -> None:
+    """Through a pipe, unset COLUMNS (120), 80 and 100: each run's full label on one line,
+    every figure whole, no ellipsis, no line wider than the width."""
+    text = _piped(["simulate", "--scenario", "mission-4", "--scale", "0.25"], columns)
+    lines = text.splitlines()
+    assert "…" not in text
+    assert max(len(line) for line in lines) <= (columns or PIPE_WIDTH)
+    for run in mission_four["runs"]:
+        label = f"{run['label']} x{run['replicas']}"
+        row = next((i for i, line in enumerate(lines) if label in line), None)
+        assert row is not None, f"{label} missing at {columns}"
+        # the figures are on the label's line (a table) or in the lines of its block
+        block = " ".join(lines[row: row + 3])
+        for cell in _cells(run):
+            assert cell in block, (label, cell, columns)
+
+
+def test_mission_four_labels_every_spill_threshold(mission_four: dict[str, Any]) -> None:
+    """Seven exact rows, each named by its threshold, and the no-cache baseline of exact."""
+    labels = [run["label"] for run in mission_four["runs"]]
+    assert labels[:7] == [
+        f"exact[spill_threshold_s={s}]" for s in ("0.0", "0.05", "0.1", "0.2", "0.4", "0.8", "inf")
+    ]
+    assert labels[7:] == ["exact (no_cache)"]
+    baseline = mission_four["runs"][7]
+    assert baseline["token_hit_rate"] == 0.0 and baseline["variant"] == "no_cache"
+
+
+def test_contract_library_rows_carry_their_options(capsys: pytest.CaptureFixture[str]) -> None:
+    """The three prefix_hash rows differ by their options, and the table says which."""
+    assert main(["simulate", "--scenario", "contract-library", "--scale", "0.1",
+                 "--no-baseline"]) == 0
+    out = capsys.readouterr().out
+    for label in ("prefix_hash x8", "prefix_hash[overload=None] x8",
+                  "prefix_hash[load_metric=in_flight] x8"):
+        assert label in out
+
+
+def test_policy_options_in_brackets_and_by_flag_give_the_same_run(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """prefix_hash[overload=None] and --policy-option overload=null are one run, and it is the
+    scenario's unbounded affinity run (its stated range is checked)."""
+    runs = []
+    for args in (["--policy", "prefix_hash[overload=None]"],
+                 ["--policy", "prefix_hash", "--policy-option", "overload=null"]):
+        assert main(["simulate", "--scenario", "contract-library", "--scale", "0.1",
+                     "--no-baseline", "--json", "-", *args]) == 0
+        runs.append(json.loads(capsys.readouterr().out)["runs"])
+    assert runs[0] == runs[1]
+    assert [r["label"] for r in runs[0]] == ["prefix_hash[overload=None]"]
+
+
+def test_an_option_no_chosen_policy_takes_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """--policy-option naming nothing any chosen policy takes: exit 1 naming the flag."""
+    assert main(["simulate", "--scenario", "belgavi", "--policy", "round_robin",
+                 "--policy-option", "overload=2"]) == 1
+    err = capsys.readouterr().err
+    assert "--policy-option overload=2" in err and "round_robin" in err
+    assert main(["simulate", "--scenario", "belgavi", "--policy", "round_robin[k=1]"]) == 1
+    assert "has no option 'k'" in capsys.readouterr().err
+
+
+def test_json_dash_writes_json_to_stdout(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--json - prints the JSON alone on stdout (the table goes to stderr), no file named -."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["simulate", "--scenario", "six-turn", "--json", "-"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["scenario"] == "six-turn"
+    assert "six-turn" in captured.err
+    assert not (tmp_path / "-").exists()
+
+
+def test_out_of_range_lines_say_why(capsys: pytest.CaptureFixture[str]) -> None:
+    """With the block cache instead of the radix tree, six-turn's radix figure leaves its range
+    and the line names the flag responsible."""
+    assert main(["simulate", "--scenario", "six-turn", "--cache-kind", "block"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    verdicts = out.split("OUT OF RANGE")[1:]
+    assert verdicts, out
+    for verdict in verdicts:
+        assert "60 above the range, because --cache-kind block" in verdict.split(" in range ")[0]
+
+
+def test_scale_is_named_as_the_reason(capsys: pytest.CaptureFixture[str]) -> None:
+    """A scaled run that leaves a range names --scale."""
+    assert main(["simulate", "--scenario", "belgavi", "--scale", "0.05", "--no-baseline"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    if "OUT OF RANGE" in out:
+        assert "because --scale 0.05 measures 5%" in out
+
+
+def test_the_bounds_line_says_what_pooled_lru_is_not(capsys: pytest.CaptureFixture[str]) -> None:
+    """The pooled LRU figure is called a reference, not a ceiling; the infinite cache is one."""
+    assert main(["simulate", "--scenario", "six-turn", "--no-baseline"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "infinite cache" in out and "(a ceiling:" in out
+    assert "(a reference, not a ceiling:" in out
