@@ -35,8 +35,10 @@ if "--pure" in sys.argv[1:]:
 from kvreuse import native
 from kvreuse.routing import POLICIES, build_policy
 from kvreuse.sim import FleetConfig, FleetSimulator, ReplicaConfig, SimRequest
+from kvreuse.sim.runner import simulate
 from kvreuse.sim.scenarios import get_scenario
-from kvreuse.sim.trace import compute_bounds, parse_trace
+from kvreuse.sim.trace import compute_bounds
+from kvreuse.trace import parse_trace_lines, trace_requests
 
 TRACE = Path(__file__).resolve().parents[1] / "../shared/data/mooncake_synthetic_trace.jsonl"
 
@@ -161,25 +163,28 @@ def belgavi(
 
 
 def trace(path: Path, repeat: int, replicas: int = 8,
-          cache_tokens: int = 200_000) -> list[str]:
+          cache_tokens: int = 200_000, granularity: str = "block") -> list[str]:
     """Time every policy over the whole trace; returns the verdict lines."""
     if not path.exists():
         print(f"trace {path} not found; skipping")
         return [f"[skip] Mooncake trace: {path} not found"]
     start = time.perf_counter()
-    with path.open() as lines:
-        requests: Sequence[SimRequest] = parse_trace(lines)
+    with path.open("rb") as lines:
+        records = parse_trace_lines(lines, str(path))
+    requests: Sequence[SimRequest]
+    requests, units = trace_requests(records, 512, granularity)
     parse_s = time.perf_counter() - start
-    print(f"mooncake trace: {len(requests):,} requests parsed in {parse_s:.2f} s")
+    print(f"mooncake trace: {len(requests):,} requests parsed in {parse_s:.2f} s "
+          f"({granularity} granularity)")
     start = time.perf_counter()
-    compute_bounds(requests, replicas, cache_tokens)
+    compute_bounds(requests, replicas, cache_tokens, units)
     print(f"  bounds (infinite + pooled LRU): {time.perf_counter() - start:.2f} s")
     config = FleetConfig(replicas, ReplicaConfig(pool_tokens=cache_tokens), kv_event_lag_s=0.0)
     worst = ("", 0.0)
     for name in POLICIES:
 
         def run(name: str = name) -> None:
-            FleetSimulator(config, build_policy(name, rng=random.Random(0))).run(requests)
+            simulate(name, {}, config, requests, units=units)
 
         times, _ = timed(run, repeat)
         print(
@@ -190,7 +195,8 @@ def trace(path: Path, repeat: int, replicas: int = 8,
             worst = (name, min(times))
     ok = worst[1] < TARGET_TRACE_S
     return [f"[{'PASS' if ok else 'FAIL'}] Mooncake trace over {replicas} replicas: slowest "
-            f"policy {worst[0]} best {worst[1]:.2f} s (target < {TARGET_TRACE_S:g} s)"]
+            f"policy {worst[0]} best {worst[1]:.2f} s (target < {TARGET_TRACE_S:g} s; "
+            f"{granularity} granularity)"]
 
 
 if __name__ == "__main__":
@@ -202,6 +208,8 @@ if __name__ == "__main__":
                         help="also time belgavi on the pure core, rounds interleaved, and print "
                              "the ratios")
     parser.add_argument("--belgavi-only", action="store_true", help="skip the trace")
+    parser.add_argument("--trace-granularity", choices=("block", "token"), default="block",
+                        help="replay the trace one unit per hash id (block) or per token")
     parser.add_argument("--walls-json", metavar="FILE",
                         help="write belgavi's wall seconds per policy (used by --against-pure)")
     args = parser.parse_args()
@@ -214,7 +222,7 @@ if __name__ == "__main__":
     print(load_average())
     verdicts = belgavi(args.scale, args.repeat, args.against_pure, args.walls_json)
     if not args.belgavi_only:
-        verdicts += trace(TRACE, args.repeat)
+        verdicts += trace(TRACE, args.repeat, granularity=args.trace_granularity)
     print(load_average())
     label = "compiled core" if core.compiled else "pure-Python core"
     print("\n".join(f"{line} [{label}]" for line in verdicts))

@@ -12,12 +12,12 @@ from kvreuse.capacity import (
     build_report,
     cache_budget,
     kv_shape_from_config,
-    parse_mooncake,
     parse_workload,
     trace_hot_set,
     verdict,
 )
 from kvreuse.errors import ConfigError, InputFormatError
+from kvreuse.trace.format import parse_trace_lines
 
 LLAMA_8B = {
     "architectures": ["LlamaForCausalLM"],
@@ -147,7 +147,7 @@ def trace_lines() -> list[str]:
 
 def test_mooncake_hot_set_counts_blocks_reused_within_a_window() -> None:
     """Window 1 reuses blocks 1-3, window 2 block 7: hot set 3 blocks of 512 tokens."""
-    hot = trace_hot_set(parse_mooncake(trace_lines()), window_seconds=60)
+    hot = trace_hot_set(parse_trace_lines(trace_lines()), window_seconds=60)
     assert hot.windows == 2
     assert hot.max_hot_tokens == 3 * 512
     assert hot.median_hot_tokens == 2 * 512
@@ -157,4 +157,4 @@ def test_mooncake_hot_set_counts_blocks_reused_within_a_window() -> None:
 def test_mooncake_errors_name_the_line() -> None:
     """A trace line without hash_ids names its line."""
     with pytest.raises(InputFormatError, match="trace:2"):
-        parse_mooncake([trace_lines()[0], '{"timestamp": 1, "input_length": 3}'])
+        parse_trace_lines([trace_lines()[0], '{"timestamp": 1, "input_length": 3}'])

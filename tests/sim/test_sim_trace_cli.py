@@ -12,13 +12,20 @@ from kvreuse.cli.main import main
 from kvreuse.errors import InputFormatError
 from kvreuse.routing import build_policy
 from kvreuse.sim import FleetConfig, FleetSimulator, ReplicaConfig, summarize
-from kvreuse.sim.trace import compute_bounds, parse_trace
+from kvreuse.sim.requests import SimRequest
+from kvreuse.sim.trace import compute_bounds
 from kvreuse.tokens import TOKEN_BYTES
+from kvreuse.trace import parse_trace_lines, trace_requests
 
 TRACE = Path(__file__).resolve().parents[2] / "../shared/data/mooncake_synthetic_trace.jsonl"
 needs_trace = pytest.mark.skipif(not TRACE.exists(), reason="shared Mooncake trace not present")
 
 GOOD = '{"timestamp": 5, "input_length": 1000, "output_length": 3, "hash_ids": [7, 8]}'
+
+
+def parse_trace(lines: list[str], source: str = "trace") -> list[SimRequest]:
+    """Token-granular requests: each id expanded into its 512 tokens."""
+    return trace_requests(parse_trace_lines(lines, source), 512, "token", source)[0]
 
 
 def head(n: int) -> list[str]:

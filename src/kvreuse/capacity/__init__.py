@@ -11,7 +11,7 @@ from kvreuse.capacity.model import (
     cache_budget,
     kv_shape_from_config,
 )
-from kvreuse.capacity.trace import TraceHotSet, parse_mooncake, trace_hot_set
+from kvreuse.capacity.trace import TraceHotSet, trace_hot_set
 from kvreuse.capacity.workload import (
     CapacityReport,
     HotPart,
@@ -33,7 +33,6 @@ __all__ = [
     "build_report",
     "cache_budget",
     "kv_shape_from_config",
-    "parse_mooncake",
     "parse_workload",
     "trace_hot_set",
     "verdict",

@@ -1,65 +1,22 @@
-"""Hot working set from a Mooncake-format trace.
+"""Hot working set from a Mooncake-format trace (parsed by :mod:`kvreuse.trace.format`).
 
-Each line is a request: ``{"timestamp": ms, "input_length": n, "output_length": m,
-"hash_ids": [...]}``, where ``hash_ids`` name the prompt's 512-token blocks and equal ids mean
-equal prefixes (the published Mooncake traces). A block is *hot* in a window when at least two
-requests in it use it: those are the blocks a cache must hold for reuse to happen. The hot set
-is the largest such set over tumbling windows (and its median, to show how steady it is).
+``hash_ids`` name the prompt's 512-token blocks and equal ids mean equal prefixes. A block is
+*hot* in a window when at least two requests in it use it: those are the blocks a cache must
+hold for reuse to happen. The hot set is the largest such set over tumbling windows (and its
+median, to show how steady it is).
 """
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvreuse.errors import InputFormatError
+from kvreuse.trace.format import DEFAULT_BLOCK_TOKENS, TraceRecord
 
-MOONCAKE_BLOCK_TOKENS = 512
-
-
-@dataclass(frozen=True, slots=True)
-class TraceRequest:
-    timestamp_ms: float
-    input_length: int
-    output_length: int
-    hash_ids: tuple[int, ...]
-
-
-def parse_mooncake(lines: Iterable[str], source: str = "trace") -> list[TraceRequest]:
-    """Parse a Mooncake JSONL trace; errors name the file and line to fix."""
-    requests = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        where = f"{source}:{number}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise InputFormatError(f"not valid JSON: {exc.msg}", where=where) from None
-        if not isinstance(row, dict):
-            raise InputFormatError("each line must be a JSON object", where=where)
-        ids = row.get("hash_ids")
-        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
-            raise InputFormatError("'hash_ids' must be a list of integers", where=where)
-        try:
-            requests.append(
-                TraceRequest(
-                    float(row["timestamp"]),
-                    int(row["input_length"]),
-                    int(row.get("output_length", 0)),
-                    tuple(ids),
-                )
-            )
-        except KeyError as exc:
-            raise InputFormatError(f"missing field {exc.args[0]!r}", where=where) from None
-        except (TypeError, ValueError) as exc:
-            raise InputFormatError(f"bad value: {exc}", where=where) from None
-    if not requests:
-        raise InputFormatError("the trace holds no requests", where=source)
-    return requests
+MOONCAKE_BLOCK_TOKENS = DEFAULT_BLOCK_TOKENS
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +42,7 @@ class TraceHotSet:
 
 
 def trace_hot_set(
-    requests: list[TraceRequest],
+    requests: Sequence[TraceRecord],
     window_seconds: float = 300.0,
     block_tokens: int = MOONCAKE_BLOCK_TOKENS,
 ) -> TraceHotSet:

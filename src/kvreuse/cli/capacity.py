@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 from kvreuse.capacity.model import GIB, KIB, cache_budget, dtype_bytes, kv_shape_from_config
-from kvreuse.capacity.trace import parse_mooncake, trace_hot_set
+from kvreuse.capacity.trace import trace_hot_set
 from kvreuse.capacity.workload import (
     CapacityReport,
     HotPart,
@@ -27,6 +27,7 @@ from kvreuse.cli.args import (
 )
 from kvreuse.errors import ConfigError, InputFormatError
 from kvreuse.json_input import parse_json
+from kvreuse.trace.format import parse_trace_lines
 
 
 def register(subparsers: Any) -> None:
@@ -140,10 +141,8 @@ def run(args: argparse.Namespace) -> int:
     elif args.trace:
         path = input_file(args.trace, "--trace")
         try:
-            with path.open(encoding="utf-8") as lines:
-                hot = trace_hot_set(parse_mooncake(lines, args.trace), args.window)
-        except UnicodeDecodeError as exc:
-            raise InputFormatError(f"not valid UTF-8 (byte {exc.start})", args.trace) from None
+            with path.open("rb") as lines:
+                hot = trace_hot_set(parse_trace_lines(lines, args.trace), args.window)
         except OSError as exc:
             raise ConfigError(f"--trace {args.trace}: cannot read: {exc.strerror}") from None
         trace_summary = hot.describe()

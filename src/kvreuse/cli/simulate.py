@@ -30,12 +30,15 @@ from kvreuse.cli.args import key_value, policy_spec, split_policies
 from kvreuse.cli.tables import make_console, print_table
 from kvreuse.errors import ConfigError
 from kvreuse.routing import POLICIES, policy_option_names
+from kvreuse.routing.base import CostModel
 from kvreuse.routing.relative_spill import SLACKS
 from kvreuse.sim.config import CACHE_KINDS, SCHEDULERS, FleetConfig, ReplicaConfig
 from kvreuse.sim.requests import SimRequest
 from kvreuse.sim.runner import ScenarioRun, Verdict, check, run_spec
 from kvreuse.sim.scenarios import SPILLS, RunSpec, Scenario, get_scenario
-from kvreuse.sim.trace import Bounds, compute_bounds, parse_trace
+from kvreuse.sim.trace import Bounds, compute_bounds
+from kvreuse.sim.units import TraceUnits
+from kvreuse.trace import GRANULARITIES, parse_trace_lines, trace_requests
 
 
 def register(subparsers: Any) -> None:
@@ -82,6 +85,11 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--trace-block-size", type=int, default=defaults.TRACE_BLOCK_SIZE,
         help=f"tokens per trace hash id ({defaults.TRACE_BLOCK_SIZE})",
+    )
+    parser.add_argument(
+        "--trace-granularity", choices=GRANULARITIES, default="block",
+        help="trace: simulate one hash id as one unit of block tokens (block, fast) or expand "
+             "each id into its tokens (token, exact lengths)",
     )
     parser.add_argument("--prefill-rate", type=float, default=defaults.TRACE_PREFILL_TOKENS_PER_S,
                         help="trace: prefill tokens per second per replica "
@@ -215,6 +223,10 @@ def _adjust(config: FleetConfig, args: argparse.Namespace, variant: str = "") ->
 def _trace_scenario(args: argparse.Namespace, requests: list[SimRequest]) -> Scenario:
     if args.cache_tokens is None:
         raise ConfigError("--trace needs --cache-tokens (the KV pool of one replica, in tokens)")
+    for flag, value in (("--prefill-rate", args.prefill_rate), ("--overhead", args.overhead),
+                        ("--tpot", args.tpot)):
+        if not math.isfinite(value):
+            raise ConfigError(f"{flag} must be a finite number, got {value}")
     replica = ReplicaConfig(
         pool_tokens=args.cache_tokens,
         prefill_tokens_per_s=args.prefill_rate,
@@ -241,17 +253,24 @@ def run(args: argparse.Namespace) -> int:
     to_stdout = args.json is not None and str(args.json) == "-"
     # With --json -, stdout carries the JSON alone; people read the table on stderr.
     console = make_console(stderr=to_stdout)
+    units: TraceUnits | None = None
+    cost: CostModel | None = None
     if args.trace is not None:
         try:
-            with args.trace.open(encoding="utf-8") as lines:
-                requests = parse_trace(lines, args.trace_block_size, str(args.trace))
+            with args.trace.open("rb") as lines:
+                records = parse_trace_lines(lines, str(args.trace), args.trace_block_size)
         except OSError as exc:
             raise ConfigError(f"cannot read --trace {args.trace}: {exc.strerror}") from None
+        requests, units = trace_requests(
+            records, args.trace_block_size, args.trace_granularity, str(args.trace)
+        )
+        cost = CostModel(prefill_tokens_per_s=args.prefill_rate, overhead_s=args.overhead)
         scenario = _trace_scenario(args, requests)
         specs = list(scenario.runs)
         parameters: dict[str, Any] = {
             "trace": str(args.trace),
             "trace_block_size": args.trace_block_size,
+            "trace_granularity": args.trace_granularity,
             "cache_tokens": args.cache_tokens,
             "prefill_tokens_per_s": args.prefill_rate,
             "overhead_s": args.overhead,
@@ -292,7 +311,7 @@ def run(args: argparse.Namespace) -> int:
             def hook(label: str, done: int, _total: int, base: int = done_before) -> None:
                 progress.update(task, completed=base + done, description=label)
 
-            rows.append(run_spec(scenario, spec, requests, args.seed, hook, fleet))
+            rows.append(run_spec(scenario, spec, requests, args.seed, hook, fleet, units, cost))
             done_before += len(requests)
             progress.update(task, completed=done_before)
 
@@ -300,7 +319,7 @@ def run(args: argparse.Namespace) -> int:
     bounds_variant = cached_specs[0].variant
     widest = max(s.replicas for s in cached_specs)
     pool = _adjust(scenario.fleet(widest, bounds_variant), args).replica.pool_tokens
-    bounds = compute_bounds(traffic[bounds_variant], widest, pool)
+    bounds = compute_bounds(traffic[bounds_variant], widest, pool, units)
     changed = _changed_flags(args)
     _print_table(console, scenario, rows, bounds, changed)
 
@@ -322,8 +341,8 @@ def run(args: argparse.Namespace) -> int:
     if args.report is not None:
         from kvreuse.cli.simreport import LabLinks, write_report
 
-        sweep = _sweep(scenario, rows, traffic, args)
-        knob = _slack_sweep(scenario, rows, traffic, args)
+        sweep = _sweep(scenario, rows, traffic, args, units, cost)
+        knob = _slack_sweep(scenario, rows, traffic, args, units, cost)
         links = LabLinks(
             base_url=args.lab_url,
             scale=args.scale,
@@ -353,6 +372,8 @@ def _sweep(
     rows: Sequence[ScenarioRun],
     traffic: dict[str, list[SimRequest]],
     args: argparse.Namespace,
+    units: TraceUnits | None,
+    cost: CostModel | None,
 ) -> list[ScenarioRun]:
     """Runs for the spill-threshold plot: the scenario's own sweep, else one on its traffic."""
     if scenario.sweep_option is not None:
@@ -365,7 +386,9 @@ def _sweep(
     for spill in SPILLS:
         spec = RunSpec("cache_aware", replicas, variant, (("spill_threshold_s", spill),))
         fleet = _adjust(scenario.fleet(replicas, variant), args, variant)
-        out.append(run_spec(scenario, spec, traffic[variant], args.seed, None, fleet))
+        out.append(
+            run_spec(scenario, spec, traffic[variant], args.seed, None, fleet, units, cost)
+        )
     return out
 
 
@@ -374,6 +397,8 @@ def _slack_sweep(
     rows: Sequence[ScenarioRun],
     traffic: dict[str, list[SimRequest]],
     args: argparse.Namespace,
+    units: TraceUnits | None,
+    cost: CostModel | None,
 ) -> list[ScenarioRun]:
     """relative_spill over its knob's values (SLACKS) on the first cached variant's traffic,
     at the smallest fleet of the run: the curve its one trade-off moves along."""
@@ -384,7 +409,7 @@ def _slack_sweep(
     fleet = _adjust(scenario.fleet(replicas, variant), args)
     return [
         run_spec(scenario, RunSpec("relative_spill", replicas, variant, (("slack", slack),)),
-                 traffic[variant], args.seed, None, fleet)
+                 traffic[variant], args.seed, None, fleet, units, cost)
         for slack in SLACKS
     ]
 

@@ -95,6 +95,26 @@ def build_policy(
     return TenantPinned(policy, pins) if pins else policy
 
 
+def policy_defaults(name: str) -> dict[str, Any]:
+    """The keyword options policy ``name`` accepts, with their defaults (``None`` where an
+    option has none), following ``**options`` up to the base class like :func:`build_policy`."""
+    factory = POLICIES.get(name)
+    if factory is None:
+        raise ConfigError(f"unknown policy {name!r}; choose one of: {', '.join(POLICIES)}")
+    defaults: dict[str, Any] = {}
+    for klass in getattr(factory, "__mro__", (factory,)):
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        params = inspect.signature(init).parameters
+        for p in params.values():
+            if p.name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
+                defaults.setdefault(p.name, None if p.default is p.empty else p.default)
+        if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            break
+    return defaults
+
+
 def _accepted_options(factory: PolicyFactory) -> set[str]:
     """Keyword options the factory takes, following ``**options`` up to the base class."""
     cls: Any = factory

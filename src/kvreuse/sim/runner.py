@@ -9,11 +9,13 @@ from typing import Any
 
 from kvreuse.errors import ConfigError
 from kvreuse.routing import build_policy
+from kvreuse.routing.base import CostModel
 from kvreuse.sim.config import FleetConfig
 from kvreuse.sim.fleet import FleetSimulator
 from kvreuse.sim.requests import FleetRun, SimRequest
 from kvreuse.sim.scenarios import Expectation, RunSpec, Scenario
 from kvreuse.sim.summary import RunSummary, summarize
+from kvreuse.sim.units import TraceUnits
 
 ProgressHook = Callable[[str, int, int], None]
 """``progress(label, finished_requests, total_requests)``."""
@@ -47,6 +49,30 @@ def metric_value(summary: RunSummary, metric: str) -> float:
     return float(value)
 
 
+def simulate(
+    policy_name: str,
+    options: dict[str, Any],
+    config: FleetConfig,
+    requests: Sequence[SimRequest],
+    seed: int = 0,
+    *,
+    units: TraceUnits | None = None,
+    cost: CostModel | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> FleetRun:
+    """One run of a fresh policy seeded with ``seed``. With ``units`` (block-granular traces)
+    the requests are counted in those units while ``config``, ``cost`` and ``options`` stay in
+    tokens, and so does the returned run."""
+    if units is not None:
+        options = units.policy_options(policy_name, options)
+        cost = units.cost(cost or CostModel())
+    policy = build_policy(policy_name, rng=random.Random(seed), cost=cost, **options)
+    simulated = config if units is None else units.fleet(config)
+    every = max(len(requests) // 50, 1)
+    run = FleetSimulator(simulated, policy).run(requests, progress, every)
+    return run if units is None else units.tokens_run(run, config)
+
+
 def run_spec(
     scenario: Scenario,
     spec: RunSpec,
@@ -54,11 +80,12 @@ def run_spec(
     seed: int,
     progress: ProgressHook | None = None,
     fleet: FleetConfig | None = None,
+    units: TraceUnits | None = None,
+    cost: CostModel | None = None,
 ) -> ScenarioRun:
-    """Simulate one :class:`RunSpec` on ``requests``."""
+    """Simulate one :class:`RunSpec` on ``requests`` (see :func:`simulate` for ``units``)."""
     options: dict[str, Any] = dict(scenario.policy_options.get(spec.policy, {}))
     options.update(dict(spec.options))
-    policy = build_policy(spec.policy, rng=random.Random(seed), **options)
     config = fleet or scenario.fleet(spec.replicas, spec.variant)
     if config.replicas != spec.replicas:
         config = replace(config, replicas=spec.replicas)
@@ -69,7 +96,9 @@ def run_spec(
         def hook(done: int) -> None:
             progress(spec.label, done, total)
 
-    run = FleetSimulator(config, policy).run(requests, hook, max(len(requests) // 50, 1))
+    run = simulate(
+        spec.policy, options, config, requests, seed, units=units, cost=cost, progress=hook
+    )
     return ScenarioRun(spec, run, summarize(run, spec.label))
 
 

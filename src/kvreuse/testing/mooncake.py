@@ -7,8 +7,10 @@ Seeded, so the same arguments always give the same trace.
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
+from collections.abc import Iterator
 
 
 def synthetic_mooncake(
@@ -22,14 +24,36 @@ def synthetic_mooncake(
     skew: float = 1.1,
 ) -> list[str]:
     """JSONL lines: timestamp (ms), input_length, output_length, hash_ids."""
+    return list(
+        iter_synthetic_mooncake(
+            seed=seed, requests=requests, requests_per_second=requests_per_second,
+            documents=documents, prefix_blocks=prefix_blocks, private_blocks=private_blocks,
+            skew=skew,
+        )
+    )
+
+
+def iter_synthetic_mooncake(
+    *,
+    seed: int = 0,
+    requests: int = 600,
+    requests_per_second: float = 2.0,
+    documents: int = 40,
+    prefix_blocks: int = 12,
+    private_blocks: int = 1,
+    skew: float = 1.1,
+) -> Iterator[str]:
+    """The lines of :func:`synthetic_mooncake`, one at a time (for traces too big to hold)."""
     rng = random.Random(seed)
     weights = [1.0 / (rank + 1) ** skew for rank in range(documents)]
+    # What choices() would accumulate on every call: the same draws, computed once.
+    cumulative = list(itertools.accumulate(weights))
+    population = range(documents)
     next_private = documents * prefix_blocks
     t_ms = 0.0
-    lines = []
     for _ in range(requests):
         t_ms += rng.expovariate(requests_per_second) * 1000.0
-        document = rng.choices(range(documents), weights)[0]
+        document = rng.choices(population, cum_weights=cumulative)[0]
         ids = [document * prefix_blocks + b for b in range(prefix_blocks)]
         ids += list(range(next_private, next_private + private_blocks))
         next_private += private_blocks
@@ -39,5 +63,4 @@ def synthetic_mooncake(
             "output_length": rng.randrange(20, 400),
             "hash_ids": ids,
         }
-        lines.append(json.dumps(row))
-    return lines
+        yield json.dumps(row)
