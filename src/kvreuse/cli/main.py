@@ -22,6 +22,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "kvreuse.cli.lab",
     "kvreuse.cli.scenarios",
     "kvreuse.cli.simulate",
+    "kvreuse.cli.plan",
     "kvreuse.cli.fingerprint",
     "kvreuse.cli.diff",
     "kvreuse.cli.audit",

@@ -15,8 +15,9 @@ covers a partial block no other prompt shares), so the rounding moves prompt siz
 at most half a block and leaves what is shared exact; ``tests/trace/test_workload.py`` holds the
 two granularities' figures to each other on the real trace.
 
-Ids are renumbered densely in order of first appearance at block granularity (equality is all
-that matters, and it lets ids use all 63 bits while the simulator's token ids are 32-bit).
+At block granularity a trace whose ids do not all fit the simulator's 32-bit token ids (recorded
+traces use 63-bit keyed hashes) has them renumbered densely in order of first appearance:
+equality is all that matters.
 """
 
 from __future__ import annotations
@@ -66,12 +67,16 @@ def trace_requests(
         raise ConfigError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
     if granularity == "token":
         return [_token_request(r, block, source) for r in records], TraceUnits(1)
-    dense: dict[int, int] = {}
+    dense: dict[int, int] | None = None
+    if any(max(r.hash_ids) > MAX_TOKEN_ID for r in records):
+        dense = {}
     half = block // 2
     out = []
     for record in records:
         units = max(1, (record.input_length + half) // block)
-        ids = [dense.setdefault(h, len(dense)) for h in record.hash_ids[:units]]
+        ids = record.hash_ids[:units]
+        if dense is not None:
+            ids = tuple([dense.setdefault(h, len(dense)) for h in ids])
         out.append(
             SimRequest(
                 request_id=record.line,

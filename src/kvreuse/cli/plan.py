@@ -1,0 +1,396 @@
+"""``kvreuse plan``: the cheapest fleet that meets an SLO on a trace.
+
+    kvreuse plan --trace FILE --slo ttft_p95=0.5 [--slo mean_queue=0.1]
+                 [--replicas 2,4,6,8] [--policy round_robin,cache_aware,...]
+                 [--cache-tokens 100000,200000] [--knob 0.1,0.2]
+                 [--workers N | --serial | --ray [ADDRESS]] [--cache-dir DIR | --no-cache]
+                 [--json FILE] [--report FILE.html]
+
+Searches replicas × policy × cache size × the policy's knob (:mod:`kvreuse.sim.plan`), prints
+the winner (fewest replicas, then least prefill GPU time, meeting every SLO), the Pareto front
+and the command that reproduces the winning cell. Cells run on a local process pool by default
+(``--workers``, default: the CPUs), one after another with ``--serial``, or on Ray with ``--ray``
+(a local instance without an address; ``pip install 'kvreuse[ray]'``); each cell is a pure
+function of its inputs, so all three give identical results. Finished cells are cached (one JSON
+file per cell under ``--cache-dir``, keyed by the trace's bytes and every setting), so an
+interrupted plan resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shlex
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+from typing import Any
+
+from rich import box
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kvreuse import __version__
+from kvreuse.cli.args import non_negative_float, positive_float, positive_int
+from kvreuse.errors import ConfigError
+from kvreuse.routing import POLICIES
+from kvreuse.sim.config import ReplicaConfig
+from kvreuse.sim.plan import (
+    DEFAULT_POLICIES,
+    KNOBS,
+    SLO_METRICS,
+    Cell,
+    CellResult,
+    Slo,
+    choose,
+    grid,
+    pareto_front,
+    parse_slo,
+    run_cell,
+)
+from kvreuse.sim.requests import SimRequest
+from kvreuse.sim.units import TraceUnits
+from kvreuse.trace import GRANULARITIES, parse_trace_lines, trace_requests
+
+DEFAULT_REPLICAS = "2,4,6,8"
+DEFAULT_CACHE_TOKENS = "100000,200000,400000"
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "plan",
+        help="search replicas x policy x cache size for the cheapest fleet meeting an SLO",
+        description=__doc__.split("\n\n")[2] if __doc__ else None,
+    )
+    parser.add_argument("--trace", type=Path, required=True, help="Mooncake-format JSONL trace")
+    parser.add_argument(
+        "--slo", action="append", required=True, metavar="METRIC=SECONDS",
+        help=f"a limit to meet (repeatable); METRIC: {', '.join(SLO_METRICS)}",
+    )
+    parser.add_argument("--replicas", default=DEFAULT_REPLICAS,
+                        help=f"fleet sizes to try ({DEFAULT_REPLICAS})")
+    parser.add_argument("--policy", default=",".join(DEFAULT_POLICIES),
+                        help=f"policies to try ({','.join(DEFAULT_POLICIES)})")
+    parser.add_argument("--cache-tokens", default=DEFAULT_CACHE_TOKENS,
+                        help=f"KV pool sizes per replica to try, tokens ({DEFAULT_CACHE_TOKENS})")
+    parser.add_argument(
+        "--knob",
+        help="values of the policy's knob to try, replacing its defaults (knobs: "
+        + "; ".join(f"{p}: {k} {','.join(str(v) for v in vs)}" for p, (k, vs) in KNOBS.items())
+        + ")",
+    )
+    parser.add_argument("--trace-block-size", type=positive_int, default=512,
+                        help="tokens per trace hash id (512)")
+    parser.add_argument("--trace-granularity", choices=GRANULARITIES, default="block",
+                        help="simulate one id per unit (block) or every token (token)")
+    parser.add_argument("--prefill-rate", type=positive_float, default=10_000.0,
+                        help="prefill tokens per second per replica (10000)")
+    parser.add_argument("--overhead", type=non_negative_float, default=0.015,
+                        help="prefill overhead per request, seconds (0.015)")
+    parser.add_argument("--tpot", type=non_negative_float, default=0.02,
+                        help="decode seconds per output token (0.02)")
+    parser.add_argument("--seed", type=int, default=0, help="policy seed (0)")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--serial", action="store_true", help="run cells one after another")
+    where.add_argument(
+        "--ray", nargs="?", const="", metavar="ADDRESS",
+        help="run cells on Ray: a cluster's address, or a local instance without one",
+    )
+    parser.add_argument("--workers", type=positive_int,
+                        help="parallel workers (default: the CPUs of this machine)")
+    parser.add_argument("--cache-dir", type=Path,
+                        help="where finished cells are kept (default ~/.cache/kvreuse/plan)")
+    parser.add_argument("--no-cache", action="store_true", help="neither read nor write cells")
+    parser.add_argument("--json", type=Path, help="write the cells, front and winner as JSON")
+    parser.add_argument("--report", type=Path, help="write an HTML report with plots here")
+    parser.set_defaults(func=run)
+
+
+def _split(text: str, flag: str, kind: Callable[[str], Any]) -> list[Any]:
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            out.append(kind(part))
+        except (ValueError, argparse.ArgumentTypeError):
+            raise ConfigError(f"{flag}: {part!r} is not a valid value") from None
+    if not out:
+        raise ConfigError(f"{flag} needs at least one value")
+    return out
+
+
+# ---------------------------------------------------------------- the traffic, in every worker
+
+
+class Traffic:
+    """The trace parsed once per process: its requests and the units they are counted in."""
+
+    def __init__(self, data: bytes, source: str, block: int, granularity: str) -> None:
+        records = parse_trace_lines(data.splitlines(), source, block)
+        self.requests: list[SimRequest]
+        self.requests, self.units = trace_requests(records, block, granularity, source)
+
+
+_WORKER: dict[str, Any] = {}
+
+
+def _worker_init(data: bytes, source: str, block: int, granularity: str,
+                 replica: ReplicaConfig, seed: int) -> None:
+    _WORKER["traffic"] = Traffic(data, source, block, granularity)
+    _WORKER["replica"] = replica
+    _WORKER["seed"] = seed
+
+
+def _worker_run(cell: Cell) -> dict[str, Any]:
+    traffic: Traffic = _WORKER["traffic"]
+    result = run_cell(cell, traffic.requests, traffic.units, _WORKER["replica"], _WORKER["seed"])
+    return result.as_dict()
+
+
+# ---------------------------------------------------------------- the cell cache
+
+
+class CellCache:
+    """One JSON file per finished cell, named by a digest of the trace and every setting."""
+
+    def __init__(self, directory: Path | None, fingerprint: str) -> None:
+        self.directory = directory
+        self.fingerprint = fingerprint
+
+    def _path(self, cell: Cell) -> Path | None:
+        if self.directory is None:
+            return None
+        digest = hashlib.sha256(f"{self.fingerprint}|{cell.key()}".encode()).hexdigest()[:32]
+        return self.directory / f"{digest}.json"
+
+    def load(self, cell: Cell) -> CellResult | None:
+        path = self._path(cell)
+        if path is None or not path.is_file():
+            return None
+        try:
+            result = CellResult.from_dict(json.loads(path.read_text(encoding="utf-8")))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None  # a torn or foreign file: the cell is simply run again
+        return result if result.cell == cell else None
+
+    def store(self, result: CellResult) -> None:
+        path = self._path(result.cell)
+        if path is None:
+            return
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_suffix(f".{os.getpid()}.tmp")
+            partial.write_text(json.dumps(result.as_dict()), encoding="utf-8")
+            partial.replace(path)  # atomic: a killed plan never leaves half a cell
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot write the plan cache {path.parent}: {exc.strerror}"
+            ) from None
+
+
+# ---------------------------------------------------------------- executors
+
+
+def _serial(cells: Sequence[Cell], traffic: Traffic, replica: ReplicaConfig,
+            seed: int) -> Iterator[CellResult]:
+    for cell in cells:
+        yield run_cell(cell, traffic.requests, traffic.units, replica, seed)
+
+
+def _pool(cells: Sequence[Cell], init: tuple[Any, ...], workers: int) -> Iterator[CellResult]:
+    with ProcessPoolExecutor(max_workers=workers, initializer=_worker_init,
+                             initargs=init) as pool:
+        futures = [pool.submit(_worker_run, cell) for cell in cells]
+        for future in as_completed(futures):
+            yield CellResult.from_dict(future.result())
+
+
+def _ray(cells: Sequence[Cell], init: tuple[Any, ...], workers: int,
+         address: str) -> Iterator[CellResult]:
+    try:
+        import ray
+        from ray.util import ActorPool
+    except ImportError:
+        raise ConfigError("--ray needs Ray: pip install 'kvreuse[ray]'") from None
+    if address:
+        ray.init(address=address, log_to_driver=False)
+    else:
+        env = {"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {}
+        ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": env} if env else None)
+    try:
+        worker_class = ray.remote(num_cpus=1)(_RayWorker)
+        data_ref = ray.put(init[0])
+        actors = [worker_class.remote(data_ref, *init[1:]) for _ in range(workers)]
+        pool = ActorPool(actors)
+        for payload in pool.map_unordered(lambda actor, cell: actor.run.remote(cell), cells):
+            yield CellResult.from_dict(payload)
+    finally:
+        ray.shutdown()
+
+
+class _RayWorker:
+    """A Ray actor holding the parsed trace; cells are sent to it one at a time."""
+
+    def __init__(self, data: bytes, source: str, block: int, granularity: str,
+                 replica: ReplicaConfig, seed: int) -> None:
+        _worker_init(data, source, block, granularity, replica, seed)
+
+    def run(self, cell: Cell) -> dict[str, Any]:
+        return _worker_run(cell)
+
+
+# ---------------------------------------------------------------- the command
+
+
+def _command(args: argparse.Namespace, cell: Cell, slos: Sequence[Slo]) -> str:
+    parts = ["kvreuse", "plan", "--trace", str(args.trace)]
+    for slo in slos:
+        parts += ["--slo", str(slo)]
+    parts += ["--policy", cell.policy, "--replicas", str(cell.replicas),
+              "--cache-tokens", str(cell.cache_tokens)]
+    if cell.knob is not None:
+        parts += ["--knob", f"{cell.knob:g}"]
+    for flag, value, default in (
+        ("--trace-block-size", args.trace_block_size, 512),
+        ("--trace-granularity", args.trace_granularity, "block"),
+        ("--prefill-rate", args.prefill_rate, 10_000.0),
+        ("--overhead", args.overhead, 0.015),
+        ("--tpot", args.tpot, 0.02),
+        ("--seed", args.seed, 0),
+    ):
+        if value != default:
+            parts += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
+    return shlex.join([*parts, "--serial"])
+
+
+def _default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "kvreuse" / "plan"
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console() if Console().is_terminal else Console(width=140)
+    slos = [parse_slo(text) for text in args.slo]
+    policies = _split(args.policy, "--policy", str)
+    for name in policies:
+        if name not in POLICIES:
+            raise ConfigError(f"unknown policy {name!r}; choose from: {', '.join(POLICIES)}")
+    replicas = _split(args.replicas, "--replicas", positive_int)
+    caches = _split(args.cache_tokens, "--cache-tokens", positive_int)
+    knobs = _split(args.knob, "--knob", positive_float) if args.knob else None
+    cells = grid(policies, replicas, caches, knobs)
+    try:
+        data = args.trace.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read --trace {args.trace}: {exc.strerror}") from None
+    replica = ReplicaConfig(prefill_tokens_per_s=args.prefill_rate, overhead_s=args.overhead,
+                            time_per_output_token_s=args.tpot)
+    source = str(args.trace)
+    # Parsed here first, in this process: a bad trace is reported once, before any worker.
+    traffic = Traffic(data, source, args.trace_block_size, args.trace_granularity)
+    settings = (hashlib.sha256(data).hexdigest(), args.trace_block_size, args.trace_granularity,
+                replica, args.seed, __version__)
+    cache = CellCache(None if args.no_cache else (args.cache_dir or _default_cache_dir()),
+                      repr(settings))
+    results: dict[Cell, CellResult] = {}
+    todo = []
+    for cell in cells:
+        hit = cache.load(cell)
+        if hit is None:
+            todo.append(cell)
+        else:
+            results[cell] = hit
+    workers = args.workers or os.cpu_count() or 1
+    init = (data, source, args.trace_block_size, args.trace_granularity, replica, args.seed)
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(), console=console, transient=True,
+    ) as progress:
+        task = progress.add_task("cells", total=len(cells), completed=len(results))
+        if args.serial or not todo:
+            finished = _serial(todo, traffic, replica, args.seed)
+        elif args.ray is not None:
+            finished = _ray(todo, init, min(workers, len(todo)), args.ray)
+        else:
+            finished = _pool(todo, init, min(workers, len(todo)))
+        for result in finished:
+            cache.store(result)
+            results[result.cell] = result
+            progress.update(task, advance=1, description=f"cells ({result.cell.key()})")
+    ordered = [results[cell] for cell in cells]
+    winner = choose(ordered, slos)
+    front = pareto_front(ordered, slos)
+    _print(console, args, slos, ordered, front, winner, len(cells) - len(todo), traffic.units)
+    command = _command(args, winner.cell, slos) if winner else None
+    if args.json is not None:
+        payload = {
+            "trace": source,
+            "slos": {s.metric: s.limit_s for s in slos},
+            "requests": len(traffic.requests),
+            "parameters": {
+                "trace_block_size": args.trace_block_size,
+                "trace_granularity": args.trace_granularity,
+                "prefill_tokens_per_s": args.prefill_rate,
+                "overhead_s": args.overhead,
+                "time_per_output_token_s": args.tpot,
+                "seed": args.seed,
+            },
+            "cells": [r.as_dict() | {"meets_slo": r.meets(slos)} for r in ordered],
+            "front": [r.as_dict() | {"meets_slo": r.meets(slos)} for r in front],
+            "winner": None if winner is None else winner.as_dict(),
+            "command": command,
+        }
+        args.json.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+        console.print(f"wrote {args.json}")
+    if args.report is not None:
+        from kvreuse.cli.planreport import write_plan_report
+
+        write_plan_report(args.report, source, slos, ordered, front, winner, command)
+        console.print(f"report: {args.report}")
+    return 0
+
+
+def _print(console: Console, args: argparse.Namespace, slos: Sequence[Slo],
+           results: Sequence[CellResult], front: Sequence[CellResult],
+           winner: CellResult | None, cached: int, units: TraceUnits) -> None:
+    table = Table(title=f"Pareto front over {len(results)} cells (replicas, prefill GPU-s, "
+                  f"{slos[0].metric}); {cached} from the cache", box=box.SIMPLE_HEAD)
+    # Two-line headers keep the table narrow; columns fold rather than cut a number.
+    for name in ("policy", "knob", "replicas", "cache\ntokens", "token\nhit",
+                 "prefill\nGPU-s", "TTFT\np50", "TTFT\np95", "TTFT\np99", "mean\nqueue",
+                 "SLO"):
+        table.add_column(name, justify="left" if name in ("policy", "knob") else "right",
+                         overflow="fold")
+    for r in front:
+        cell = r.cell
+        knob = "" if cell.knob_name is None else f"{cell.knob_name}={cell.knob:g}"
+        table.add_row(
+            cell.policy, knob, str(cell.replicas), f"{cell.cache_tokens:,}",
+            f"{r.token_hit_rate:.1%}", f"{r.prefill_gpu_s:,.1f}", f"{r.ttft_p50_s:.3f}s",
+            f"{r.ttft_p95_s:.3f}s", f"{r.ttft_p99_s:.3f}s", f"{r.mean_queue_s:.3f}s",
+            "[green]meets[/green]" if r.meets(slos) else "[red]misses[/red]",
+        )
+    console.print(table)
+    wanted = ", ".join(str(s) for s in slos)
+    if winner is None:
+        console.print(f"[red]no cell meets {wanted}[/red]: try more replicas (--replicas) or "
+                      "bigger caches (--cache-tokens)")
+        return
+    cell = winner.cell
+    knob = "" if cell.knob_name is None else f", {cell.knob_name}={cell.knob:g}"
+    console.print(
+        f"[bold]winner[/bold] for {wanted}: {cell.policy}{knob} on {cell.replicas} replicas of "
+        f"{cell.cache_tokens:,} cache tokens: token hit {winner.token_hit_rate:.1%}, TTFT p95 "
+        f"{winner.ttft_p95_s:.3f} s, p99 {winner.ttft_p99_s:.3f} s, mean queue "
+        f"{winner.mean_queue_s:.3f} s, prefill {winner.prefill_gpu_s:,.1f} GPU-s"
+    )
+    console.print(f"reproduce: {_command(args, cell, slos)}", soft_wrap=True)
+    if units.tokens_per_unit > 1:
+        console.print(f"(simulated at block granularity: one unit = {units.tokens_per_unit} "
+                      "tokens; --trace-granularity token for exact lengths)")

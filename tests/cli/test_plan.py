@@ -1,0 +1,107 @@
+"""`kvreuse plan`: serial, process pool and Ray agree; cells are cached; the winner reproduces."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvreuse.cli.main import main
+from kvreuse.testing.mooncake import synthetic_mooncake
+
+GRID = ["--policy", "round_robin,cache_aware", "--replicas", "1,2", "--cache-tokens",
+        "60000,200000", "--knob", "0.2,1.0", "--slo", "ttft_p95=0.6"]
+
+
+@pytest.fixture(scope="module")
+def trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("plan") / "t.jsonl"
+    lines = synthetic_mooncake(requests=240, requests_per_second=3.0, documents=10)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def plan(trace: Path, out: Path, *extra: str) -> dict[str, Any]:
+    assert main(["plan", "--trace", str(trace), *GRID, "--json", str(out), *extra]) == 0
+    data: dict[str, Any] = json.loads(out.read_text())
+    return data
+
+
+def test_serial_and_pool_give_identical_cells(trace: Path, tmp_path: Path) -> None:
+    """The process pool (2 workers) and a serial run produce the same cells and winner."""
+    serial = plan(trace, tmp_path / "s.json", "--serial", "--no-cache")
+    pooled = plan(trace, tmp_path / "p.json", "--workers", "2", "--no-cache")
+    assert len(serial["cells"]) == 2 * 2 + 2 * 2 * 2
+    assert serial["cells"] == pooled["cells"] and serial["winner"] == pooled["winner"]
+    assert serial["winner"] is not None and serial["winner"]["ttft_p95_s"] <= 0.6
+
+
+def test_winner_is_the_fewest_replicas_meeting_the_slo(trace: Path, tmp_path: Path) -> None:
+    """No cell meeting the SLO has fewer replicas, or as few and less prefill GPU time."""
+    data = plan(trace, tmp_path / "w.json", "--serial", "--no-cache")
+    winner = data["winner"]
+    for cell in data["cells"]:
+        if cell["meets_slo"]:
+            assert (cell["replicas"], cell["prefill_gpu_s"]) >= (
+                winner["replicas"], winner["prefill_gpu_s"])
+    assert all(c in data["cells"] for c in data["front"])
+
+
+def test_printed_command_reproduces_the_winning_cell(trace: Path, tmp_path: Path) -> None:
+    """Running the command the plan prints gives the winner's exact figures."""
+    data = plan(trace, tmp_path / "a.json", "--serial", "--no-cache")
+    argv = [*shlex.split(data["command"])[1:], "--no-cache", "--json", str(tmp_path / "b.json")]
+    assert main(argv) == 0
+    again = json.loads((tmp_path / "b.json").read_text())
+    assert again["cells"] == [data["winner"] | {"meets_slo": True}]
+
+
+def test_finished_cells_are_cached_and_a_plan_resumes(
+    trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A second run reads every cell from the cache; a lost cell is run again, alone."""
+    cache = tmp_path / "cache"
+    first = plan(trace, tmp_path / "1.json", "--serial", "--cache-dir", str(cache))
+    files = sorted(cache.glob("*.json"))
+    assert len(files) == len(first["cells"])
+    files[0].unlink()
+    files[1].write_text("{torn")
+    capsys.readouterr()
+    second = plan(trace, tmp_path / "2.json", "--serial", "--cache-dir", str(cache))
+    assert f"{len(files) - 2} from the cache" in capsys.readouterr().out
+    assert second["cells"] == first["cells"]
+
+
+def test_report_has_the_plots(trace: Path, tmp_path: Path) -> None:
+    """--report writes an HTML page with three inline PNG plots and the winner."""
+    report = tmp_path / "plan.html"
+    plan(trace, tmp_path / "r.json", "--serial", "--no-cache", "--report", str(report))
+    page = report.read_text()
+    assert page.count("data:image/png;base64,") == 3 and "Winner" in page
+
+
+def test_bad_trace_names_its_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A bad trace line exits 1 with file, line and field."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(synthetic_mooncake(requests=2)[0] + '\n{"timestamp": NaN}\n')
+    assert main(["plan", "--trace", str(bad), "--slo", "ttft_p95=1", "--no-cache"]) == 1
+    err = capsys.readouterr().err
+    assert "bad.jsonl:2" in err and "'timestamp'" in err
+
+
+def test_bad_slo_is_refused(trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An unknown SLO metric exits 1 naming the accepted ones."""
+    assert main(["plan", "--trace", str(trace), "--slo", "latency=1", "--no-cache"]) == 1
+    assert "ttft_p99" in capsys.readouterr().err
+
+
+@pytest.mark.ray
+def test_ray_gives_the_serial_results(trace: Path, tmp_path: Path) -> None:
+    """--ray on a local Ray instance (2 workers) produces the serial run's cells."""
+    pytest.importorskip("ray")
+    serial = plan(trace, tmp_path / "s.json", "--serial", "--no-cache")
+    on_ray = plan(trace, tmp_path / "r.json", "--ray", "--workers", "2", "--no-cache")
+    assert on_ray["cells"] == serial["cells"] and on_ray["winner"] == serial["winner"]
