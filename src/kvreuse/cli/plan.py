@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import os
 import shlex
 from collections.abc import Callable, Iterator, Sequence
@@ -218,16 +219,16 @@ def _ray(cells: Sequence[Cell], init: tuple[Any, ...], workers: int,
     except ImportError:
         raise ConfigError("--ray needs Ray: pip install 'kvreuse[ray]'") from None
     if address:
-        ray.init(address=address, log_to_driver=False)
+        ray.init(address=address, log_to_driver=False, logging_level=logging.ERROR)
     else:
         env = {"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {}
         ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": env} if env else None)
+                 logging_level=logging.ERROR, runtime_env={"env_vars": env} if env else None)
     try:
         worker_class = ray.remote(num_cpus=1)(_RayWorker)
         data_ref = ray.put(init[0])
         actors = [worker_class.remote(data_ref, *init[1:]) for _ in range(workers)]
-        pool = ActorPool(actors)
+        pool: Any = ActorPool(actors)  # its stubs type the values as list[Never]
         for payload in pool.map_unordered(lambda actor, cell: actor.run.remote(cell), cells):
             yield CellResult.from_dict(payload)
     finally:
@@ -283,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"unknown policy {name!r}; choose from: {', '.join(POLICIES)}")
     replicas = _split(args.replicas, "--replicas", positive_int)
     caches = _split(args.cache_tokens, "--cache-tokens", positive_int)
-    knobs = _split(args.knob, "--knob", positive_float) if args.knob else None
+    knobs = _split(args.knob, "--knob", non_negative_finite) if args.knob else None
     cells = grid(policies, replicas, caches, knobs)
     try:
         data = args.trace.read_bytes()

@@ -39,6 +39,7 @@ KNOBS: dict[str, tuple[str, tuple[float | None, ...]]] = {
     "exact": ("spill_threshold_s", (0.1, 0.2, 0.5)),
     "cache_aware_sglang": ("cache_threshold", (0.3, 0.5)),
     "prefix_hash": ("overload", (1.25, 2.0)),
+    "relative_spill": ("slack", (0.5, 2.0)),
 }
 """Each policy's one knob the plan searches, and its default values to try (``--knob``
 replaces them). Policies not listed have no knob."""
