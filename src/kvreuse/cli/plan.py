@@ -284,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"unknown policy {name!r}; choose from: {', '.join(POLICIES)}")
     replicas = _split(args.replicas, "--replicas", positive_int)
     caches = _split(args.cache_tokens, "--cache-tokens", positive_int)
-    knobs = _split(args.knob, "--knob", non_negative_finite) if args.knob else None
+    knobs = _split(args.knob, "--knob", non_negative_float) if args.knob else None
     cells = grid(policies, replicas, caches, knobs)
     try:
         data = args.trace.read_bytes()
