@@ -1,0 +1,225 @@
+"""A routing policy against the peers' published rules on every simulator workload (issue 15).
+
+For each workload the same seeded requests go through the candidate (default
+``relative_spill``), today's default ``cache_aware`` (for reference) and the peers' rules
+(``cache_aware_sglang``: SGLang router; ``llm_d``: llm-d's scorer pipeline; ``dynamo_kv``:
+NVIDIA Dynamo's KV router), and the script prints token hit rate and p95 TTFT per policy, the
+ceiling and a verdict:
+
+* best peer = the peer with the highest token hit rate (ties to the lower p95);
+* PASS when the candidate's hit rate is >= the best peer's and its p95 TTFT <= the best peer's,
+  and, where the best peer is more than 3 points under the ceiling, the candidate closes at
+  least half of that gap;
+* the ``all peers`` column says whether it also beats every peer on both (hit >= the highest
+  peer hit rate, p95 <= the lowest peer p95).
+
+Ceiling: the pooled-LRU bound (:func:`kvreuse.sim.trace.compute_bounds`: one LRU cache of
+replicas x pool tokens seeing every prompt; the infinite-cache bound is printed beside it). A
+peer can exceed the pooled-LRU bound (LRU is not an optimal cache); the gap rule then does not
+apply.
+
+Fleets: each scenario's own (``kvreuse simulate --scenario``), with KV events delivered at once
+so ``dynamo_kv`` (KV events by default) sees the caches on every workload; policies that do not
+use KV events run exactly as in ``kvreuse simulate``. The Mooncake trace: 1,000,000 tokens of KV
+per replica, 10,000 prefill tokens/s, 15 ms overhead, 20 ms per output token (the simulate
+defaults). Peers get the options their real deployments would know: ``llm_d`` the replicas' KV
+pool (its KV-utilization scorer reads the engine's usage), ``dynamo_kv`` the engine block size.
+
+    PYTHONPATH=src .venv/bin/python benchmarks/default_vs_peers.py
+    ... --workloads belgavi,mooncake-8 --policy relative_spill --option slack=1
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from kvreuse.routing import build_policy
+from kvreuse.sim.config import FleetConfig, ReplicaConfig
+from kvreuse.sim.fleet import FleetSimulator
+from kvreuse.sim.requests import SimRequest
+from kvreuse.sim.scenarios import SCENARIOS, get_scenario
+from kvreuse.sim.summary import RunSummary, summarize
+from kvreuse.sim.trace import Bounds, compute_bounds, parse_trace
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACE = ROOT.parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
+PEERS = ("cache_aware_sglang", "llm_d", "dynamo_kv")
+REFERENCE = "cache_aware"
+SCENARIO_FLEETS = {
+    "belgavi": 3, "contract-library": 8, "mission-3": 3, "mission-4": 4, "long-context": 4,
+    "multi-model": None,
+}
+DEFAULT_WORKLOADS = (
+    "belgavi", "contract-library", "mission-3", "mission-4", "mooncake-4", "mooncake-8",
+    "mooncake-16", "long-context", "multi-model",
+)
+GAP_POINTS = 0.03
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    name: str
+    requests: list[SimRequest]
+    fleet: FleetConfig
+    options: dict[str, dict[str, Any]]
+
+
+def scenario_workload(name: str) -> Workload:
+    scenario = get_scenario(name)
+    variant = next((s.variant for s in scenario.runs if s.variant != "no_cache"), "")
+    replicas = SCENARIO_FLEETS.get(name) or max(s.replicas for s in scenario.runs)
+    fleet = replace(scenario.fleet(replicas, variant), kv_event_lag_s=0.0)
+    return Workload(name, scenario.requests(0, variant, 1.0), fleet,
+                    dict(scenario.policy_options))
+
+
+def trace_workload(name: str, trace: Path) -> Workload:
+    replicas = int(name.split("-", 1)[1])
+    with trace.open(encoding="utf-8") as lines:
+        requests = parse_trace(lines, 512, str(trace))
+    replica = ReplicaConfig(pool_tokens=1_000_000, time_per_output_token_s=0.02)
+    return Workload(name, requests, FleetConfig(replicas, replica, kv_event_lag_s=0.0), {})
+
+
+def load(name: str, trace: Path) -> Workload | None:
+    if name.startswith("mooncake-"):
+        return trace_workload(name, trace) if trace.exists() else None
+    return scenario_workload(name) if name in SCENARIOS else None
+
+
+def options_for(policy: str, workload: Workload, extra: dict[str, Any]) -> dict[str, Any]:
+    options = dict(workload.options.get(policy, {}))
+    replica = workload.fleet.replica
+    if policy == "llm_d":
+        options["kv_capacity_tokens"] = replica.pool_tokens
+    if policy == "dynamo_kv":
+        options["block_size"] = replica.block_size
+    options.update(extra)
+    return options
+
+
+def simulate(policy: str, workload: Workload, options: dict[str, Any]) -> RunSummary:
+    built = build_policy(policy, rng=random.Random(0), **options)
+    return summarize(FleetSimulator(workload.fleet, built).run(workload.requests))
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    workload: str
+    candidate: RunSummary
+    reference: RunSummary
+    peers: dict[str, RunSummary]
+    bounds: Bounds
+
+    @property
+    def best_peer(self) -> tuple[str, RunSummary]:
+        return min(self.peers.items(),
+                   key=lambda kv: (-kv[1].token_hit_rate, kv[1].ttft_p95_s))
+
+    @property
+    def ceiling(self) -> float:
+        return self.bounds.pooled_lru_hit_rate
+
+    @property
+    def needed_hit(self) -> float:
+        """The hit rate the candidate must reach: the best peer's, or half way from it to the
+        ceiling where the best peer is more than 3 points under."""
+        best = self.best_peer[1].token_hit_rate
+        gap = self.ceiling - best
+        return best + gap / 2 if gap > GAP_POINTS else best
+
+    @property
+    def passed(self) -> bool:
+        best = self.best_peer[1]
+        return (self.candidate.token_hit_rate >= self.needed_hit
+                and self.candidate.ttft_p95_s <= best.ttft_p95_s)
+
+    @property
+    def beats_all(self) -> bool:
+        return (self.candidate.token_hit_rate >= max(p.token_hit_rate for p in self.peers.values())
+                and self.candidate.ttft_p95_s <= min(p.ttft_p95_s for p in self.peers.values()))
+
+
+def pct(value: float) -> str:
+    return f"{value * 100:.2f} %"
+
+
+def seconds(value: float) -> str:
+    return f"{value:.3f} s"
+
+
+def report(verdicts: Sequence[Verdict], candidate: str, out: Callable[[str], None]) -> None:
+    out(f"| workload | {candidate} hit / p95 | best peer | its hit / p95 | other peers hit / p95 "
+        f"| {REFERENCE} hit / p95 | ceiling (pooled LRU / infinite) | needed hit | verdict "
+        "| all peers |")
+    out("|---|---|---|---|---|---|---|---|---|---|")
+    for v in verdicts:
+        name, best = v.best_peer
+        others = "; ".join(f"{p} {pct(s.token_hit_rate)} / {seconds(s.ttft_p95_s)}"
+                           for p, s in v.peers.items() if p != name)
+        out(f"| {v.workload} x{v.bounds.replicas} | {pct(v.candidate.token_hit_rate)} / "
+            f"{seconds(v.candidate.ttft_p95_s)} | {name} | {pct(best.token_hit_rate)} / "
+            f"{seconds(best.ttft_p95_s)} | {others} | {pct(v.reference.token_hit_rate)} / "
+            f"{seconds(v.reference.ttft_p95_s)} | {pct(v.ceiling)} / "
+            f"{pct(v.bounds.infinite_hit_rate)} | {pct(v.needed_hit)} | "
+            f"{'PASS' if v.passed else 'FAIL'} | {'yes' if v.beats_all else 'no'} |")
+    passed = sum(v.passed for v in verdicts)
+    out("")
+    out(f"{candidate}: PASS on {passed} of {len(verdicts)} workloads; beats every peer on both "
+        f"figures on {sum(v.beats_all for v in verdicts)}.")
+
+
+def parse_option(text: str) -> tuple[str, Any]:
+    key, _, raw = text.partition("=")
+    if not key or not raw:
+        raise SystemExit(f"--option takes NAME=VALUE, got {text!r}")
+    value: Any
+    try:
+        value = int(raw)
+    except ValueError:
+        try:
+            value = float(raw)
+        except ValueError:
+            value = raw
+    return key, value
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--policy", default="relative_spill", help="the candidate policy")
+    parser.add_argument("--option", action="append", default=[],
+                        help="candidate option NAME=VALUE (repeatable)")
+    parser.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS))
+    parser.add_argument("--trace", type=Path, default=TRACE, help="Mooncake JSONL trace")
+    args = parser.parse_args(argv)
+    extra = dict(parse_option(o) for o in args.option)
+    verdicts = []
+    for name in [w.strip() for w in args.workloads.split(",") if w.strip()]:
+        workload = load(name, args.trace)
+        if workload is None:
+            print(f"skipped {name}: no such scenario or trace here", file=sys.stderr)
+            continue
+        started = time.perf_counter()
+        results: dict[str, RunSummary] = {}
+        for policy in (args.policy, REFERENCE, *PEERS):
+            own = extra if policy == args.policy else {}
+            results[policy] = simulate(policy, workload, options_for(policy, workload, own))
+            print(f"  {name}: {policy} done ({time.perf_counter() - started:.0f} s)",
+                  file=sys.stderr, flush=True)
+        bounds = compute_bounds(workload.requests, workload.fleet.replicas,
+                                workload.fleet.replica.pool_tokens)
+        verdicts.append(Verdict(name, results[args.policy], results[REFERENCE],
+                                {p: results[p] for p in PEERS}, bounds))
+    report(verdicts, args.policy + "".join(f" {k}={v}" for k, v in extra.items()), print)
+    return 0 if all(v.passed for v in verdicts) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
