@@ -1,0 +1,156 @@
+"""Does the simulator predict the gateway? (issue 15, item 4)
+
+Reads a ``benchmarks/routers.py --json`` file (the gateway's measured figures per scenario and
+router), rebuilds each scenario's very request stream (same seed, arrival times, rendered
+prompts: the text approximation of one token per 4 bytes that ``kvreuse engine`` and the
+gateway use), runs it through ``kvreuse.sim`` with the engines' parameters (``kvreuse engine``:
+vLLM's block pool of ``--cache-tokens`` in 16-token blocks, 15 ms overhead, the run's prefill
+rate, 5 ms per output token, ``--max-tokens`` output tokens) and compares, per policy:
+
+* token hit rate within ±3 points of the gateway's (engines' counters after warm-up);
+* p95 TTFT within ±25 % of the client-side p95;
+* the ranking of policies by hit rate and by p95 (Kendall's tau-b, target >= 0.8).
+
+``kvreuse:NAME`` rows are simulated with policy NAME (``block_size=16`` where the gateway run
+passed it); ``sglang-router`` and ``smg`` with ``cache_aware_sglang``, their rule; other peers
+have no simulator rule and are skipped.
+
+    PYTHONPATH=src .venv/bin/python benchmarks/sim_vs_gateway.py artifacts/bench/routers.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import random
+import sys
+from collections.abc import Sequence
+from itertools import combinations
+from pathlib import Path
+from typing import Any
+
+from kvreuse.routing import build_policy
+from kvreuse.sim.config import FleetConfig, ReplicaConfig
+from kvreuse.sim.fleet import FleetSimulator
+from kvreuse.sim.requests import SimRequest
+from kvreuse.sim.summary import summarize
+from kvreuse.tokens import TOKEN_BYTES
+
+HERE = Path(__file__).resolve().parent
+PEER_RULES = {"sglang-router": "cache_aware_sglang", "smg": "cache_aware_sglang"}
+BLOCK_OPTION = ("cache_aware", "cache_aware_sglang", "exact")
+HIT_POINTS = 0.03
+P95_SHARE = 0.25
+
+
+def routers_module() -> Any:
+    spec = importlib.util.spec_from_file_location("bench_routers", HERE / "routers.py")
+    assert spec is not None and spec.loader is not None, "benchmarks/routers.py is missing"
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up while defined
+    spec.loader.exec_module(module)
+    return module
+
+
+def sim_requests(calls: Sequence[Any], output_tokens: int) -> list[SimRequest]:
+    """The calls as the engines see them: rendered, one token per 4 bytes."""
+    from kvreuse.gateway.prompts import TextApproximation
+
+    render = TextApproximation()
+    out = []
+    for i, call in enumerate(calls):
+        body = json.loads(call.body)
+        tokens = (render.completion(body["prompt"]) if "prompt" in body
+                  else render.chat(body["messages"]))
+        out.append(SimRequest(i, call.at_s, tokens, len(tokens) // TOKEN_BYTES, output_tokens,
+                              tenant=call.tenant or None, session_id=call.session or None,
+                              measured=call.measured))
+    return out
+
+
+def kendall_tau(a: Sequence[float], b: Sequence[float]) -> float:
+    """Kendall's tau-b of two paired samples (ties in either count as neither). O(n^2)."""
+    concordant = discordant = ties_a = ties_b = 0
+    for i, j in combinations(range(len(a)), 2):
+        da, db = a[i] - a[j], b[i] - b[j]
+        if da == 0 and db == 0:
+            continue
+        if da == 0:
+            ties_a += 1
+        elif db == 0:
+            ties_b += 1
+        elif (da > 0) == (db > 0):
+            concordant += 1
+        else:
+            discordant += 1
+    denominator = ((concordant + discordant + ties_a) * (concordant + discordant + ties_b)) ** 0.5
+    return (concordant - discordant) / denominator if denominator else float("nan")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("routers_json", type=Path, help="output of benchmarks/routers.py --json")
+    args = parser.parse_args(argv)
+    data = json.loads(args.routers_json.read_text())
+    run_args = data["args"]
+    routers = routers_module()
+    replica = ReplicaConfig(
+        pool_tokens=int(run_args["cache_tokens"]),
+        prefill_tokens_per_s=float(run_args["prefill_tokens_per_s"]),
+        overhead_s=0.015,
+        time_per_output_token_s=0.005,
+        cache_kind="block",
+        block_size=16,
+    )
+    fleet = FleetConfig(int(run_args["replicas"]), replica, kv_event_lag_s=0.0)
+    ok_all = True
+    print(f"cache {replica.pool_tokens:,} tokens x {fleet.replicas} replicas; "
+          f"{run_args['rate']} req/s, {run_args['warmup']} s warm-up + {run_args['duration']} s")
+    print("| scenario | router | gateway hit / p95 | simulator hit / p95 | hit diff | p95 ratio "
+          "| within |")
+    print("|---|---|---|---|---|---|---|")
+    taus = []
+    for scenario in dict.fromkeys(r["scenario"] for r in data["runs"]):
+        calls = routers.scenario_calls(
+            scenario, rate=float(run_args["rate"]), warmup_s=float(run_args["warmup"]),
+            duration_s=float(run_args["duration"]), seed=int(run_args["seed"]),
+            max_tokens=int(run_args["max_tokens"]))
+        requests = sim_requests(calls, int(run_args["max_tokens"]))
+        pairs = []
+        for row in data["runs"]:
+            if row["scenario"] != scenario or row["error"]:
+                continue
+            router = row["router"]
+            policy = router.split(":", 1)[1] if router.startswith("kvreuse:") else (
+                PEER_RULES.get(router))
+            if policy is None:
+                continue
+            options = {"block_size": 16} if policy in BLOCK_OPTION else {}
+            built = build_policy(policy, rng=random.Random(0), **options)
+            summary = summarize(FleetSimulator(fleet, built).run(requests))
+            hit_diff = summary.token_hit_rate - row["hit_rate"]
+            ratio = summary.ttft_p95_s * 1000 / row["p95_ms"]
+            within = abs(hit_diff) <= HIT_POINTS and abs(ratio - 1) <= P95_SHARE
+            ok_all &= within
+            pairs.append((row["hit_rate"], summary.token_hit_rate, row["p95_ms"],
+                          summary.ttft_p95_s))
+            print(f"| {scenario} | {router} | {row['hit_rate']:.1%} / {row['p95_ms']:.0f} ms "
+                  f"| {summary.token_hit_rate:.1%} / {summary.ttft_p95_s * 1000:.0f} ms "
+                  f"| {hit_diff * 100:+.1f} pts | {ratio:.2f} | {'yes' if within else 'NO'} |",
+                  flush=True)
+        if len(pairs) >= 2:
+            hit_tau = kendall_tau([p[0] for p in pairs], [p[1] for p in pairs])
+            p95_tau = kendall_tau([p[2] for p in pairs], [p[3] for p in pairs])
+            taus.append((scenario, hit_tau, p95_tau))
+    print()
+    for scenario, hit_tau, p95_tau in taus:
+        good = hit_tau >= 0.8 and p95_tau >= 0.8
+        ok_all &= good
+        print(f"[{'PASS' if good else 'FAIL'}] {scenario}: Kendall tau of the policies' "
+              f"ranking, hit rate {hit_tau:.2f}, p95 TTFT {p95_tau:.2f} (target >= 0.8)")
+    return 0 if ok_all else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
