@@ -24,6 +24,8 @@ use KV events run exactly as in ``kvreuse simulate``. The Mooncake trace: 1,000,
 per replica, 10,000 prefill tokens/s, 15 ms overhead, 20 ms per output token (the simulate
 defaults). Peers get the options their real deployments would know: ``llm_d`` the replicas' KV
 pool (its KV-utilization scorer reads the engine's usage), ``dynamo_kv`` the engine block size.
+The trace is replayed at token granularity (exact prompt lengths; ``kvreuse simulate --trace``
+replays whole 512-token blocks by default, which rounds them).
 
     PYTHONPATH=src .venv/bin/python benchmarks/default_vs_peers.py
     ... --workloads belgavi,mooncake-8 --policy relative_spill --option slack=1
@@ -46,7 +48,8 @@ from kvreuse.sim.fleet import FleetSimulator
 from kvreuse.sim.requests import SimRequest
 from kvreuse.sim.scenarios import SCENARIOS, get_scenario
 from kvreuse.sim.summary import RunSummary, summarize
-from kvreuse.sim.trace import Bounds, compute_bounds, parse_trace
+from kvreuse.sim.trace import Bounds, compute_bounds
+from kvreuse.trace import parse_trace_lines, trace_requests
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT.parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
@@ -82,8 +85,10 @@ def scenario_workload(name: str) -> Workload:
 
 def trace_workload(name: str, trace: Path) -> Workload:
     replicas = int(name.split("-", 1)[1])
-    with trace.open(encoding="utf-8") as lines:
-        requests = parse_trace(lines, 512, str(trace))
+    with trace.open("rb") as lines:
+        records = parse_trace_lines(lines, str(trace), 512)
+    # Token granularity: exact prompt lengths (simulate's default block replay rounds them).
+    requests, _ = trace_requests(records, 512, "token", str(trace))
     replica = ReplicaConfig(pool_tokens=1_000_000, time_per_output_token_s=0.02)
     return Workload(name, requests, FleetConfig(replicas, replica, kv_event_lag_s=0.0), {})
 
