@@ -279,7 +279,7 @@ def flaky_app(state: dict[str, Any]) -> Starlette:
 def test_connection_failure_is_retried_and_ejects(engines: list[Engine],
                                                   gateway_factory: Factory) -> None:
     """A dead upstream's requests are retried on the next candidate; it is then ejected."""
-    dead = UpstreamConfig(f"http://127.0.0.1:{free_port()}", name="dead")
+    dead = UpstreamConfig(f"http://127.0.0.1:{free_port()}", name="dead", models=("sim",))
     gateway = gateway_factory([dead, engines[0]], policy="round_robin", eject_after=2,
                               health_interval_s=30.0)
     statuses = [completion(gateway, f"retry me {i}") for i in range(4)]
@@ -295,8 +295,8 @@ def test_5xx_before_first_byte_is_retried(engines: list[Engine],
     """An upstream answering 500 is skipped for the next candidate."""
     state: dict[str, Any] = {"mode": "500"}
     with ServerThread(flaky_app(state)) as flaky:
-        gateway = gateway_factory([UpstreamConfig(flaky.url, name="flaky"), engines[0]],
-                                  policy="round_robin")
+        flaky_upstream = UpstreamConfig(flaky.url, name="flaky", models=("sim",))
+        gateway = gateway_factory([flaky_upstream, engines[0]], policy="round_robin")
         results = [completion(gateway, "x").headers["x-kvreuse-upstream"] for _ in range(2)]
         assert results == ["e0", "e0"] and state["calls"] == 1
 

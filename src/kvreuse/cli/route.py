@@ -16,11 +16,17 @@ decided by a policy of kvreuse.routing (the very objects `kvreuse simulate` uses
 through unbuffered; failures before the first byte are retried on the next candidate.
 
 Upstreams: --upstream URL[,name=N][,events=tcp://HOST:PORT][,replay=tcp://HOST:PORT]
-[,bind=true|false][,topic=T][,weight=W], repeatable, or a TOML --config file (see DEVELOPERS.md).
+[,bind=true|false][,topic=T][,weight=W][,models=A|B], repeatable, or a TOML --config file (see
+DEVELOPERS.md).
 `events` is the endpoint given to vLLM's --kv-events-config: a tcp://HOST:PORT address makes vLLM
 connect, so the gateway binds it (bind=true, the default); with tcp://*:PORT vLLM binds and the
 gateway must connect (bind=false). With events, the gateway rebuilds each upstream's cache from
 its KV events (exact mode).
+
+Models: each request goes only to the upstreams serving its `model`: those declared with
+models=A|B, or learned from each upstream's GET /v1/models at start-up and after every health
+probe. A model no upstream serves gets a 404 listing the served models; GET /v1/models lists
+the union.
 
 Tokens: --tokenizer DIR renders chats with the directory's chat template and tokenizes with HF
 tokenizers, as vLLM does; without it the gateway routes on an approximation (one token per 4

@@ -1,7 +1,9 @@
 """The gateway's ASGI application: endpoints, authentication, background loops.
 
 Endpoints: ``POST /v1/completions`` and ``/v1/chat/completions`` (bodies forwarded unchanged
-except ``cache_salt``), ``GET /v1/models`` (union of the healthy upstreams' models),
+except ``cache_salt``; routed among the upstreams serving the body's ``model``, a 404 naming the
+served models when none does), ``GET /v1/models`` (union of the healthy upstreams' models, as
+declared or last learned),
 ``/health`` (the process is up), ``/ready`` (at least one upstream admitted; 503 otherwise, with
 the reason), ``/metrics`` (Prometheus). The two generate endpoints are the hot path and are
 served on bare ASGI by :meth:`Gateway.__call__` (see :mod:`kvreuse.gateway.asgi`); the others
@@ -9,7 +11,8 @@ go through Starlette. Upstreams are reached through :mod:`kvreuse.gateway.upstre
 per upstream, one pool for proxied requests and a small one for probes, scrapes and model
 lists, so a probe never queues behind requests.
 
-Background: a health probe per upstream every ``health_interval_s``, a scrape of each
+Background: a health probe per upstream every ``health_interval_s`` (then, unless its models
+are declared, a read of its ``/v1/models``; also once at start-up), a scrape of each
 upstream's ``/metrics`` every ``metrics_interval_s`` (0 turns scraping off), and one KV-event
 subscriber per upstream that has an events endpoint.
 """
@@ -55,21 +58,31 @@ from kvreuse.gateway.subscriber import EventSubscriber
 from kvreuse.gateway.telemetry import AccessLog, RequestRecord, ThrottledLog, trace_headers
 from kvreuse.gateway.tenants import Tenant, Tenants, load_tenants
 from kvreuse.gateway.upstream_client import UpstreamError, UpstreamPool
-from kvreuse.gateway.upstreams import UpstreamState, parse_kv_capacity, parse_prometheus
+from kvreuse.gateway.upstreams import (
+    UpstreamState,
+    parse_kv_capacity,
+    parse_model_list,
+    parse_prometheus,
+)
 from kvreuse.gateway.validation import (
     ENDPOINT_KINDS,
     RequestError,
     parse_json_body,
     parse_request,
 )
-from kvreuse.identity import CacheIdentity
 from kvreuse.routing import RoutingPolicy, build_policy
 
 log = logging.getLogger("kvreuse.gateway")
 
-NO_UPSTREAM = {"error": {"message": "no upstream is admitted for this request (all ejected, or "
-                         "none in the tenant's subset)", "type": "ServiceUnavailable",
-                         "param": None, "code": 503}}
+
+
+def no_upstream(model: str) -> dict[str, Any]:
+    """The 503 body when every upstream serving ``model`` (for this caller) is ejected."""
+    shown = model if len(model) <= 200 else model[:200] + "..."
+    return {"error": {"message": f"no upstream serving the model {shown!r} is admitted now "
+                      "(all ejected); retry later", "type": "ServiceUnavailable",
+                      "param": "model", "code": 503}}
+
 
 # Requests open at once per upstream; more wait for a connection. vLLM serves hundreds of
 # concurrent streams per replica, so this only bounds a runaway, it does not shape load.
@@ -160,7 +173,9 @@ class Gateway:
         self._pools: dict[str, UpstreamPool] = {}
         self._control: dict[str, UpstreamPool] = {}
         self.forwarder: Forwarder | None = None
-        self._identities: dict[str | None, CacheIdentity] = {}
+        for upstream in self.upstreams:
+            for name in upstream.models or ():
+                self.metrics.models.served_by_upstream(name)
         # The generate endpoints are served by __call__ itself; Starlette serves the rest.
         self._starlette = Starlette(
             routes=[
@@ -197,6 +212,9 @@ class Gateway:
             self._pools, self.router, self.metrics, self.tallies, policy_name=self.policy.name,
             retries=config.retries,
         )
+        # Learn what each upstream serves before taking requests (bounded by the control
+        # pool's timeouts); the probe loops keep it current.
+        await asyncio.gather(*(self.learn_models(u) for u in self.upstreams if not u.declared))
         loop = asyncio.get_running_loop()
         for upstream in self.upstreams:
             if upstream.config.events:
@@ -285,16 +303,10 @@ class Gateway:
         return response.status, await response.read()
 
     async def _announce(self, announce: Callable[[str], None]) -> None:
-        """The start-up summary, once each upstream was asked for its models (bounded by
-        the connect timeout, so a dead upstream delays it that long at most)."""
-        try:
-            lists = await asyncio.wait_for(
-                asyncio.gather(*(self._fetch_models(u) for u in self.upstreams)),
-                self.config.connect_timeout_s)
-        except TimeoutError:
-            lists = [[] for _ in self.upstreams]
-        announce(self.startup_summary({u.name: [m["id"] for m in models]
-                                       for u, models in zip(self.upstreams, lists, strict=True)}))
+        """The start-up summary, with the models each upstream serves (declared, or learned
+        before the gateway took requests)."""
+        announce(self.startup_summary({u.name: [m["id"] for m in u.model_cards]
+                                       for u in self.upstreams}))
 
     def startup_summary(self, models: dict[str, list[str]]) -> str:
         """Policy, upstreams (with their models and events endpoint), tenants, metrics and
@@ -324,7 +336,39 @@ class Gateway:
                 log.warning("upstream %s re-admitted", upstream.name)
             elif not ok and upstream.record_failure():
                 log.warning("upstream %s ejected (health probes failing)", upstream.name)
+            if ok and not upstream.declared:
+                await self.learn_models(upstream)
             await asyncio.sleep(self.config.health_interval_s)
+
+    async def learn_models(self, upstream: UpstreamState) -> None:
+        """Read ``upstream``'s /v1/models now and route on what it says from then on; an
+        unreadable answer keeps the last known set and is logged once per distinct problem."""
+        try:
+            status, raw = await self._get(upstream, "/v1/models")
+            if status != 200:
+                raise InputFormatError(f"answered HTTP {status}", "/v1/models")
+            cards = parse_model_list(raw)
+        except (UpstreamError, InputFormatError) as exc:
+            problem = str(exc)
+            if problem != upstream.models_problem:
+                upstream.models_problem = problem
+                kept = ("routed as serving any model no other upstream serves"
+                        if upstream.models is None else
+                        f"keeping its last known models {sorted(upstream.models)}")
+                log.warning("upstream %s: cannot read its served models from GET /v1/models "
+                            "(%s); %s. Declare them with models=NAME|NAME to stop asking",
+                            upstream.name, problem, kept)
+            return
+        before = upstream.models
+        if upstream.learned(cards):
+            for card in cards:
+                self.metrics.models.served_by_upstream(card["id"])
+            # A change of a known set is news to the operator; the first answer is not.
+            log.log(logging.INFO if before is None else logging.WARNING,
+                    "upstream %s serves %s (was %s)", upstream.name,
+                    sorted(upstream.models or ()),
+                    "unknown" if before is None else sorted(before))
+            self.router.models_changed(upstream, before)
 
     async def _scrape_loop(self, upstream: UpstreamState) -> None:
         while True:
@@ -377,17 +421,6 @@ class Gateway:
         return Response(generate_latest(self.metrics.registry),
                         media_type="text/plain; version=0.0.4")
 
-    async def _fetch_models(self, upstream: UpstreamState) -> list[dict[str, Any]]:
-        """An upstream's ``/v1/models`` entries (those with a string id); [] on any failure."""
-        try:
-            status, raw = await self._get(upstream, "/v1/models")
-            data = json.loads(raw).get("data", []) if status == 200 else []
-        except (UpstreamError, ValueError, AttributeError):
-            return []
-        if not isinstance(data, list):
-            return []
-        return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
-
     async def models(self, request: Request) -> Response:
         """The union of the healthy upstreams' models; with tenants on, a valid key is
         required and a tenant pinned to some upstreams sees only theirs."""
@@ -397,13 +430,11 @@ class Gateway:
             self._refused(exc, request.scope["path"])
             return JSONResponse(exc.body(), status_code=exc.status)
         allowed = tenant.upstreams if tenant is not None else None
-        lists = await asyncio.gather(*(
-            self._fetch_models(u) for u in self.upstreams
-            if u.healthy and (allowed is None or u.name in allowed)))
         merged: dict[str, dict[str, Any]] = {}
-        for models in lists:
-            for model in models:
-                merged.setdefault(model["id"], model)
+        for upstream in self.upstreams:
+            if upstream.healthy and (allowed is None or upstream.name in allowed):
+                for card in upstream.model_cards:
+                    merged.setdefault(card["id"], card)
         return JSONResponse({"object": "list", "data": list(merged.values())})
 
     # ------------------------------------------------------------------ the hot path (bare ASGI)
@@ -424,15 +455,6 @@ class Gateway:
                                     [(b"allow", b"POST")])
                 return
         await self._starlette(scope, receive, send)
-
-    def _identity(self, salt: str | None) -> CacheIdentity:
-        """One CacheIdentity per salt, reused: requests of a tenant share it. O(1)."""
-        identity = self._identities.get(salt)
-        if identity is None:
-            if len(self._identities) >= 4096:  # caller-chosen salts are unbounded
-                self._identities.clear()
-            identity = self._identities[salt] = CacheIdentity(cache_salt=salt)
-        return identity
 
     async def _generate(self, scope: Scope, receive: Receive, send: Send, path: str,
                         kind: str) -> None:
@@ -463,8 +485,8 @@ class Gateway:
                                          record.ttft_s, total)
         self.access_log.write(record)
 
-    def _refused(self, error: RequestError, path: str) -> None:
-        self.metrics.reject(error.status)
+    def _refused(self, error: RequestError, path: str, model: str | None = None) -> None:
+        self.metrics.reject(error.status, model)
         self._refusals.warning("refused %s with %d: %s", path, error.status, ascii(str(error)))
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send, path: str, kind: str,
@@ -491,7 +513,7 @@ class Gateway:
             # Only a tenant's salt changes the body; otherwise the caller's bytes go upstream.
             forwarded = decoded.encode() if self.tenants is not None else raw
             plan = self.router.plan(
-                parsed, record.request_id, self._identity(salt),
+                parsed, record.request_id, self.router.identity(parsed.model, salt),
                 tenant=tenant.name if tenant else None,
                 allowed=tenant.upstreams if tenant else None,
                 session_id=session_id,
@@ -508,19 +530,19 @@ class Gateway:
             error = RequestError(str(exc), None)
         else:
             if plan is None:
-                self.metrics.reject(503)
-                self._refusals.warning("no upstream admitted for %s (request %s)", path,
-                                       record.request_id)
+                self.metrics.reject(503, parsed.model)
+                self._refusals.warning("no upstream serving %r admitted for %s (request %s)",
+                                       parsed.model, path, record.request_id)
                 record.status, record.error = 503, "no upstream admitted"
                 record.sent_first_byte()
-                await send_json(send, 503, NO_UPSTREAM)
+                await send_json(send, 503, no_upstream(parsed.model))
                 return
             self.metrics.decision_seconds.observe(plan.decision_s)
             assert self.forwarder is not None
             await self.forwarder.forward(receive, send, path, forwarded, parsed, plan, record,
                                          trace)
             return
-        self._refused(error, path)
+        self._refused(error, path, record.model)
         record.status, record.error = error.status, str(error)
         record.sent_first_byte()
         await send_error(send, error)

@@ -1,8 +1,9 @@
 """Gateway configuration: upstreams from ``--upstream`` flags or a TOML file, and the knobs.
 
 A flag is ``URL[,key=value...]`` with keys ``name``, ``events``, ``replay``, ``bind``,
-``topic``, ``weight`` and ``capacity_tokens``; a TOML file has the same keys per
-``[[upstreams]]`` table and the gateway options in ``[gateway]``::
+``topic``, ``weight``, ``capacity_tokens`` and ``models`` (``models=a|b``); a TOML file has the
+same keys per ``[[upstreams]]`` table (``models = ["a", "b"]``) and the gateway options in
+``[gateway]``::
 
     [gateway]
     policy = "exact"
@@ -19,11 +20,13 @@ A flag is ``URL[,key=value...]`` with keys ``name``, ``events``, ``replay``, ``b
     events = "tcp://127.0.0.1:5557"    # vLLM --kv-events-config endpoint; the gateway binds it
     replay = "tcp://127.0.0.1:5558"    # vLLM replay_endpoint (vLLM binds it)
     weight = 1.0
+    models = ["llama-8b"]              # optional: else learned from its GET /v1/models
 
 ``weight`` scales the load the policies see (load / weight): an upstream of weight 2 is taken
 to drain its queue twice as fast. ``capacity_tokens`` is the engine's KV capacity when its
 ``/metrics`` has no ``vllm:cache_config_info``: the gateway's indexes for it are bounded to
-``index_budget_factor`` times that.
+``index_budget_factor`` times that. ``models`` declares the served model names; without it the
+gateway learns them from the upstream's ``/v1/models`` (see :mod:`kvreuse.gateway.upstreams`).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from urllib.parse import urlsplit
 from kvreuse.errors import ConfigError
 
 CALLER_SALT_MODES = ("reject", "strip")
+MAX_MODEL_NAME_CHARS = 512
 ACCESS_LOG_MODES = ("off", "text", "json")
 
 
@@ -52,6 +56,7 @@ class UpstreamConfig:
     topic: str = ""
     weight: float = 1.0
     capacity_tokens: int | None = None  # KV capacity, when its /metrics does not say
+    models: tuple[str, ...] = ()  # declared served model names; empty: learn from /v1/models
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
@@ -60,6 +65,13 @@ class UpstreamConfig:
         if self.capacity_tokens is not None and self.capacity_tokens < 1:
             raise ConfigError(f"upstream {self.url}: capacity_tokens must be >= 1, got "
                               f"{self.capacity_tokens}")
+        for model in self.models:
+            if not isinstance(model, str) or not model.strip() or len(model) > MAX_MODEL_NAME_CHARS:
+                raise ConfigError(f"upstream {self.url}: each model must be a non-empty name of "
+                                  f"at most {MAX_MODEL_NAME_CHARS} characters, got {model!r}")
+        if len(set(self.models)) != len(self.models):
+            raise ConfigError(f"upstream {self.url}: models lists a name twice: "
+                              f"{list(self.models)}")
         if self.weight <= 0:
             raise ConfigError(f"upstream {self.url}: weight must be > 0, got {self.weight}")
         for key in ("events", "replay"):
@@ -158,6 +170,8 @@ def _coerce_upstream(raw: dict[str, Any], where: str) -> UpstreamConfig:
                 values[key] = float(value)
             except (TypeError, ValueError):
                 raise ConfigError(f"{where}: weight must be a number, got {value!r}") from None
+        elif key == "models":
+            values[key] = _models(value, where)
         elif key == "bind":
             if isinstance(value, str):
                 if value.lower() not in ("true", "false", "1", "0"):
@@ -169,6 +183,21 @@ def _coerce_upstream(raw: dict[str, Any], where: str) -> UpstreamConfig:
                 raise ConfigError(f"{where}: {key} must be a string, got {value!r}")
             values[key] = value
     return UpstreamConfig(**values)
+
+
+def _models(value: object, where: str) -> tuple[str, ...]:
+    """``a|b`` (a flag) or ``["a", "b"]`` (TOML) as a tuple of names."""
+    if isinstance(value, str):
+        names = [name.strip() for name in value.split("|")]
+    elif isinstance(value, list) and all(isinstance(name, str) for name in value):
+        names = [name.strip() for name in value]
+    else:
+        raise ConfigError(f"{where}: models must be names separated by | (flag) or an array "
+                          f"of strings (TOML), got {value!r}")
+    if not names or not all(names):
+        raise ConfigError(f"{where}: models must list at least one non-empty name, got "
+                          f"{value!r}")
+    return tuple(names)
 
 
 def parse_upstream_flag(text: str) -> UpstreamConfig:

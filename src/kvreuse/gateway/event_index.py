@@ -271,6 +271,24 @@ class EventIndex:
     def _identity(block: _Block) -> CacheIdentity:
         return block.identity
 
+    def routing_snapshot(self, now: float = 0.0) -> list[KvEvent]:
+        """The index's contents as routing events: a :class:`KvStored` per present block with
+        no present child, then a :class:`KvRemoved` per hole, so a policy told only these holds
+        what it would have been told event by event. O(blocks + tokens of the stored paths)."""
+        stored: list[KvEvent] = []
+        holes: list[KvEvent] = []
+        for root in self._roots.values():
+            stack = list(root.children.values())
+            while stack:
+                node = stack.pop()
+                stack.extend(node.children.values())
+                if not node.present:
+                    holes.append(KvRemoved(self.replica, self._path(node),
+                                           node.end - self._size(node), node.identity, now))
+                elif not any(child.present for child in node.children.values()):
+                    stored.append(KvStored(self.replica, self._path(node), node.identity, now))
+        return stored + holes
+
     def walk(self) -> Iterator[tuple[CacheIdentity, int, bool]]:
         """``(identity, end, present)`` for every block, depth first (tests, debugging). O(n)."""
         for identity, root in self._roots.items():

@@ -297,8 +297,9 @@ class GatewayMetrics:
     def __init__(self, state: GatewayState) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.requests = Counter(
-            "kvreuse_gateway_requests", "requests by upstream, policy, decision branch, status",
-            ["upstream", "policy", "branch", "status"], registry=self.registry,
+            "kvreuse_gateway_requests",
+            "requests by upstream, policy, decision branch, status and model",
+            ["upstream", "policy", "branch", "status", "model"], registry=self.registry,
         )
         self.decision_seconds = Histogram(
             "kvreuse_gateway_routing_decision_seconds",
@@ -314,8 +315,8 @@ class GatewayMetrics:
             ["upstream", "kind"], registry=self.registry,
         )
         self.rejected = Counter(
-            "kvreuse_gateway_rejected", "requests refused before routing, by HTTP status",
-            ["status"], registry=self.registry,
+            "kvreuse_gateway_rejected", "requests refused before routing, by HTTP status and model",
+            ["status", "model"], registry=self.registry,
         )
         by = ["upstream", "model", "status"]
         self.duration_seconds = Histogram(
@@ -334,23 +335,29 @@ class GatewayMetrics:
         PlatformCollector(registry=self.registry)
         self.registry.register(GC_COLLECTOR)
         # labels() hashes and locks on every call; the hot path keeps the children it made.
-        self._request_children: dict[tuple[str, str, str, str], Any] = {}
-        self._rejected_children: dict[int, Any] = {}
+        self._request_children: dict[tuple[str, str, str, str, str], Any] = {}
+        self._rejected_children: dict[tuple[int, str], Any] = {}
         self._timing_children: dict[tuple[str, str, str], tuple[Any, Any]] = {}
 
-    def count_request(self, upstream: str, policy: str, branch: str, status: str) -> None:
-        """One finished (or failed) request. O(1)."""
-        key = (upstream, policy, branch, status)
+    def count_request(self, upstream: str, policy: str, branch: str, status: str,
+                      model: str | None) -> None:
+        """One finished (or failed) request for ``model`` (bounded: :class:`ModelLabels`).
+        O(1)."""
+        if status[0] == "2" and model is not None:
+            self.models.served_by_upstream(model)
+        key = (upstream, policy, branch, status, self.models.label(model))
         child = self._request_children.get(key)
         if child is None:
             child = self._request_children[key] = self.requests.labels(*key)
         child.inc()
 
-    def reject(self, status: int) -> None:
-        """A request refused before routing, by HTTP status. O(1)."""
-        child = self._rejected_children.get(status)
+    def reject(self, status: int, model: str | None = None) -> None:
+        """A request refused before routing, by HTTP status and model (bounded:
+        :class:`ModelLabels`; None when the body named none). O(1)."""
+        key = (status, self.models.label(model))
+        child = self._rejected_children.get(key)
         if child is None:
-            child = self._rejected_children[status] = self.rejected.labels(str(status))
+            child = self._rejected_children[key] = self.rejected.labels(str(status), key[1])
         child.inc()
 
     def observe_request(self, upstream: str, model: str | None, status: int,

@@ -201,7 +201,7 @@ class Forwarder:
                         upstream.failures)
         self.metrics.upstream_errors.labels(upstream.name, kind).inc()
         self.metrics.count_request(upstream.name, self.policy_name, candidate.branch,
-                                   "upstream_error")
+                                   "upstream_error", plan.request.identity.model)
         return f"{upstream.name}: {kind} {detail}"
 
     def _headers(self, candidate: Candidate, content_type: bytes | None) -> RawHeaders:
@@ -222,7 +222,7 @@ class Forwarder:
         if status < 500:
             upstream.record_success(probe=False)
         self.metrics.count_request(upstream.name, self.policy_name, candidate.branch,
-                                   str(status))
+                                   str(status), plan.request.identity.model)
         counted = cached_tokens_of(usage)
         if counted is not None:
             record.prompt_tokens, record.cached_tokens = counted

@@ -8,10 +8,25 @@ tells the policy what was committed (``on_routed``), what finished (``on_finishe
 the upstreams' KV events say (``on_kv_event``, translated by each upstream's
 :class:`~kvreuse.gateway.event_index.EventIndex`). The policy objects are those of
 :mod:`kvreuse.routing`, exactly as the simulator builds them.
+
+Models. A request is routed only among the healthy upstreams that serve its ``model`` (the
+policy's :class:`~kvreuse.routing.FleetView` holds just those). An upstream whose models are
+not known yet (nothing declared, its ``/v1/models`` unreadable so far) is taken to serve what
+no known upstream serves, as before model-aware routing. A model no upstream serves (in the
+tenant's subset) is a 404 naming the served models; one whose upstreams are all ejected a 503.
+
+Cache identity. The request's model (its served name) is part of its
+:class:`~kvreuse.identity.CacheIdentity`, so the policy's trees, mirror and a shared index keep
+one namespace per model. A KV event names no model: an engine that publishes events is one
+model, whatever names it is served under (vLLM's ``--served-model-name a b`` share one cache),
+so each upstream's :class:`EventIndex` stays model-free and its events reach the policy once per
+model the upstream serves; when that set changes the policy forgets the upstream and is told
+its current contents again under the new names.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -25,12 +40,13 @@ from kvreuse.gateway.metrics import IndexSize
 from kvreuse.gateway.prompts import PromptTokenizer, request_tokens
 from kvreuse.gateway.subscriber import StreamStats
 from kvreuse.gateway.upstreams import UpstreamState
-from kvreuse.gateway.validation import ParsedRequest
+from kvreuse.gateway.validation import ParsedRequest, RequestError
 from kvreuse.identity import CacheIdentity
 from kvreuse.routing import (
     CostModel,
     FleetView,
     KvCleared,
+    KvEvent,
     RequestView,
     RoutingDecision,
     RoutingPolicy,
@@ -45,6 +61,9 @@ log = logging.getLogger("kvreuse.gateway.router")
 MIN_NEW_BLOCKS_FOR_EVENTS = 2
 """A request whose prefill filled this many new blocks must have made the engine publish
 (one block of slack: a recomputed last block may reuse a cached hash)."""
+MODELS_LISTED = 50
+"""Served models a 404 names before it says "and N more"."""
+MAX_IDENTITIES = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +126,80 @@ class Router:
                 "--policy exact routes on KV events: give at least one upstream an events "
                 "endpoint (events=tcp://HOST:PORT)"
             )
+        self._by_model: dict[str, tuple[UpstreamState, ...]] = {}
+        self._unknown: tuple[UpstreamState, ...] = ()
+        self._identities: dict[tuple[str, str | None], CacheIdentity] = {}
+        self._modeled: dict[tuple[CacheIdentity, str], CacheIdentity] = {}
+        self._model_free: dict[CacheIdentity, CacheIdentity] = {}
+        self._rebuild_models()
+
+    # ------------------------------------------------------------------ models
+
+    def _rebuild_models(self) -> None:
+        by_model: dict[str, list[UpstreamState]] = {}
+        unknown = []
+        for upstream in self.upstreams.values():
+            if upstream.models is None:
+                unknown.append(upstream)
+            else:
+                for model in upstream.models:
+                    by_model.setdefault(model, []).append(upstream)
+        self._by_model = {model: tuple(ups) for model, ups in by_model.items()}
+        self._unknown = tuple(unknown)
+
+    def models_changed(self, upstream: UpstreamState, before: frozenset[str] | None) -> None:
+        """Called after ``upstream``'s served models changed from ``before``: routing uses
+        the new set from now on, and the policy re-learns the upstream's KV-event contents
+        under the new names (O(index) when the upstream publishes events)."""
+        self._rebuild_models()
+        index = self.indexes.get(upstream.name)
+        if index is None:
+            return
+        now = self.clock()
+        self.policy.on_kv_event(KvCleared(upstream.name, now))
+        for event in index.routing_snapshot(now):
+            self._tell_policy(upstream, event)
+
+    def served_models(self, allowed: Sequence[str] | None = None) -> list[str]:
+        """Every model a known upstream (of ``allowed``) serves, sorted."""
+        return sorted(model for model, ups in self._by_model.items()
+                      if allowed is None or any(u.name in allowed for u in ups))
+
+    def model_label(self, model: str) -> str:
+        """``model`` when a known upstream serves it, else "" (bounded metric labels). O(1)."""
+        return model if model in self._by_model else ""
+
+    def serving(self, model: str, allowed: Sequence[str] | None = None
+                ) -> tuple[UpstreamState, ...]:
+        """The upstreams (of ``allowed``) that serve ``model``, healthy or not; upstreams of
+        unknown models when no known one does. Raises a 404 :class:`RequestError` listing
+        the served models when there are none. O(upstreams of the model)."""
+        serving = self._by_model.get(model) or self._unknown
+        if allowed is not None:
+            serving = tuple(u for u in serving if u.name in allowed)
+        if not serving:
+            raise RequestError(self._not_served(model, allowed), "model", 404)
+        return serving
+
+    def _not_served(self, model: str, allowed: Sequence[str] | None) -> str:
+        served = self.served_models(allowed)
+        shown = ", ".join(served[:MODELS_LISTED]) or "none"
+        if len(served) > MODELS_LISTED:
+            shown += f" and {len(served) - MODELS_LISTED} more"
+        asked = model if len(model) <= 200 else model[:200] + "..."
+        return (f"the model {asked!r} is not served here; served models: {shown} "
+                f"(GET /v1/models lists them)")
+
+    def identity(self, model: str, salt: str | None) -> CacheIdentity:
+        """The cache identity of a request for ``model`` with ``salt``; one object per pair,
+        reused, so indexes can compare identities by ``is``. O(1)."""
+        key = (model, salt)
+        identity = self._identities.get(key)
+        if identity is None:
+            if len(self._identities) >= MAX_IDENTITIES:  # caller-chosen salts are unbounded
+                self._identities.clear()
+            identity = self._identities[key] = CacheIdentity(model=model, cache_salt=salt)
+        return identity
 
     # ------------------------------------------------------------------ requests
 
@@ -124,20 +217,19 @@ class Router:
         allowed: Sequence[str] | None = None,
         session_id: str | None = None,
     ) -> Plan | None:
-        """Tokenize and route; None when no upstream is eligible (all ejected, or none of the
-        tenant's). Raises :class:`InputFormatError` when the prompt cannot be rendered."""
+        """Tokenize and route among the healthy upstreams serving the request's model (of
+        ``allowed``); None when all of them are ejected. Raises a 404 :class:`RequestError`
+        when no upstream serves the model, :class:`InputFormatError` when the prompt cannot be
+        rendered."""
         started = time.perf_counter()
+        eligible = tuple(u for u in self.serving(parsed.model, allowed) if u.healthy)
+        if not eligible:
+            return None
         tokens = self.tokens_for(parsed)
         request = RequestView(
             request_id, tokens, num_tokens(tokens), identity, tenant,
             session_id or parsed.session_id,
         )
-        eligible = tuple(
-            u for u in self.upstreams.values()
-            if u.healthy and (allowed is None or u.name in allowed)
-        )
-        if not eligible:
-            return None
         fleet = FleetView(tuple(u.load() for u in eligible), self.clock())
         decision = self.policy.route(request, fleet)
         if decision is None:
@@ -170,7 +262,9 @@ class Router:
 
     def _index_match(self, request: RequestView, name: str) -> int:
         index = self.indexes.get(name)
-        return 0 if index is None else index.match(request.tokens, request.identity)
+        if index is None:
+            return 0
+        return index.match(request.tokens, self._without_model(request.identity))
 
     def _candidate(self, upstream: UpstreamState, request: RequestView,
                    decision: RoutingDecision) -> Candidate:
@@ -180,7 +274,7 @@ class Router:
         index = self.indexes.get(decision.replica)
         if index is None:
             return Candidate(upstream, decision.branch, decision.predicted_cached_tokens)
-        exact = index.match(request.tokens, request.identity)
+        exact = index.match(request.tokens, self._without_model(request.identity))
         if self.health[decision.replica].suspect:
             return Candidate(upstream, decision.branch, decision.predicted_cached_tokens, exact)
         return Candidate(upstream, decision.branch, exact, exact)
@@ -236,6 +330,26 @@ class Router:
         if isinstance(self.policy, CacheAware):
             self.policy.suspects = frozenset(self.suspects())
 
+    def _without_model(self, identity: CacheIdentity) -> CacheIdentity:
+        """The namespace of an event index (which names no model, see the module docstring)."""
+        if not identity.model:
+            return identity
+        bare = self._model_free.get(identity)
+        if bare is None:
+            if len(self._model_free) >= MAX_IDENTITIES:
+                self._model_free.clear()
+            bare = self._model_free[identity] = dataclasses.replace(identity, model="")
+        return bare
+
+    def _with_model(self, identity: CacheIdentity, model: str) -> CacheIdentity:
+        key = (identity, model)
+        modeled = self._modeled.get(key)
+        if modeled is None:
+            if len(self._modeled) >= MAX_IDENTITIES:
+                self._modeled.clear()
+            modeled = self._modeled[key] = dataclasses.replace(identity, model=model)
+        return modeled
+
     def committed(self, plan: Plan, candidate: Candidate) -> None:
         """Called when the request is sent to ``candidate``."""
         decision = RoutingDecision(
@@ -267,8 +381,19 @@ class Router:
             stats.unknown_removals += applied.unknown_removals
             stats.ignored_events += applied.ignored
             for routing_event in applied.routing_events:
-                self.policy.on_kv_event(routing_event)
+                self._tell_policy(self.upstreams[upstream], routing_event)
         stats.trimmed_blocks = index.trimmed_blocks
+
+    def _tell_policy(self, upstream: UpstreamState, event: KvEvent) -> None:
+        """One event of ``upstream``'s index, once per model it serves (see the module
+        docstring); as is while its models are unknown."""
+        models = upstream.models
+        if isinstance(event, KvCleared) or not models:
+            self.policy.on_kv_event(event)
+            return
+        for model in models:
+            self.policy.on_kv_event(
+                dataclasses.replace(event, identity=self._with_model(event.identity, model)))
 
     def mark_cold(self, upstream: str, reason: str) -> None:
         """Forget what ``upstream`` holds: its events can no longer be trusted to be complete."""
@@ -286,7 +411,7 @@ class Router:
         index = self.indexes.get(upstream)
         if index is not None:
             for routing_event in index.set_budget(tokens):
-                self.policy.on_kv_event(routing_event)
+                self._tell_policy(self.upstreams[upstream], routing_event)
             self.streams[upstream].trimmed_blocks = index.trimmed_blocks
         for trees in self._trees():
             trees.set_capacity(upstream, tokens)

@@ -10,15 +10,28 @@ that have not produced a first byte yet (their predicted uncached prompt tokens)
 the upstream's ``/metrics`` refines this: when ``vllm:num_requests_waiting`` says more requests
 wait than this gateway sent (other clients, other gateways), the difference is added with this
 gateway's mean uncached prompt size. Loads are divided by the upstream's weight.
+
+Served models: declared (``models=a|b``), or learned from the upstream's ``GET /v1/models``
+when the gateway starts and after each successful health probe (so a model that appears or
+disappears is noticed within one health interval). ``models`` is ``None`` while nothing is
+known (no declaration, and no ``/v1/models`` answer could be read yet); a failed or garbled
+answer later keeps the last known set. What routing makes of that: :mod:`kvreuse.gateway.router`.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
+from typing import Any
 
-from kvreuse.gateway.config import UpstreamConfig
+from kvreuse.errors import InputFormatError
+from kvreuse.gateway.config import MAX_MODEL_NAME_CHARS, UpstreamConfig
 from kvreuse.routing import ReplicaLoad
+
+MAX_MODEL_LIST_BYTES = 4 << 20
+"""A /v1/models answer larger than this is refused (vLLM's, with many LoRA adapters, is KBs)."""
+MAX_MODELS = 4096
 
 ENGINE_METRICS = (
     "vllm:num_requests_waiting",
@@ -70,6 +83,36 @@ def parse_kv_capacity(text: str) -> int | None:
         if blocks.isdigit() and size.isdigit() and int(blocks) > 0 and int(size) > 0:
             return int(blocks) * int(size)
     return None
+def parse_model_list(raw: bytes) -> tuple[dict[str, Any], ...]:
+    """The model cards of an OpenAI ``/v1/models`` answer (``{"data": [{"id": ...}, ...]}``),
+    in order, one per id. Raises :class:`InputFormatError` saying what is wrong. O(bytes)."""
+    if len(raw) > MAX_MODEL_LIST_BYTES:
+        raise InputFormatError(f"answer of {len(raw):,} bytes is over the "
+                               f"{MAX_MODEL_LIST_BYTES:,}-byte limit", "/v1/models")
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise InputFormatError(f"not JSON ({exc})", "/v1/models") from None
+    data = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(data, list):
+        raise InputFormatError("not an object with a 'data' array", "/v1/models")
+    if len(data) > MAX_MODELS:
+        raise InputFormatError(f"{len(data)} models, over the limit of {MAX_MODELS}",
+                               "/v1/models")
+    cards: dict[str, dict[str, Any]] = {}
+    for index, card in enumerate(data):
+        name = card.get("id") if isinstance(card, dict) else None
+        if not isinstance(name, str) or not name or len(name) > MAX_MODEL_NAME_CHARS:
+            raise InputFormatError(f"data[{index}] has no model id (a non-empty string of at "
+                                   f"most {MAX_MODEL_NAME_CHARS} characters)", "/v1/models")
+        assert isinstance(card, dict)
+        cards.setdefault(name, card)
+    return tuple(cards.values())
+
+
+def declared_card(name: str) -> dict[str, Any]:
+    """The /v1/models entry the gateway lists for a declared model."""
+    return {"id": name, "object": "model", "created": 0, "owned_by": "kvreuse"}
 
 
 @dataclass(slots=True)
@@ -103,6 +146,25 @@ class UpstreamState:
         self.engine = EngineSnapshot()
         self.engine_baseline: EngineSnapshot | None = None
         self.kv_capacity_tokens: int | None = None  # scraped from vllm:cache_config_info
+        self.declared = bool(config.models)
+        self.models: frozenset[str] | None = frozenset(config.models) if config.models else None
+        self.model_cards: tuple[dict[str, Any], ...] = tuple(
+            declared_card(name) for name in config.models)
+        self.models_problem: str | None = None  # why the last /v1/models could not be read
+
+    # ------------------------------------------------------------------ models
+
+    def serves(self, model: str) -> bool | None:
+        """Whether this upstream serves ``model``; None while its models are unknown."""
+        return None if self.models is None else model in self.models
+
+    def learned(self, cards: tuple[dict[str, Any], ...]) -> bool:
+        """A /v1/models answer was read; returns True when the served set changed."""
+        self.models_problem = None
+        names = frozenset(card["id"] for card in cards)
+        changed = names != self.models
+        self.models, self.model_cards = names, cards
+        return changed
 
     # ------------------------------------------------------------------ health
 
