@@ -28,6 +28,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--model", default="kvreuse-sim", help="served model name")
+    parser.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                        help="names requests may use instead of --model (vLLM's option; all "
+                        "share one cache)")
     parser.add_argument("--tokenizer", metavar="DIR",
                         help="HF tokenizer directory; default: 4-bytes-per-token approximation")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -78,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
         time_per_output_token_s=args.tpot_ms / 1000.0,
         max_model_len=args.max_model_len,
         hash_algorithm=args.hash_algorithm,
+        served_names=tuple(args.served_model_name or ()),
     )
     engine = build_engine(
         config,

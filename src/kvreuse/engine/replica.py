@@ -43,6 +43,12 @@ class EngineConfig:
     time_per_output_token_s: float = 0.005
     max_model_len: int = 32_768
     hash_algorithm: str = "sha256"
+    served_names: tuple[str, ...] = ()  # vLLM's --served-model-name; empty: ``model`` alone
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The model names requests may use; all share one cache, as in vLLM."""
+        return self.served_names or (self.model,)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.num_blocks < 2:

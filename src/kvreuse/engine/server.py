@@ -189,11 +189,11 @@ class EngineApp:
         return Response(generate_latest(self.registry), media_type="text/plain; version=0.0.4")
 
     async def models(self, request: Request) -> Response:
-        model = self.replica.config.model
+        config = self.replica.config
         return JSONResponse({"object": "list", "data": [{
-            "id": model, "object": "model", "created": int(time.time()), "owned_by": "kvreuse",
-            "root": model, "max_model_len": self.replica.config.max_model_len,
-        }]})
+            "id": name, "object": "model", "created": int(time.time()), "owned_by": "kvreuse",
+            "root": config.model, "max_model_len": config.max_model_len,
+        } for name in config.names]})
 
     async def reset_prefix_cache(self, request: Request) -> Response:
         if await self.replica.reset_prefix_cache():
@@ -209,10 +209,10 @@ class EngineApp:
         try:
             parsed = parse_request(kind, parse_json_body(
                 await read_body(receive, MAX_BODY_BYTES, None)))
-            if parsed.model != self.replica.config.model:
+            if parsed.model not in self.replica.config.names:
                 raise RequestError(
-                    f"the model {parsed.model!r} does not exist; this engine serves "
-                    f"{self.replica.config.model!r}", "model", 404
+                    f"the model {parsed.model[:200]!r} does not exist; this engine serves "
+                    f"{', '.join(self.replica.config.names)}", "model", 404
                 )
             if kind == "completion" and isinstance(parsed.body.get("prompt"), list) and len(
                 parsed.body["prompt"]) > 1 and not isinstance(parsed.body["prompt"][0], int):
