@@ -112,3 +112,32 @@ def test_tenant_subset_must_name_real_upstreams(tmp_path: Path) -> None:
                            tenants=str(tenants_file(tmp_path)))
     with pytest.raises(ConfigError, match="r1"):
         Gateway(config)
+
+
+def test_models_are_declared_by_flag_and_by_toml(tmp_path: Path) -> None:
+    """models=a|b on a flag and models = [...] in TOML declare the served names."""
+    assert parse_upstream_flag("http://h:1,models=llama-8b|llama-8b-chat").models == (
+        "llama-8b", "llama-8b-chat")
+    path = tmp_path / "gw.toml"
+    path.write_text('[[upstreams]]\nurl = "http://h:1"\nmodels = ["a", "b"]\n'
+                    '[[upstreams]]\nurl = "http://h:2"\n')
+    assert [u.models for u in load_config_file(path).upstreams] == [("a", "b"), ()]
+
+
+@pytest.mark.parametrize(
+    ("flag", "needle"),
+    [("http://h:1,models=", "at least one"), ("http://h:1,models=a||b", "at least one"),
+     ("http://h:1,models=a|a", "twice"), ("http://h:1,models=" + "m" * 600, "at most 512")],
+)
+def test_bad_model_declarations_name_the_problem(flag: str, needle: str) -> None:
+    """Empty names, duplicates and absurd names are refused by what to change."""
+    with pytest.raises(ConfigError, match=needle):
+        parse_upstream_flag(flag)
+
+
+def test_toml_models_must_be_strings(tmp_path: Path) -> None:
+    """A TOML models array of anything but strings is refused, naming the upstream."""
+    path = tmp_path / "gw.toml"
+    path.write_text('[[upstreams]]\nurl = "http://h:1"\nmodels = [1, 2]\n')
+    with pytest.raises(ConfigError, match=r"upstreams\[0\]: models must be"):
+        load_config_file(path)

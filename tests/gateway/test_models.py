@@ -355,3 +355,47 @@ def test_kv_events_reach_the_policy_under_each_served_name(gateway_factory: Fact
         assert (policy.predict(view, fleet)["shared"] > 0) is expected_hit, model
     for engine in (shared, single):
         engine.server.stop()
+
+
+def test_a_model_added_to_an_upstream_gets_its_cached_contents() -> None:
+    """When an upstream's served set changes, the policy forgets it and is told its whole
+    KV-event index again under the new names, holes included; dropped names predict nothing."""
+    from kvreuse.gateway.kv_events import EventBatch
+    from kvreuse.gateway.prompts import TextApproximation
+    from kvreuse.gateway.router import Router
+    from kvreuse.gateway.upstreams import UpstreamState
+    from kvreuse.index.events import BlockRemoved, BlockStored
+    from kvreuse.index.hashing import BlockHash
+    from kvreuse.routing import build_policy
+    from kvreuse.tokens import pack
+
+    def h(value: int) -> BlockHash:
+        return BlockHash(value.to_bytes(8, "big"))
+
+    upstream = UpstreamState(UpstreamConfig("http://h:1", name="u", events="tcp://h:2"),
+                             eject_after=3, readmit_after=2)
+    policy = build_policy("exact", block_size=2)
+    router = Router(policy, [upstream], TextApproximation())
+    upstream.learned(({"id": "a"},))
+    router.models_changed(upstream, None)
+    events = (BlockStored((h(1), h(2), h(3)), None, (1, 2, 3, 4, 5, 6), 2),
+              BlockStored((h(4),), h(1), (7, 8), 2),
+              BlockStored((h(5), h(6)), None, (9, 9, 8, 8), 2),
+              BlockRemoved((h(2),)))
+    router.apply_batch("u", EventBatch(0, 0.0, events))
+    prompts = [pack(p) for p in ([1, 2, 3, 4, 5, 6, 0], [1, 2, 7, 8, 0], [9, 9, 8, 8, 0],
+                                 [1, 2, 3, 0])]
+    fleet = FleetView((upstream.load(),))
+
+    def predicted(model: str) -> list[int]:
+        return [policy.predict(RequestView("r", p, num_tokens(p), router.identity(model, None)),
+                               fleet)["u"] for p in prompts]
+
+    truth = [router.indexes["u"].match(p) for p in prompts]
+    assert truth == [2, 4, 4, 2]  # block 2 is a hole: 3..6 unreachable, 7..8 still held
+    assert predicted("a") == truth and predicted("b") == [0, 0, 0, 0]
+    before = upstream.models
+    upstream.learned(({"id": "b"}, {"id": "c"}))
+    router.models_changed(upstream, before)
+    assert predicted("b") == truth and predicted("c") == truth
+    assert predicted("a") == [0, 0, 0, 0]

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
+import pytest
+
+from kvreuse.errors import InputFormatError
 from kvreuse.gateway.config import UpstreamConfig
-from kvreuse.gateway.upstreams import UpstreamState, parse_prometheus
+from kvreuse.gateway.upstreams import UpstreamState, parse_model_list, parse_prometheus
 
 EXPOSITION = """\
 # HELP vllm:num_requests_waiting Requests waiting
@@ -69,3 +74,37 @@ def test_engine_hit_rate_is_a_delta_since_the_first_scrape() -> None:
     upstream.update_engine({"vllm:prefix_cache_queries_total": 300.0,
                             "vllm:prefix_cache_hits_total": 140.0})
     assert upstream.engine_hit_rate() == 0.25
+
+
+def test_model_list_keeps_each_card_once_in_order() -> None:
+    """A vLLM /v1/models answer gives its cards in order; a repeated id is kept once."""
+    raw = json.dumps({"object": "list", "data": [
+        {"id": "base", "object": "model", "root": "/m"}, {"id": "lora-1", "parent": "base"},
+        {"id": "base", "object": "model"}]}).encode()
+    assert [card["id"] for card in parse_model_list(raw)] == ["base", "lora-1"]
+    assert parse_model_list(b'{"data": []}') == ()
+
+
+@pytest.mark.parametrize(
+    ("raw", "needle"),
+    [(b"{nope", "not JSON"), (b"\xff\xfe", "not JSON"), (b"[" * 100_000, "not JSON"),
+     (b"[]", "'data' array"), (b'{"data": {}}', "'data' array"),
+     (b'{"data": [{"name": "x"}]}', r"data\[0\] has no model id"),
+     (b'{"data": [{"id": ""}]}', "no model id"), (b'{"data": ["x"]}', "no model id"),
+     (b'{"data": [{"id": "' + b"m" * 600 + b'"}]}', "at most 512"),
+     (b" " * (5 << 20), "limit")],
+)
+def test_garbled_model_lists_are_refused_by_what_is_wrong(raw: bytes, needle: str) -> None:
+    """Anything but a list of model cards is an InputFormatError, never a crash."""
+    with pytest.raises(InputFormatError, match=needle):
+        parse_model_list(raw)
+
+
+def test_declared_models_are_known_from_the_start() -> None:
+    """A declared upstream serves its names at once; a learning one knows nothing yet."""
+    declared, learning = state(models=("a", "b")), state()
+    assert declared.serves("a") and declared.serves("c") is False
+    assert learning.serves("a") is None
+    assert learning.learned(({"id": "a"},)) and not learning.learned(({"id": "a"},))
+    assert learning.serves("a") and learning.learned(())
+    assert learning.serves("a") is False

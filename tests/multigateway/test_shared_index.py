@@ -114,3 +114,36 @@ def test_two_gateways_share_records_through_redis(redis: Process) -> None:
     predicted, received = asyncio.run(scenario())
     assert predicted == {"u1": 0, "u2": 32}
     assert received == 1
+
+
+def test_models_never_share_records_through_redis(redis: Process) -> None:
+    """A prompt routed for one model, shared through real Redis, predicts a hit on the other
+    gateway for that model only: the model is part of every shared block hash."""
+    import redis.asyncio as aioredis
+
+    def for_model(model: str) -> RequestView:
+        return RequestView("r", pack(list(range(32))), 32, CacheIdentity(model=model))
+
+    async def scenario() -> dict[str, dict[str, int]]:
+        first, second = SharedPrefixIndex(block_size=4), SharedPrefixIndex(block_size=4)
+        prefix = f"test{random.randrange(1 << 30)}"
+        syncs = [RedisIndexSync(index, aioredis.from_url(redis.url), ["u1"], prefix=prefix,
+                                block_ms=50) for index in (first, second)]
+        tasks = [asyncio.create_task(sync.run()) for sync in syncs]
+        await asyncio.sleep(0.2)
+        first.record(for_model("model-a"), "u1", 0.0)
+        for _ in range(50):
+            await asyncio.sleep(0.02)
+            if syncs[1].stats.received:
+                break
+        out = {model: second.predict(for_model(model), ["u1"], 0.0)
+               for model in ("model-a", "model-b", "")}
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for sync in syncs:
+            await sync.client.aclose()
+        return out
+
+    predicted = asyncio.run(scenario())
+    assert predicted == {"model-a": {"u1": 32}, "model-b": {"u1": 0}, "": {"u1": 0}}
