@@ -96,11 +96,11 @@ def test_route_and_engine_announce_themselves_and_log_each_request(tmp_path: Pat
         gateway = fleet.start_gateway(
             "gateway", [engine], policy="round_robin",
             extra_args=["--metrics-port", str(metrics_port), "--access-log", "json",
-                        "--upstream", f"{dead},name=dead", "--eject-after", "5",
+                        "--upstream", f"{dead},name=dead,models=sim", "--eject-after", "5",
                         "--health-interval", "60"])
         line = wait_for_line(gateway, "kvreuse route: serving")
         assert gateway.url in line and "policy round_robin" in line
-        assert f"engine0={engine.url} (sim)" in line and "dead=" in line
+        assert f"engine0={engine.url} (sim)" in line and f"dead={dead} (sim)" in line
         assert f"/metrics on port {metrics_port}" in line and "access log json" in line
         assert gateway.log_path.read_text().count("kvreuse route: serving") == 1
         assert httpx.get(gateway.url + "/metrics").status_code == 404

@@ -143,7 +143,7 @@ def test_unknown_model_is_a_404_listing_the_served_models(fleet: Fleet,
             assert refused.status_code == 400, bad
             assert refused.json()["error"]["param"] == "model"
         assert sample(gateway.url, "kvreuse_gateway_rejected_total", status="404",
-                      model="") == 3.0
+                      model="other") == 3.0
     finally:
         fleet.forget(gateway)
 

@@ -104,11 +104,11 @@ def test_text_access_line_quotes_what_the_caller_chose(
     """A model name with spaces, '=', quotes and a newline stays inside one quoted value."""
     gateway = gateway_factory(engines[:1], policy="round_robin", access_log="text")
     hostile = 'x" status=200 upstream=evil\nforged=1'
-    assert post(gateway, "hello", model=hostile).status_code == 404  # the engine's answer
+    assert post(gateway, "hello", model=hostile).status_code == 404  # no upstream serves it
     assert post(gateway, "hello").status_code == 200
     bad, good = (logfmt(line) for line in access_lines)
     assert "\n" not in access_lines[0]
-    assert bad["model"] == hostile and bad["status"] == "404" and bad["upstream"] == "e0"
+    assert bad["model"] == hostile and bad["status"] == "404" and bad["upstream"] == "-"
     assert good["request_id"].startswith("gw-") and good["model"] == "sim"
     assert good["tenant"] == "-" and good["upstream"] == "e0" and good["status"] == "200"
     assert good["policy"] == good["branch"] == "round_robin"
@@ -212,7 +212,10 @@ def test_model_label_stays_bounded_under_random_models(
     text = httpx.get(gateway.url + "/metrics").text
     models = {labels["model"] for labels, _ in
               samples(text, "kvreuse_gateway_request_duration_seconds_count")}
-    assert models == {"sim", "other"}
+    assert models == {"sim"}  # the 404s were the gateway's own: no upstream serves them
+    refused = {labels["model"]: value for labels, value in
+               samples(text, "kvreuse_gateway_rejected_total")}
+    assert refused == {"other": 40.0}
     metrics = GatewayMetrics(GatewayState())
     for i in range(MAX_MODEL_LABELS + 10):  # even models that were served: capped
         metrics.observe_request("u", f"m{i}", 200, 0.1, 0.2)
@@ -229,7 +232,7 @@ def test_upstream_errors_retries_and_ejections_are_counted(
     from kvreuse.gateway.config import UpstreamConfig
     from kvreuse.testing.servers import free_port
 
-    dead = UpstreamConfig(f"http://127.0.0.1:{free_port()}", name="dead")
+    dead = UpstreamConfig(f"http://127.0.0.1:{free_port()}", name="dead", models=("sim",))
     gateway = gateway_factory([dead, engines[0]], policy="round_robin", eject_after=2,
                               health_interval_s=60.0)
     with caplog.at_level(logging.WARNING, logger="kvreuse.gateway"):
