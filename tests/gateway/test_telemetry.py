@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -150,6 +151,9 @@ def test_json_line_survives_a_lone_surrogate_in_the_model(
     response = httpx.post(gateway.url + "/v1/completions", content=body,
                           headers={"content-type": "application/json"}, timeout=10)
     assert response.status_code < 500
+    deadline = time.monotonic() + 5  # the line is written just after the answer is sent
+    while not access_lines and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert len(access_lines) == 1
     assert json.loads(access_lines[0])["model"] == "m\ud800"
 
