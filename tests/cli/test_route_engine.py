@@ -112,9 +112,14 @@ def test_route_and_engine_announce_themselves_and_log_each_request(tmp_path: Pat
             assert httpx.post(gateway.url + "/v1/completions", json=body).status_code == 200
         warning = wait_for_line(gateway, "upstream dead failed")
         assert "WARNING kvreuse.gateway.proxy" in warning
-        wait_for_line(gateway, '"request_id":"gw-1-')
-        records = [json.loads(text) for text in gateway.log_path.read_text().splitlines()
-                   if text.startswith("{")]
+        def access_records() -> list[dict[str, object]]:
+            return [json.loads(text) for text in gateway.log_path.read_text().splitlines()
+                    if text.startswith('{"time"')]
+
+        deadline = time.monotonic() + 20
+        while len(access_records()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        records = access_records()
         assert len(records) == 2 and {r["status"] for r in records} == {200}
         assert sorted(r["retries"] for r in records) == [0, 1]
         assert all(r["upstream"] == "engine0" and r["model"] == "sim" for r in records)

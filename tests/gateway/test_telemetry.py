@@ -46,6 +46,22 @@ def access_lines() -> Iterator[list[str]]:
     logger.removeHandler(handler)
 
 
+def eventually(check: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Wait for ``check``: a request is accounted for (access line, histograms) just after
+    its last byte went out, so the client can see the answer a moment before."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "not reached in time"
+        time.sleep(0.01)
+
+
+def lines(access_lines: list[str], count: int) -> list[str]:
+    """The access lines once ``count`` were written (and never more)."""
+    eventually(lambda: len(access_lines) >= count)
+    assert len(access_lines) == count, access_lines
+    return access_lines
+
+
 def write_tenants(tmp_path: Path) -> Path:
     path = tmp_path / "tenants.toml"
     path.write_text('secret = "a-long-enough-secret"\n[keys]\n'
@@ -84,8 +100,7 @@ def test_json_access_line_has_every_field_and_never_the_salt(
     gateway.events_settled()
     response = post(gateway, prompt, headers=bearer(KEY))
     assert response.status_code == 200
-    assert len(access_lines) == 2
-    line = json.loads(access_lines[1])
+    line = json.loads(lines(access_lines, 2)[1])
     salt = gateway.gateway.tenants.salt("alpha")  # type: ignore[union-attr]
     assert salt not in access_lines[1] and KEY not in access_lines[1]
     cached = response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -107,7 +122,7 @@ def test_text_access_line_quotes_what_the_caller_chose(
     hostile = 'x" status=200 upstream=evil\nforged=1'
     assert post(gateway, "hello", model=hostile).status_code == 404  # no upstream serves it
     assert post(gateway, "hello").status_code == 200
-    bad, good = (logfmt(line) for line in access_lines)
+    bad, good = (logfmt(line) for line in lines(access_lines, 2))
     assert "\n" not in access_lines[0]
     assert bad["model"] == hostile and bad["status"] == "404" and bad["upstream"] == "-"
     assert good["request_id"].startswith("gw-") and good["model"] == "sim"
@@ -136,7 +151,7 @@ def test_refusals_get_an_access_line_and_a_warning(
                               access_log="json")
     with caplog.at_level(logging.WARNING, logger="kvreuse.gateway"):
         assert post(gateway, "hello", headers=bearer("nope")).status_code == 401
-    line = json.loads(access_lines[0])
+    line = json.loads(lines(access_lines, 1)[0])
     assert line["status"] == 401 and line["upstream"] is None and "API key" in line["error"]
     assert any("refused /v1/completions with 401" in r.getMessage() for r in caplog.records)
 
@@ -151,11 +166,7 @@ def test_json_line_survives_a_lone_surrogate_in_the_model(
     response = httpx.post(gateway.url + "/v1/completions", content=body,
                           headers={"content-type": "application/json"}, timeout=10)
     assert response.status_code < 500
-    deadline = time.monotonic() + 5  # the line is written just after the answer is sent
-    while not access_lines and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert len(access_lines) == 1
-    assert json.loads(access_lines[0])["model"] == "m\ud800"
+    assert json.loads(lines(access_lines, 1)[0])["model"] == "m\ud800"
 
 
 def test_a_flood_of_refusals_is_logged_a_few_lines_a_second(
@@ -179,6 +190,9 @@ def test_access_log_off_writes_nothing(engines: list[Engine], gateway_factory: F
     """The default (off) writes no access line."""
     gateway = gateway_factory(engines[:1])
     assert post(gateway, "hello").status_code == 200
+    histogram = gateway.gateway.metrics.duration_seconds
+    eventually(lambda: any(s.name.endswith("_count") and s.value == 1
+                           for m in histogram.collect() for s in m.samples))
     assert access_lines == []
 
 
@@ -194,6 +208,8 @@ def test_duration_and_ttft_histograms_count_each_request(
     for _ in range(3):
         assert post(gateway, "hello").status_code == 200
     assert post(gateway, "x", max_tokens=-1).status_code == 400  # the engine refuses it
+    eventually(lambda: ({"upstream": "e0", "model": "sim", "status": "200"}, 3.0) in samples(
+        httpx.get(gateway.url + "/metrics").text, "kvreuse_gateway_request_duration_seconds_count"))
     text = httpx.get(gateway.url + "/metrics").text
     for name in ("kvreuse_gateway_request_duration_seconds_count",
                  "kvreuse_gateway_time_to_first_byte_seconds_count"):
@@ -213,6 +229,8 @@ def test_model_label_stays_bounded_under_random_models(
     assert post(gateway, "hello").status_code == 200
     for _ in range(40):
         assert post(gateway, "hello", model=uuid.uuid4().hex).status_code == 404
+    eventually(lambda: ({"upstream": "e0", "model": "sim", "status": "200"}, 1.0) in samples(
+        httpx.get(gateway.url + "/metrics").text, "kvreuse_gateway_request_duration_seconds_count"))
     text = httpx.get(gateway.url + "/metrics").text
     models = {labels["model"] for labels, _ in
               samples(text, "kvreuse_gateway_request_duration_seconds_count")}
