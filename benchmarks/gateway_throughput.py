@@ -25,6 +25,9 @@ time per output token: what is measured is HTTP and the gateway, not a simulated
     off``) and to a second one in front of the same engines with ``--access-log json`` (lines
     into its log file); latency percentiles and CPU microseconds per request of each
     (``--access-log-seconds``, 0 skips it).
+(e) **trace recorder cost** (``--record``, issue 16: under 50 us per request on the request
+    path): in this process, CPU microseconds per :meth:`TraceRecorder.submit` (the request
+    path's share) and per record in the writer thread (off the request path).
 
 Requests are short completions (``max_tokens`` 1) over ``--prompts`` distinct prompts that
 share a system-like prefix, so cache-aware policies have real matching to do. Prints the
@@ -388,6 +391,45 @@ def line_cost_us(mode: str, workdir: Path, lines: int = 20_000) -> float:
         handler.close()
 
 
+# ---------------------------------------------------------------------------------- (e) recorder
+
+
+TARGET_RECORD_US = 50.0
+
+
+def recorder_cost_us(workdir: Path, requests: int = 20_000,
+                     prompt_tokens: int = 2048) -> tuple[float, float, int]:
+    """``kvreuse route --record``'s cost: CPU microseconds per request on the request path
+    (:meth:`TraceRecorder.submit`, this thread's CPU time only) and in the writer thread (keyed
+    ids for a ``prompt_tokens`` prompt, the JSON line, the file), and the requests dropped."""
+    from kvreuse.gateway.recorder import RecorderSettings, TraceRecorder
+    from kvreuse.gateway.telemetry import RequestRecord
+    from kvreuse.identity import CacheIdentity
+    from kvreuse.routing.base import RequestView
+    from kvreuse.tokens import pack
+
+    recorder = TraceRecorder(RecorderSettings(workdir / "record", b"benchmark-secret-0123456",
+                                              queue_size=requests, reorder_s=0.0))
+    recorder.start()
+    records = []
+    for i in range(requests):
+        tokens = pack([i % 50] * (prompt_tokens - 16) + list(range(i, i + 16)))
+        view = RequestView(f"r{i}", tokens, prompt_tokens, CacheIdentity(), None, None)
+        record = RequestRecord(f"r{i}", "/v1/completions", time.perf_counter(), model="sim",
+                               upstream="engine0", cached_tokens=1024, status=200, view=view,
+                               completion_tokens=16)
+        record.first_byte = record.started + 0.01
+        records.append(record)
+    process_before = time.process_time()
+    started = time.thread_time()
+    for record in records:
+        recorder.submit(record)
+    submit_us = (time.thread_time() - started) / requests * 1e6
+    recorder.close(timeout_s=600.0)
+    writer_cpu = time.process_time() - process_before - submit_us * requests / 1e6
+    return submit_us, writer_cpu / max(recorder.written, 1) * 1e6, recorder.dropped
+
+
 # ---------------------------------------------------------------------------------- main
 
 
@@ -466,8 +508,14 @@ def main(argv: list[str] | None = None) -> int:
         if not gateway.alive():
             print(gateway.log_tail())
 
+    submit_us, writer_us, dropped = recorder_cost_us(workdir)
+    print(f"\n(e) --record: {submit_us:.1f} us CPU per request on the request path (queueing), "
+          f"{writer_us:.1f} us in the writer thread off it (keyed ids of a 2,048-token prompt, "
+          f"the line, the file); {dropped} dropped")
     errors = proxied.errors + by["gateway"].errors
     verdicts = [
+        (f"--record costs < {TARGET_RECORD_US:g} us per request on the request path",
+         submit_us < TARGET_RECORD_US, f"{submit_us:.1f} us"),
         (f">= {TARGET_RPS:,.0f} req/s proxied by one gateway", proxied.rps >= TARGET_RPS,
          f"{proxied.rps:,.0f} req/s"),
         (f"added p50 <= {TARGET_ADDED_P50_MS:g} ms at {args.rate:g} req/s",

@@ -90,6 +90,18 @@ def register(subparsers: Any) -> None:
                         help="one line per request on stdout (default off)")
     parser.add_argument("--metrics-port", type=int, metavar="PORT",
                         help="serve /metrics on this port (same --host) instead of --port")
+    parser.add_argument("--record", metavar="DIR",
+                        help="write the routed traffic as a Mooncake trace (no prompt text) "
+                             "into DIR")
+    parser.add_argument("--record-block-size", type=int, metavar="TOKENS",
+                        help="tokens per hash id in the recorded trace (512)")
+    parser.add_argument("--record-secret-file", metavar="FILE",
+                        help="secret keying the trace's ids (else $KVREUSE_RECORD_SECRET, else "
+                             "random); gateways with the same secret write the same ids")
+    parser.add_argument("--record-max-bytes", type=int, metavar="BYTES",
+                        help="start a new trace file past this size (256 MiB)")
+    parser.add_argument("--record-rotate", type=float, metavar="SECONDS",
+                        help="start a new trace file this often (3600)")
     parser.add_argument("--log-level", default="warning",
                         help="stderr log level (default warning)")
     parser.set_defaults(func=run)
@@ -130,6 +142,11 @@ def build_config(args: argparse.Namespace) -> Any:
         seed=args.seed,
         access_log=args.access_log,
         metrics_port=args.metrics_port,
+        record_dir=args.record,
+        record_block_size=args.record_block_size,
+        record_secret_file=args.record_secret_file,
+        record_max_bytes=args.record_max_bytes,
+        record_rotate_s=args.record_rotate,
     )
 
 

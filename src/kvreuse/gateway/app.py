@@ -53,6 +53,7 @@ from kvreuse.gateway.config import GatewayConfig
 from kvreuse.gateway.metrics import GatewayMetrics, GatewayState, TokenTally
 from kvreuse.gateway.prompts import PromptTokenizer, load_prompt_tokenizer
 from kvreuse.gateway.proxy import CLIENT_LEFT, Forwarder
+from kvreuse.gateway.recorder import SECRET_ENV, RecorderSettings, TraceRecorder, load_secret
 from kvreuse.gateway.router import Router
 from kvreuse.gateway.subscriber import EventSubscriber
 from kvreuse.gateway.telemetry import AccessLog, RequestRecord, ThrottledLog, trace_headers
@@ -163,6 +164,16 @@ class Gateway:
                                   index_budget=self.router.budget_of)
         self.metrics = GatewayMetrics(self.state)
         self.access_log = AccessLog(config.access_log, self.policy.name)
+        self.recorder: TraceRecorder | None = None
+        if config.record_dir is not None:
+            secret, shared = load_secret(config.record_secret_file)
+            self.recorder = TraceRecorder(RecorderSettings(
+                Path(config.record_dir), secret, config.record_block_size,
+                config.record_max_bytes, config.record_rotate_s, config.record_queue,
+                config.record_reorder_s))
+            if not shared:
+                log.warning("--record without --record-secret-file or $%s: a random secret, so "
+                            "this trace's ids match no other gateway's or run's", SECRET_ENV)
         self._refusals = ThrottledLog(log)
         self.subscribers: list[EventSubscriber] = []
         self._subscriber_tasks: dict[str, asyncio.Task[None]] = {}
@@ -212,6 +223,8 @@ class Gateway:
             self._pools, self.router, self.metrics, self.tallies, policy_name=self.policy.name,
             retries=config.retries,
         )
+        if self.recorder is not None:
+            self.recorder.start()
         # Learn what each upstream serves before taking requests (bounded by the control
         # pool's timeouts); the probe loops keep it current.
         await asyncio.gather(*(self.learn_models(u) for u in self.upstreams if not u.declared))
@@ -240,6 +253,8 @@ class Gateway:
             await asyncio.gather(*tasks, return_exceptions=True)
             for pool in (*self._pools.values(), *self._control.values()):
                 await pool.aclose()
+            if self.recorder is not None:
+                await asyncio.to_thread(self.recorder.close)
 
     def _subscriber(self, upstream: UpstreamState) -> EventSubscriber:
         name = upstream.name
@@ -484,6 +499,8 @@ class Gateway:
             self.metrics.observe_request(record.upstream, record.model, record.status,
                                          record.ttft_s, total)
         self.access_log.write(record)
+        if self.recorder is not None:
+            self.recorder.submit(record)
 
     def _refused(self, error: RequestError, path: str, model: str | None = None) -> None:
         self.metrics.reject(error.status, model)
@@ -538,6 +555,7 @@ class Gateway:
                 await send_json(send, 503, no_upstream(parsed.model))
                 return
             self.metrics.decision_seconds.observe(plan.decision_s)
+            record.view, record.max_tokens = plan.request, parsed.max_tokens
             assert self.forwarder is not None
             await self.forwarder.forward(receive, send, path, forwarded, parsed, plan, record,
                                          trace)

@@ -112,6 +112,14 @@ class GatewayConfig:
     kv_events_max_frame_bytes: int = 16 * 1024 * 1024
     kv_events_seq_window: int = 100_000
     events_silence_s: float = 30.0
+    # `--record DIR`: the routed traffic as a trace (kvreuse.gateway.recorder)
+    record_dir: str | None = None
+    record_block_size: int = 512
+    record_secret_file: str | None = None
+    record_max_bytes: int = 256 * 1024 * 1024
+    record_rotate_s: float = 3600.0
+    record_queue: int = 10_000
+    record_reorder_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not self.upstreams:

@@ -223,6 +223,8 @@ class Forwarder:
             upstream.record_success(probe=False)
         self.metrics.count_request(upstream.name, self.policy_name, candidate.branch,
                                    str(status), plan.request.identity.model)
+        if usage is not None and type(usage.get("completion_tokens")) is int:
+            record.completion_tokens = usage["completion_tokens"]
         counted = cached_tokens_of(usage)
         if counted is not None:
             record.prompt_tokens, record.cached_tokens = counted

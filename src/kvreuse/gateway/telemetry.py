@@ -29,6 +29,7 @@ import msgspec
 
 from kvreuse.errors import ConfigError
 from kvreuse.gateway.config import ACCESS_LOG_MODES
+from kvreuse.routing.base import RequestView
 
 MAX_LOGGED_MODEL_CHARS = 128
 MAX_TRACESTATE_BYTES = 512  # W3C: vendors may drop longer tracestate values
@@ -81,6 +82,10 @@ class RequestRecord:
     first_byte: float | None = None
     finished: float | None = None
     error: str | None = None
+    # For `--record`: what the router saw, the request's max_tokens, the engine's usage.
+    view: RequestView | None = None
+    max_tokens: int | None = None
+    completion_tokens: int | None = None
 
     def sent_first_byte(self) -> None:
         """Called just before the response's first byte goes to the client. O(1)."""

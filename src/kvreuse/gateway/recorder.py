@@ -1,0 +1,250 @@
+"""``kvreuse route --record DIR``: the traffic the gateway routes, written as a trace.
+
+Each answered request (status 200) becomes one line of Mooncake JSONL
+(:mod:`kvreuse.trace.format`):
+``timestamp`` (ms since recording started, at the request's arrival), ``input_length`` (the
+prompt tokens the gateway routed on), ``output_length`` (the engine's ``completion_tokens``, else
+the request's ``max_tokens``, else 0), ``hash_ids`` (keyed, chained ids per
+``--record-block-size`` tokens, :mod:`kvreuse.trace.keyed`), ``model``, ``tenant`` and
+``session_id`` as keyed hashes, ``cached_tokens`` as the engine reported them, ``upstream`` and
+the measured ``ttft_s``. No prompt text, token id, tenant name, API key or cache salt is written.
+
+Off the request path. The request path only puts a tuple on a bounded queue (:meth:`submit`);
+when the queue is full the request is dropped from the trace and counted (:attr:`dropped`),
+never waited for. A writer thread hashes and writes. Requests finish out of arrival order, so
+the writer holds each one for ``reorder_s`` seconds and writes in arrival order; one that
+finishes later than that is written with the last timestamp written (counted in :attr:`late`),
+so a trace never goes back in time. Files rotate at ``max_bytes`` and every ``rotate_s``
+seconds: ``DIR/trace-<start>-<pid>-<n>.jsonl`` (``n`` zero-padded, so names sort in order),
+timestamps continuing across files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from kvreuse.errors import ConfigError
+from kvreuse.gateway.telemetry import RequestRecord
+from kvreuse.tokens import TOKEN_BYTES
+from kvreuse.trace.format import MAX_TEXT_FIELD, TraceRecord, record_json
+from kvreuse.trace.keyed import KeyedIds
+
+log = logging.getLogger("kvreuse.gateway.recorder")
+
+SECRET_ENV = "KVREUSE_RECORD_SECRET"
+
+
+@dataclass(frozen=True, slots=True)
+class RecorderSettings:
+    directory: Path
+    secret: bytes
+    block: int = 512
+    max_bytes: int = 256 * 1024 * 1024
+    rotate_s: float = 3600.0
+    queue_size: int = 10_000
+    reorder_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.max_bytes < 1024:
+            raise ConfigError(f"record_max_bytes must be >= 1024, got {self.max_bytes}")
+        if not self.rotate_s > 0 or not self.reorder_s >= 0:
+            raise ConfigError("record_rotate_s must be > 0 and record_reorder_s >= 0")
+        if self.queue_size < 1:
+            raise ConfigError(f"record_queue must be >= 1, got {self.queue_size}")
+
+
+def load_secret(path: str | None) -> tuple[bytes, bool]:
+    """The recording secret: from ``path``, else ``$KVREUSE_RECORD_SECRET``, else random.
+    Returns ``(secret, shared)``; ``shared`` is False for a random one (its ids match no
+    other gateway's and no other run's)."""
+    if path is not None:
+        try:
+            secret = Path(path).read_bytes().strip()
+        except OSError as exc:
+            raise ConfigError(f"--record-secret-file {path}: cannot read: {exc.strerror}") from None
+        if len(secret) < 16:
+            raise ConfigError(f"--record-secret-file {path}: the secret must be at least 16 bytes")
+        return secret, True
+    env = os.environ.get(SECRET_ENV)
+    if env:
+        if len(env.encode()) < 16:
+            raise ConfigError(f"${SECRET_ENV} must be at least 16 bytes")
+        return env.encode(), True
+    return os.urandom(32), False
+
+
+# What the request path hands over: arrival (wall s), seq, tokens, namespace, tenant, session,
+# model, cached, upstream, ttft, output tokens.
+_Pending = tuple[float, int, bytes, str | None, str | None, str | None, str | None, int | None,
+                 str | None, float | None, int]
+
+
+class TraceRecorder:
+    """See the module docstring. :meth:`start` once, :meth:`submit` per request,
+    :meth:`close` once (flushes everything held)."""
+
+    def __init__(self, settings: RecorderSettings,
+                 wall_clock: Callable[[], float] = time.time) -> None:
+        self.settings = settings
+        self.ids = KeyedIds(settings.secret, settings.block)
+        self._wall = wall_clock
+        self._queue: queue.Queue[_Pending | None] = queue.Queue(settings.queue_size)
+        self._seq = itertools.count()
+        self._thread = threading.Thread(target=self._run, name="kvreuse-recorder", daemon=True)
+        self.origin = wall_clock()
+        self.dropped = 0
+        self.written = 0
+        self.late = 0
+        self.files: list[Path] = []
+        self._file: IO[str] | None = None
+        self._file_bytes = 0
+        self._file_opened = 0.0
+        self._last_ms = 0.0
+        self._dropped_logged = 0.0
+        self.error: str | None = None
+
+    def start(self) -> None:
+        try:
+            self.settings.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"--record {self.settings.directory}: {exc.strerror}") from None
+        self._thread.start()
+
+    # ------------------------------------------------------------------ request path
+
+    def submit(self, record: RequestRecord) -> bool:
+        """Queue a finished request (O(1), no hashing, no I/O); False when it is not recorded:
+        not answered with 200, not routed, or the queue is full (counted in ``dropped``)."""
+        view = record.view
+        if view is None or record.status != 200 or self.error is not None:
+            return False
+        arrival = self._wall() - (time.perf_counter() - record.started)
+        output = record.completion_tokens
+        if output is None:
+            output = record.max_tokens or 0
+        item: _Pending = (
+            arrival, next(self._seq), view.tokens, view.identity.cache_salt, view.tenant,
+            view.session_id, record.model, record.cached_tokens, record.upstream,
+            record.ttft_s, output,
+        )
+        try:
+            self._queue.put_nowait(item)
+        except queue.Full:
+            self.dropped += 1
+            now = time.monotonic()
+            if now - self._dropped_logged > 60.0:
+                self._dropped_logged = now
+                log.warning("trace recorder queue full: %d requests dropped from the trace so "
+                            "far", self.dropped)
+            return False
+        return True
+
+    # ------------------------------------------------------------------ writer thread
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Write everything held and close the file. Idempotent."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        held: list[_Pending] = []
+        reorder = self.settings.reorder_s
+        try:
+            while True:
+                got: list[_Pending | None] = []
+                with contextlib.suppress(queue.Empty):
+                    got.append(self._queue.get(timeout=0.25))
+                while True:  # take what else is queued before writing
+                    try:
+                        got.append(self._queue.get_nowait())
+                    except queue.Empty:
+                        break
+                for item in got:
+                    if item is not None:
+                        heapq.heappush(held, item)
+                if None in got:
+                    break
+                due = self._wall() - reorder
+                while held and held[0][0] <= due:
+                    self._write(heapq.heappop(held))
+                self._rotate_if_old()
+                if self._file is not None:
+                    self._file.flush()
+            self._emit_all(held)
+        except Exception as exc:  # a full disk must not take the gateway down: stop recording
+            self.error = f"{type(exc).__name__}: {exc}"
+            log.error("trace recorder stopped: %s", self.error)
+        finally:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+    def _emit_all(self, held: list[_Pending]) -> None:
+        while held:
+            self._write(heapq.heappop(held))
+        if self._file is not None:
+            self._file.flush()
+
+    def _write(self, item: _Pending) -> None:
+        (arrival, _seq, tokens, namespace, tenant, session, model, cached, upstream, ttft,
+         output) = item
+        stamp = round(max(0.0, arrival - self.origin) * 1000.0, 3)
+        if stamp < self._last_ms:
+            self.late += 1
+            stamp = self._last_ms
+        self._last_ms = stamp
+        prompt = len(tokens) // TOKEN_BYTES
+        if prompt < 1:
+            return
+        ids = self.ids
+        record = TraceRecord(
+            line=0,
+            timestamp_ms=stamp,
+            input_length=prompt,
+            output_length=max(0, output),
+            hash_ids=tuple(ids.block_ids(tokens, namespace)),
+            session_id=None if session is None else ids.session(session),
+            model=None if not model else model[:MAX_TEXT_FIELD],
+            tenant=None if tenant is None else ids.tenant(tenant),
+            cached_tokens=None if cached is None else min(max(cached, 0), prompt),
+            upstream=upstream[:MAX_TEXT_FIELD] if upstream else None,
+            ttft_s=None if ttft is None else round(max(ttft, 0.0), 6),
+        )
+        line = record_json(record) + "\n"
+        out = self._open(len(line))
+        out.write(line)
+        self._file_bytes += len(line)
+        self.written += 1
+
+    def _open(self, need: int) -> IO[str]:
+        if self._file is not None and self._file_bytes + need > self.settings.max_bytes:
+            self._file.close()
+            self._file = None
+        if self._file is None:
+            stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(self.origin))
+            path = self.settings.directory / (
+                f"trace-{stamp}-{os.getpid()}-{len(self.files) + 1:05d}.jsonl"
+            )
+            self._file = path.open("w", encoding="utf-8")
+            self._file_bytes = 0
+            self._file_opened = time.monotonic()
+            self.files.append(path)
+        return self._file
+
+    def _rotate_if_old(self) -> None:
+        if (self._file is not None
+                and time.monotonic() - self._file_opened >= self.settings.rotate_s):
+            self._file.close()
+            self._file = None

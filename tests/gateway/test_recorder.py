@@ -1,0 +1,110 @@
+"""`kvreuse route --record`: the trace it writes, off the request path, and what it never holds."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+
+from kvreuse.gateway.recorder import RecorderSettings, TraceRecorder
+from kvreuse.gateway.telemetry import RequestRecord
+from kvreuse.identity import CacheIdentity
+from kvreuse.routing.base import RequestView
+from kvreuse.tokens import pack
+from kvreuse.trace.format import parse_trace_lines
+from kvreuse.trace.keyed import KeyedIds
+
+from .fleet import Engine, RunningGateway
+
+SECRET = b"0123456789abcdef-recorder"
+
+
+def finished(tokens: list[int], *, ago_s: float = 0.0, salt: str | None = None,
+             session: str | None = None, status: int = 200) -> RequestRecord:
+    view = RequestView("r", pack(tokens), len(tokens), CacheIdentity(cache_salt=salt), None,
+                       session)
+    record = RequestRecord("r", "/v1/completions", time.perf_counter() - ago_s, model="m",
+                           upstream="u0", cached_tokens=3, status=status, view=view,
+                           completion_tokens=7)
+    record.first_byte = record.started + 0.01
+    return record
+
+
+def read_trace(directory: Path) -> list[str]:
+    lines: list[str] = []
+    for path in sorted(directory.glob("trace-*.jsonl")):
+        lines += path.read_text().splitlines()
+    return lines
+
+
+def test_records_come_out_in_arrival_order_with_their_facts(tmp_path: Path) -> None:
+    """Requests finishing out of order are written by arrival; every field is filled."""
+    recorder = TraceRecorder(RecorderSettings(tmp_path, SECRET, block=4, reorder_s=0.5))
+    recorder.start()
+    assert recorder.submit(finished(list(range(10)), ago_s=0.0))
+    assert recorder.submit(finished(list(range(6)), ago_s=0.2, session="s1"))
+    assert not recorder.submit(finished([1, 2], status=500))
+    recorder.close()
+    records = parse_trace_lines(read_trace(tmp_path), block=4)
+    assert [r.input_length for r in records] == [6, 10]
+    first, second = records
+    assert first.timestamp_ms <= second.timestamp_ms
+    assert first.hash_ids[0] == second.hash_ids[0]  # tokens 0-3 shared
+    assert first.hash_ids[1] != second.hash_ids[1]  # tokens 4-5 vs 4-7
+    assert first.output_length == 7 and first.cached_tokens == 3 and first.upstream == "u0"
+    assert first.model == "m" and first.ttft_s is not None and first.ttft_s > 0.0
+    assert first.session_id == KeyedIds(SECRET, 4).session("s1")
+
+
+def test_a_full_queue_drops_and_counts_never_blocks(tmp_path: Path) -> None:
+    """With the writer not draining, submits past the queue size return at once, counted."""
+    recorder = TraceRecorder(RecorderSettings(tmp_path, SECRET, queue_size=2))
+    results = [recorder.submit(finished([1, 2, 3])) for _ in range(5)]
+    assert results == [True, True, False, False, False] and recorder.dropped == 3
+
+
+def test_files_rotate_by_size_and_timestamps_continue(tmp_path: Path) -> None:
+    """Past max_bytes a new file starts; together they parse as one monotonic trace."""
+    recorder = TraceRecorder(RecorderSettings(tmp_path, SECRET, block=4, max_bytes=1024,
+                                              reorder_s=0.0))
+    recorder.start()
+    for i in range(40):
+        recorder.submit(finished(list(range(i, i + 30))))
+    recorder.close()
+    assert len(recorder.files) > 1 and recorder.written == 40
+    assert all(p.stat().st_size <= 1024 for p in recorder.files)
+    assert len(parse_trace_lines(read_trace(tmp_path), block=4)) == 40
+
+
+def test_recorded_trace_through_the_gateway_leaks_no_prompt_or_tenant(
+    engines: list[Engine], gateway_factory: Callable[..., RunningGateway], tmp_path: Path
+) -> None:
+    """Canary strings in prompt, tenant name, API key and session id never reach the trace,
+    while equal prompts still get equal ids and realized cached tokens are recorded."""
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text('secret = "tenant-secret-0123456789"\n'
+                       '[keys]\n"sk-CANARYKEY-77" = "CANARYTENANT-88"\n')
+    record_dir = tmp_path / "rec"
+    gateway = gateway_factory(engines, policy="round_robin", tenants=str(tenants),
+                              record_dir=str(record_dir), record_block_size=16,
+                              record_reorder_s=0.0)
+    prompt = "CANARYPROMPT-99 " + "the quick brown fox jumps over the lazy dog " * 12
+    headers = {"authorization": "Bearer sk-CANARYKEY-77", "x-session-id": "CANARYSESSION-66"}
+    with httpx.Client(timeout=10) as client:
+        for _ in range(3):
+            response = client.post(gateway.url + "/v1/completions", headers=headers,
+                                   json={"model": "sim", "prompt": prompt, "max_tokens": 4})
+            assert response.status_code == 200
+    salt = gateway.gateway.tenants.authenticate("Bearer sk-CANARYKEY-77").cache_salt  # type: ignore[union-attr]
+    gateway.server.stop()
+    text = "\n".join(read_trace(record_dir))
+    for canary in ("CANARY", "quick brown", "sk-", salt, "tenant-secret"):
+        assert canary not in text
+    records = parse_trace_lines(text.splitlines(), block=16)
+    assert len(records) == 3
+    assert records[0].hash_ids == records[1].hash_ids == records[2].hash_ids
+    assert records[0].tenant is not None and len(records[0].tenant) == 16
+    assert records[2].cached_tokens is not None and records[2].cached_tokens > 0
+    assert records[0].output_length == 4
