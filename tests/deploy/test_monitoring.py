@@ -192,6 +192,9 @@ def test_prometheus_records_the_rules_from_live_processes(tmp_path: Path) -> Non
         wait_until(gateway_rates_match)
         assert query(prometheus, "upstream_model:kvreuse_gateway_ttft_seconds:p95_rate5m")
         assert query(prometheus, 'process_resident_memory_bytes{job="kvreuse-gateway"}')
+        # The dashboard's deploy markers read every process's start time.
+        starts = query(prometheus, 'process_start_time_seconds{job=~"vllm|kvreuse-gateway"}')
+        assert len(starts) == 3
 
         groups = httpx.get(prometheus + "/api/v1/rules", timeout=10).json()["data"]["groups"]
         rules = [rule for group in groups for rule in group["rules"]]

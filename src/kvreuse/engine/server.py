@@ -21,7 +21,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -130,6 +130,9 @@ class EngineApp:
         self.publisher = publisher
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_VllmMetrics(replica))
+        # As vLLM's default registry: process_start_time_seconds marks restarts (deploys) on
+        # dashboards.
+        ProcessCollector(registry=self.registry)
         # The correlation headers of the last generate requests as received, so that what a
         # gateway forwarded (request id, W3C trace context) can be checked on a real replica.
         self.received_headers: deque[dict[str, str]] = deque(maxlen=256)
