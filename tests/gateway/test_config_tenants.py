@@ -141,3 +141,35 @@ def test_toml_models_must_be_strings(tmp_path: Path) -> None:
     path.write_text('[[upstreams]]\nurl = "http://h:1"\nmodels = [1, 2]\n')
     with pytest.raises(ConfigError, match=r"upstreams\[0\]: models must be"):
         load_config_file(path)
+
+
+def test_access_log_and_metrics_port_from_the_file_and_flags(tmp_path: Path) -> None:
+    """access_log and metrics_port load from [gateway]; flags override; bad values are refused
+    by name."""
+    path = tmp_path / "gw.toml"
+    path.write_text('[gateway]\naccess_log = "text"\nmetrics_port = 9464\n'
+                    '[[upstreams]]\nurl = "http://127.0.0.1:8001"\n')
+    config = load_config_file(path)
+    assert config.access_log == "text" and config.metrics_port == 9464
+    assert merge(config, [], access_log="json").access_log == "json"
+    for bad, needle in (('access_log = "yes"', "access_log"), ("metrics_port = 0", "metrics_port"),
+                        ('metrics_port = "9464"', "metrics_port"),
+                        ("metrics_port = true", "metrics_port")):
+        path.write_text(f'[gateway]\n{bad}\n[[upstreams]]\nurl = "http://127.0.0.1:8001"\n')
+        with pytest.raises(ConfigError, match=needle):
+            load_config_file(path)
+
+
+def test_keys_match_as_utf8_bytes_in_constant_time(tmp_path: Path) -> None:
+    """A non-ASCII key matches its UTF-8 bytes (bytes or str header), never its latin-1
+    bytes; an oversized or non-Bearer value matches nothing."""
+    path = tmp_path / "tenants.toml"
+    path.write_text('secret = "a-long-enough-secret"\n[keys]\n"sk-café" = "acme"\n',
+                    encoding="utf-8")
+    tenants = load_tenants(path)
+    assert tenants.authenticate("Bearer sk-café") is not None
+    assert tenants.authenticate("Bearer sk-café".encode()) is not None
+    assert tenants.authenticate("Bearer sk-café".encode("latin-1")) is None
+    assert tenants.authenticate(b"Bearer " + b"k" * 1_000_000) is None
+    assert tenants.authenticate(b"Basic sk-caf\xc3\xa9") is None
+    assert tenants.authenticate(b"Bearer ") is None
