@@ -90,7 +90,7 @@ def test_route_and_engine_announce_themselves_and_log_each_request(tmp_path: Pat
     with Fleet(tmp_path) as fleet:
         engine = fleet.start_engine("engine0", EngineSpec(events=False))
         engine_line = wait_for_line(engine, "kvreuse engine: serving")
-        assert engine.url in engine_line and "model sim" in engine_line
+        assert engine.url in engine_line and "models sim," in engine_line
         metrics_port = free_port()
         dead = f"http://127.0.0.1:{free_port()}"
         gateway = fleet.start_gateway(

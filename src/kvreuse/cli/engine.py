@@ -94,9 +94,9 @@ def run(args: argparse.Namespace) -> int:
     )
     events = (f"KV events {args.kv_events} ({args.kv_events_shape})" if args.kv_events
               else "no KV events")
-    print(f"kvreuse engine: serving http://{args.host}:{args.port} (Ctrl-C to stop); model "
-          f"{args.model}, {num_blocks - 1} blocks of {args.block_size} tokens, {events}",
-          flush=True)
+    print(f"kvreuse engine: serving http://{args.host}:{args.port} (Ctrl-C to stop); models "
+          f"{'|'.join(config.names)}, {num_blocks - 1} blocks of {args.block_size} tokens, "
+          f"{events}", flush=True)
     stack = server_stack()
     uvicorn.run(engine.app, host=args.host, port=args.port, log_level=args.log_level,
                 access_log=False, loop=stack.loop, http=stack.http)
