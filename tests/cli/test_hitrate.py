@@ -106,3 +106,23 @@ def test_live_table_mode_renders(capsys: pytest.CaptureFixture[str]) -> None:
         assert main(["hitrate", server.url, "--count", "2", "--interval", "0.01"]) == 0
     out = capsys.readouterr().out
     assert "token hit rate" in out and "25.0%" in out
+
+
+@pytest.mark.parametrize("columns", ["80", "100"])
+def test_instance_urls_are_never_cut(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, columns: str
+) -> None:
+    """Two instances whose URLs share a long prefix are both shown whole, with their rates, at
+    80 and 100 columns, so they never look alike."""
+    monkeypatch.setenv("COLUMNS", columns)
+    with MetricsServer(rising([0.25, 0.25])) as one, MetricsServer(rising([0.75, 0.75])) as two:
+        tail = "?instance=replica-in-the-eu-west-pool-"
+        urls = [one.url + tail + "a", two.url + tail + "b"]
+        assert main(["hitrate", *urls, "--count", "2", "--interval", "0.01"]) == 0
+    out = capsys.readouterr().out
+    assert "…" not in out
+    lines = out.splitlines()
+    assert all(len(line) <= int(columns) for line in lines)
+    for url, rate in zip(urls, ("25.0%", "75.0%"), strict=True):
+        row = next(i for i, line in enumerate(lines) if url in line)
+        assert rate in " ".join(lines[row: row + 3])

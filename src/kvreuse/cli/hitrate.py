@@ -18,8 +18,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console, RenderableType
+
 from kvreuse.cli.args import positive_float, positive_int
-from kvreuse.cli.tables import make_console
+from kvreuse.cli.tables import make_console, table_renderable
 from kvreuse.errors import InputFormatError
 from kvreuse.hitrate.prometheus import cache_counters, metric_names, parse_exposition
 from kvreuse.hitrate.window import (
@@ -197,22 +199,17 @@ def _alert_json(alert: StepAlert) -> dict[str, Any]:
     }
 
 
-def _table(monitor: Monitor) -> Any:
-    from rich.table import Table
-    from rich.text import Text
+HEADERS = ("instance", "source", "window", "lifetime", "queried tok/s", "status")
 
-    table = Table(title=f"token hit rate, {monitor.args.window:.0f} s window")
-    # Instances and errors wrap rather than lose their ends: two URLs that differ only in the
-    # port must not look alike. Figures never shrink.
-    for column in ("instance", "source", "window", "lifetime", "queried tok/s", "status"):
-        if column in ("instance", "status"):
-            table.add_column(column, overflow="fold", ratio=1)
-        else:
-            table.add_column(column, justify="right", no_wrap=True)
+
+def _table(monitor: Monitor, console: Console) -> RenderableType:
+    """One row per instance. URLs and errors are never cut (two URLs that differ only in the
+    port must not look alike), and neither are figures: see :mod:`kvreuse.cli.tables`."""
+    rows = []
     for url in monitor.urls:
         state = monitor.latest.get(url)
         if not isinstance(state, RateReading):
-            table.add_row(Text(url), "", "", "", "", Text(state or "waiting"))
+            rows.append([url, "", "", "", "", state or "waiting"])
             continue
         window = "-" if state.window_rate is None else f"{state.window_rate:.1%}"
         lifetime = "-" if state.lifetime_rate is None else f"{state.lifetime_rate:.1%}"
@@ -221,8 +218,9 @@ def _table(monitor: Monitor) -> Any:
         )
         alerts = [a for a in monitor.alerts if a.instance == url]
         status = f"ALERT: fell {alerts[-1].drop_points:.1f} pts" if alerts else "ok"
-        table.add_row(Text(url), state.family, window, lifetime, per_second, Text(status))
-    return table
+        rows.append([url, state.family, window, lifetime, per_second, status])
+    title = f"token hit rate, {monitor.args.window:.0f} s window"
+    return table_renderable(console, title, HEADERS, rows, text_columns=(0, 5))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -232,9 +230,9 @@ def run(args: argparse.Namespace) -> int:
     if not args.json:
         from rich.live import Live
 
-        live = Live(
-            _table(monitor), console=make_console(), refresh_per_second=4, transient=False
-        )
+        console = make_console()
+        live = Live(_table(monitor, console), console=console, refresh_per_second=4,
+                    transient=False)
         live.start()
     try:
         while args.count is None or rounds < args.count:
@@ -246,7 +244,7 @@ def run(args: argparse.Namespace) -> int:
                     print(json.dumps(record), flush=True)
             else:
                 assert live is not None
-                live.update(_table(monitor))
+                live.update(_table(monitor, live.console))
                 for record in records:
                     if "alert" in record:
                         live.console.print(f"[bold red]{record['message']}[/]")

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from rich import box
-from rich.console import Console
+from rich.console import Console, Group, RenderableType
 from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
@@ -49,10 +49,23 @@ def print_table(
     *,
     text_columns: Sequence[int] = (0,),
 ) -> None:
-    """Print ``rows`` under ``headers`` (``\\n`` breaks a header). Columns in ``text_columns``
-    are left-aligned, the others right-aligned; every cell keeps its full width. When the
-    console is too narrow for that, every row becomes one block instead (see the module
-    docstring). O(cells)."""
+    """Print :func:`table_renderable` of the arguments."""
+    console.print(table_renderable(console, title, headers, rows, text_columns=text_columns))
+
+
+def table_renderable(
+    console: Console,
+    title: str,
+    headers: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    *,
+    text_columns: Sequence[int] = (0,),
+) -> RenderableType:
+    """``rows`` under ``headers`` (``\\n`` breaks a header) as ``console`` can show them.
+    Columns in ``text_columns`` are left-aligned, the others right-aligned; every cell keeps
+    its full width. When the console is too narrow for that, every row becomes one block
+    instead: its first column on a line, the other cells as ``name value`` pairs wrapped
+    between pairs. O(cells)."""
     table = Table(
         title=Text(title), box=box.SIMPLE_HEAD, padding=(0, 0), title_justify="left",
         show_edge=False,
@@ -67,33 +80,27 @@ def print_table(
         table.add_row(*(Text(cell) for cell in row))
     # measured unbounded: rich clamps a measurement to the console, hiding the overflow
     natural = Measurement.get(console, console.options.update_width(1 << 20), table).maximum
-    if natural > console.width:
-        _print_blocks(console, title, headers, rows, text_columns)
-        return
-    console.print(table)
+    if natural <= console.width:
+        return table
+    return Group(*_blocks(console.width, title, headers, rows))
 
 
-def _print_blocks(
-    console: Console,
-    title: str,
-    headers: Sequence[str],
-    rows: Sequence[Sequence[str]],
-    text_columns: Sequence[int],
-) -> None:
-    width = max(console.width, 20)
-    console.print(Text(title), overflow="fold")
+def _blocks(
+    width: int, title: str, headers: Sequence[str], rows: Sequence[Sequence[str]]
+) -> list[Text]:
+    lines = [Text(title, overflow="fold")]
     names = [" ".join(h.split()) for h in headers]
     for row in rows:
-        heading = " ".join(row[i] for i in text_columns)
-        console.print(heading, overflow="fold", markup=False, highlight=False)
-        pairs = [f"{names[i]} {row[i]}" for i in range(len(row)) if i not in text_columns]
-        line = " "
-        for pair in pairs:
-            candidate = f"{line}  {pair}" if line.strip() else f"  {pair}"
-            if len(candidate) > width and line.strip():
-                console.print(line, markup=False, highlight=False, overflow="fold")
-                line = f"  {pair}"
-            else:
-                line = candidate
-        if line.strip():
-            console.print(line, markup=False, highlight=False, overflow="fold")
+        lines.append(Text(row[0], overflow="fold"))
+        line = ""
+        for name, cell in zip(names[1:], row[1:], strict=True):
+            if not cell:
+                continue
+            pair = f"{name} {cell}"
+            if line and len(line) + 2 + len(pair) > width:
+                lines.append(Text(line, overflow="fold"))
+                line = ""
+            line = f"{line}  {pair}" if line else f"  {pair}"
+        if line:
+            lines.append(Text(line, overflow="fold"))
+    return lines

@@ -1,0 +1,169 @@
+"""Bad input to the offline tools: a clear error naming the file, line, field or flag and a
+non-zero exit, never a traceback. Cases run the CLI's ``main`` in-process (an exception
+escaping it fails the test as a traceback would); a few run a child process as a user would."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvreuse.cli.main import main
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+CONFIG = EXAMPLES / "capacity" / "llama-8b-config.json"
+PROMPT = ["--tokenizer", "o200k_base", "--template", "chatml"]
+
+
+def run_main(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, cwd: Path, *args: str
+) -> subprocess.CompletedProcess[str]:
+    """``main(args)`` in ``cwd``; usage errors (argparse's exit 2) count as an exit code."""
+    monkeypatch.chdir(cwd)
+    try:
+        code = main(list(args))
+    except SystemExit as exit_:
+        code = int(exit_.code or 0)
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(list(args), code, out, err)
+
+
+def kvreuse(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """The command in a child process whose stdout is a pipe."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run(
+        [sys.executable, "-c", "import sys; from kvreuse.cli.main import main; sys.exit(main())",
+         *args],
+        capture_output=True, text=True, env=env, cwd=cwd, timeout=120, check=False,
+    )
+
+
+def assert_clear_error(done: subprocess.CompletedProcess[str], *names: str) -> None:
+    """Non-zero exit, no traceback, and the error names every one of ``names``."""
+    assert done.returncode != 0, done.stdout
+    assert "Traceback" not in done.stderr, done.stderr
+    for name in names:
+        assert name in done.stderr, (name, done.stderr)
+
+
+BAD_REQUESTS: dict[str, tuple[bytes, str]] = {
+    "utf8.json": (b'{"messages": [{"role": "user", "content": "caf\xe9"}]}', "not valid UTF-8"),
+    "surrogate.json": (
+        b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
+        "messages[0].content: a string holds a lone UTF-16 surrogate",
+    ),
+    "deep.json": (b"[" * 5000 + b"]" * 5000, "nested too deeply"),
+    "bigint.json": (
+        b'{"messages": [{"role": "user", "content": "hi"}], "seed": ' + b"7" * 5000 + b"}",
+        "an integer of 5,000 digits",
+    ),
+    "lines.jsonl": (
+        b'{"messages": [{"role": "user", "content": "hi"}]}\n{"messages": [1,\n',
+        "lines.jsonl:2: not valid JSON",
+    ),
+}
+
+
+@pytest.mark.parametrize("command", ["fingerprint", "audit", "diff"])
+@pytest.mark.parametrize("name", list(BAD_REQUESTS))
+def test_prompt_tools_name_the_file_and_problem(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+    command: str, name: str,
+) -> None:
+    """fingerprint, audit and diff on invalid Unicode, deep nesting, 5,000-digit integers and a
+    broken JSONL line: exit 1 naming the file (and line or field) and what is wrong."""
+    data, problem = BAD_REQUESTS[name]
+    (tmp_path / name).write_bytes(data)
+    files = [name, name] if command == "diff" else [name]
+    done = run_main(capsys, monkeypatch, tmp_path, command, *files, *PROMPT)
+    assert_clear_error(done, name, problem)
+
+
+def test_a_child_process_shows_no_traceback_either(tmp_path: Path) -> None:
+    """The same through a real process and pipe: one line of error, exit 1."""
+    data, problem = BAD_REQUESTS["deep.json"]
+    (tmp_path / "deep.json").write_bytes(data)
+    done = kvreuse("audit", "deep.json", *PROMPT, cwd=tmp_path)
+    assert_clear_error(done, "deep.json", problem)
+    assert done.returncode == 1 and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_a_directory_given_as_a_request_file_says_so(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A directory is "is a directory", not "no such file"."""
+    (tmp_path / "requests").mkdir()
+    done = run_main(capsys, monkeypatch, tmp_path, "fingerprint", "requests", *PROMPT)
+    assert_clear_error(done, "requests: is a directory")
+
+
+def test_a_template_that_is_not_utf8_names_the_template(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """--template with bytes that are not UTF-8: the file and the byte, no traceback."""
+    (tmp_path / "t.jinja").write_bytes(b"{{ messages }}\xff")
+    (tmp_path / "r.json").write_text('{"messages": [{"role": "user", "content": "hi"}]}')
+    done = run_main(capsys, monkeypatch, tmp_path, "fingerprint", "r.json", "--tokenizer",
+                    "o200k_base", "--template", "t.jinja")
+    assert_clear_error(done, "t.jinja", "not valid UTF-8")
+
+
+@pytest.mark.parametrize(
+    ("flags", "names"),
+    [
+        (["--kv-pool-gib", "-5"], ["--kv-pool-gib", "must be > 0, got -5"]),
+        (["--kv-pool-gib", "nan"], ["--kv-pool-gib", "finite"]),
+        (["--kv-pool-gib", "40", "--replicas", "0"], ["--replicas", "must be >= 1, got 0"]),
+        (["--gpu-memory-gib", "80", "--weights-gib", "16", "--utilisation", "1.5"],
+         ["--utilisation", "(0, 1]"]),
+        (["--kv-pool-gib", "40", "--pinned-gib", "-1"], ["--pinned-gib", ">= 0"]),
+        (["--kv-pool-gib", "40", "--gpus", "0"], ["--gpus", ">= 1"]),
+        (["--kv-pool-gib", "40", "--workload", "."], ["--workload .: is a directory"]),
+        (["--kv-pool-gib", "40", "--trace", "."], ["--trace .: is a directory"]),
+        (["--kv-pool-gib", "40", "--trace", "missing.jsonl"], ["--trace missing.jsonl: no such"]),
+    ],
+)
+def test_capacity_flags_are_checked(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+    flags: list[str], names: list[str],
+) -> None:
+    """Negative sizes, a fleet of zero, a utilisation over 1, directories: each names its flag."""
+    done = run_main(capsys, monkeypatch, tmp_path, "capacity", "--config", str(CONFIG), *flags)
+    assert_clear_error(done, *names)
+
+
+def test_capacity_config_that_is_a_directory_or_malformed(tmp_path: Path) -> None:
+    """--config DIR says it is a directory; a config nested 5,000 deep names the file (in a
+    child process, as a user runs it)."""
+    assert_clear_error(kvreuse("capacity", "--config", ".", cwd=tmp_path),
+                       "--config .: is a directory")
+    (tmp_path / "config.json").write_bytes(b"[" * 5000 + b"]" * 5000)
+    assert_clear_error(kvreuse("capacity", "--config", "config.json", cwd=tmp_path),
+                       "config.json", "nested too deeply")
+
+
+def test_simulate_rejects_a_bad_policy_spec_and_scale(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """An unclosed bracket and a non-positive --scale name the flag."""
+    done = run_main(capsys, monkeypatch, tmp_path, "simulate", "--scenario", "six-turn",
+                    "--policy", "prefix_hash[overload=None")
+    assert_clear_error(done, "--policy")
+    done = run_main(capsys, monkeypatch, tmp_path, "simulate", "--scenario", "six-turn",
+                    "--scale", "0")
+    assert_clear_error(done, "--scale")
+
+
+def test_simulate_json_to_a_directory_names_the_flag(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """--json pointing at a directory: an error naming --json, not a traceback."""
+    (tmp_path / "out").mkdir()
+    done = run_main(capsys, monkeypatch, tmp_path, "simulate", "--scenario", "six-turn",
+                    "--json", "out")
+    assert_clear_error(done, "--json out")
