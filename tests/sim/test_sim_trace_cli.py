@@ -82,11 +82,12 @@ def test_scenarios_command_lists_every_scenario(capsys: pytest.CaptureFixture[st
 
 
 def test_simulate_json_has_the_issue_schema(tmp_path: Path) -> None:
-    """--json writes scenario, seed, parameters, runs (with every field) and bounds."""
+    """--json writes scenario, seed, parameters, runs (with every field) and bounds (the widest
+    fleet's, and one per fleet size)."""
     out = tmp_path / "r.json"
     assert main(["simulate", "--scenario", "six-turn", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
-    assert set(data) == {"scenario", "seed", "parameters", "runs", "bounds"}
+    assert set(data) == {"scenario", "seed", "parameters", "runs", "bounds", "bounds_by_replicas"}
     fields = {"policy", "replicas", "token_hit_rate", "request_hit_rate", "prefill_gpu_s_per_1k",
               "ttft_p50_s", "ttft_p95_s", "max_over_mean_load", "evicted_tokens", "requests"}
     assert all(fields <= set(run) for run in data["runs"])

@@ -242,3 +242,74 @@ def test_a_link_opens_that_run_with_its_mission(lab_url: str) -> None:
             assert "Half the fleet" in (page.text_content("#mission-title") or "")
         finally:
             browser.close()
+
+
+def test_the_page_opens_on_the_figures_simulate_prints(
+    lab_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The cache slider starts on the shared default pool (10,892 tokens, not a slider step
+    near it), and the first run's tiles are `simulate --scenario belgavi` round robin on 6."""
+    import json
+
+    from kvreuse import defaults
+    from kvreuse.cli.main import main
+
+    assert main(["simulate", "--scenario", "belgavi", "--policy", "round_robin", "--replicas",
+                 "6", "--no-baseline", "--json", "-"]) == 0
+    run = next(r for r in json.loads(capsys.readouterr().out)["runs"] if r["variant"] == "")
+    sync_playwright = _require_browser()
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            page.add_init_script("window.kvLabOptions = {animationSeconds: 0.3};")
+            page.goto(lab_url)
+            _wait_for_run(page, 0)
+            assert page.input_value("#ctl-cache_tokens") == str(defaults.CACHE_TOKENS)
+            assert f"{defaults.CACHE_TOKENS:,} tokens" in (
+                page.text_content("#out-cache_tokens") or ""
+            )
+            tiles = page.evaluate("window.kvLab.state().result.tiles")
+            for name in ("token_hit_rate", "prefill_gpu_s_per_1k", "ttft_p95_s"):
+                assert tiles[name] == round(run[name], 4), name
+            assert _tiles(page)["token_hit_rate"].startswith(f"{run['token_hit_rate']:.1%}"[:4])
+        finally:
+            browser.close()
+
+
+def test_the_report_in_a_browser_links_to_the_same_runs(lab_url: str, tmp_path: Path) -> None:
+    """mission-4's report renders every plot in chromium; its lab links point at this lab (not
+    a hard-coded port), keep the cache size, and open the run the report's row shows."""
+    from kvreuse.cli.main import main
+
+    report = tmp_path / "mission-4.html"
+    assert main(["simulate", "--scenario", "mission-4", "--scale", "0.5", "--cache-tokens",
+                 "12000", "--report", str(report), "--lab-url", lab_url]) == 0
+    sync_playwright = _require_browser()
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1300, "height": 1000})
+            page.goto(report.as_uri())
+            widths = page.evaluate("[...document.images].map(i => i.naturalWidth)")
+            assert len(widths) >= 5 and min(widths) > 0, widths
+            page.screenshot(path=str(ARTIFACTS / "report-mission-4.png"), full_page=True)
+            links = page.evaluate("[...document.querySelectorAll('td a')].map(a => a.href)")
+            assert len(links) == 8  # seven spill thresholds and the no-cache baseline
+            assert all(link.startswith(lab_url) and "cache_tokens=12000" in link
+                       for link in links), links
+            row = page.evaluate(
+                "[...document.querySelectorAll('tr')].find(r => r.textContent"
+                ".includes('spill_threshold_s=0.1]')).children[2].textContent"
+            )
+            link = next(link for link in links if "spill_threshold_s=0.1&" in link)
+            page.add_init_script("window.kvLabOptions = {animationSeconds: 0.3};")
+            page.goto(link)
+            _wait_for_run(page, 0)
+            assert page.input_value("#ctl-cache_tokens") == "12000"
+            tiles = page.evaluate("window.kvLab.state().result.tiles")
+            assert f"{tiles['token_hit_rate']:.1%}" == row
+            page.screenshot(path=str(ARTIFACTS / "lab-from-report.png"), full_page=True)
+        finally:
+            browser.close()

@@ -187,7 +187,7 @@ def write_report(
     path: Path,
     scenario: Scenario,
     rows: Sequence[ScenarioRun],
-    bounds: Bounds,
+    every_bounds: Sequence[Bounds],
     sweep: Sequence[ScenarioRun],
     parameters: dict[str, Any],
     *,
@@ -195,10 +195,12 @@ def write_report(
     links: LabLinks | None = None,
     changed: Sequence[str] = (),
     knob: Sequence[ScenarioRun] = (),
+    plotted: Sequence[ScenarioRun] | None = None,
 ) -> None:
     """Render and write the page. Raises :class:`ConfigError` without matplotlib or when the
     file cannot be written. ``knob``: relative_spill's runs over its slack values, plotted as
-    its hit rate / p95 curve.
+    its hit rate / p95 curve. ``plotted``: the rows the plots draw (default all; the no-cache
+    baselines stay in the table only, their queueing would flatten every other bar).
 
     Each run links to the same run in ``kvreuse lab`` (at ``links.base_url``) where the lab can
     show it; ``changed`` are the reasons a figure may leave its stated range."""
@@ -206,11 +208,12 @@ def write_report(
 
     links = links or LabLinks()
     plt = _pyplot()
+    drawn = list(plotted) if plotted else list(rows)
     images = [
-        ("Hit rate and p95 TTFT per policy", _per_policy(plt, rows)),
-        ("Load per replica", _load(plt, rows)),
-        ("Hit rate over time", _over_time(plt, rows)),
-        ("TTFT by prompt-length band", _bands(plt, rows)),
+        ("Hit rate and p95 TTFT per policy", _per_policy(plt, drawn)),
+        ("Load per replica", _load(plt, drawn)),
+        ("Hit rate over time", _over_time(plt, drawn)),
+        ("TTFT by prompt-length band", _bands(plt, drawn)),
     ]
     if sweep:
         images.append(("Spill-threshold sweep", _sweep(plt, sweep)))
@@ -238,10 +241,18 @@ def write_report(
         + "</li>"
         for v in check(scenario, rows)
     )
+    stated = scenario.parameters()
     params = "".join(
-        f"<tr><td>{esc(p.name)}</td><td>{esc(str(p.value))}</td><td>{esc(p.source)}</td></tr>"
+        f"<tr><td>{esc(p.name)}</td><td>{esc(str(parameters.get(p.name, p.value)))}</td><td>"
+        + (esc(p.source) if parameters.get(p.name, p.value) == stated[p.name]
+           else f"given on the command line (the scenario's {esc(str(p.value))}: "
+           f"{esc(p.source)})")
+        + "</td></tr>"
         for p in scenario.params
-    ) or "".join(
+    ) + "".join(
+        f"<tr><td>{esc(k)}</td><td>{esc(str(v))}</td><td>given on the command line</td></tr>"
+        for k, v in parameters.items() if k not in stated
+    ) if scenario.params else "".join(
         f"<tr><td>{esc(k)}</td><td>{esc(str(v))}</td><td></td></tr>" for k, v in parameters.items()
     )
     figures = "".join(
@@ -261,7 +272,7 @@ img{{max-width:100%}}</style></head><body>
 <code>{esc(links.base_url)}</code>: start it first (<code>kvreuse lab</code>; for another
 address, <code>kvreuse lab --port N</code> and <code>kvreuse simulate --lab-url
 http://127.0.0.1:N/</code>).</p>
-<p>Hit-rate references {esc(bounds_text(bounds))}.</p>
+<p>Hit-rate references: {"<br>".join(esc(line) for line in bounds_text(every_bounds))}</p>
 <ul>{verdicts}</ul>{figures}
 <h2>Parameters</h2><table><tr><th>name</th><th>value</th><th>source</th></tr>{params}</table>
 </body></html>

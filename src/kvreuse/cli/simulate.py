@@ -6,9 +6,9 @@
 
 Prints a table (one row per run, labelled with its policy options and variant, plus a no-cache
 baseline of each policy on its fleet size); ``--json`` writes ``{"scenario", "seed",
-"parameters", "runs": [...], "bounds": {...}}`` (``-``: to stdout, the table then goes to
-stderr); ``--report`` writes a self-contained HTML page with PNG plots (needs the ``report``
-extra: matplotlib).
+"parameters", "runs": [...], "bounds": {...}, "bounds_by_replicas": [...]}`` (``-``: to
+stdout, the table then goes to stderr); ``--report`` writes a self-contained HTML page with PNG
+plots (needs the ``report`` extra: matplotlib).
 """
 
 from __future__ import annotations
@@ -286,11 +286,14 @@ def run(args: argparse.Namespace) -> int:
     if args.scale <= 0:
         raise ConfigError(f"--scale must be > 0, got {args.scale}")
     specs = _with_options(specs, args.policy_option)
+    asked = set(specs)
     if not args.no_baseline:
         specs = _with_baselines(specs)
     for option in ("cache_kind", "block_size", "scheduling", "load_lag", "kv_lag"):
         if getattr(args, option) is not None:
             parameters[option] = getattr(args, option)
+    if args.cache_tokens is not None and args.trace is None:
+        parameters["pool_tokens"] = args.cache_tokens
 
     traffic: dict[str, list[SimRequest]] = {}
     for spec in specs:
@@ -317,11 +320,17 @@ def run(args: argparse.Namespace) -> int:
 
     cached_specs = [s for s in specs if s.variant != "no_cache"] or specs
     bounds_variant = cached_specs[0].variant
-    widest = max(s.replicas for s in cached_specs)
-    pool = _adjust(scenario.fleet(widest, bounds_variant), args).replica.pool_tokens
-    bounds = compute_bounds(traffic[bounds_variant], widest, pool, units)
+    # One reference per fleet size: a pooled cache of 6 replicas' memory says nothing about 3.
+    every_bounds = [
+        compute_bounds(
+            traffic[bounds_variant], n,
+            _adjust(scenario.fleet(n, bounds_variant), args).replica.pool_tokens, units,
+        )
+        for n in sorted({s.replicas for s in cached_specs})
+    ]
+    bounds = every_bounds[-1]
     changed = _changed_flags(args)
-    _print_table(console, scenario, rows, bounds, changed)
+    _print_table(console, scenario, rows, every_bounds, changed)
 
     if args.json is not None:
         payload = {
@@ -330,6 +339,7 @@ def run(args: argparse.Namespace) -> int:
             "parameters": parameters,
             "runs": [_run_json(row) for row in rows],
             "bounds": bounds.as_dict(),
+            "bounds_by_replicas": [b.as_dict() for b in every_bounds],
         }
         text = json.dumps(payload, indent=2, default=_json_default) + "\n"
         if to_stdout:
@@ -353,8 +363,9 @@ def run(args: argparse.Namespace) -> int:
             and args.load_lag is None and args.kv_lag is None,
         )
         write_report(
-            args.report, scenario, rows, bounds, sweep, parameters, seed=args.seed,
+            args.report, scenario, rows, every_bounds, sweep, parameters, seed=args.seed,
             links=links, changed=changed, knob=knob,
+            plotted=[row for row in rows if row.spec in asked],
         )
         console.print(f"report: {args.report}")
     return 0
@@ -497,29 +508,36 @@ def summary_cells(row: ScenarioRun) -> list[str]:
     ]
 
 
-def bounds_text(bounds: Bounds) -> str:
-    """The two reference hit rates, with what each does and does not promise."""
-    return (
-        f"over {bounds.replicas} x {bounds.cache_tokens:,} tokens: infinite cache "
-        f"{bounds.infinite_hit_rate:.1%} (a ceiling: no routing reuses more than a cache that "
-        f"never forgets); one pooled LRU cache of {bounds.replicas * bounds.cache_tokens:,} "
-        f"tokens {bounds.pooled_lru_hit_rate:.1%} (a reference, not a ceiling: LRU is not the "
-        "best eviction, and a router that keeps each prefix on one replica can beat it)"
-    )
+def bounds_text(every_bounds: Sequence[Bounds]) -> list[str]:
+    """The reference hit rates per fleet size, with what each does and does not promise."""
+    first = every_bounds[0]
+    lines = [
+        f"infinite cache {first.infinite_hit_rate:.1%}: a ceiling, no routing reuses more than "
+        "a cache that never forgets. Pooled LRU: one LRU cache holding all replicas' memory, a "
+        "reference, not a ceiling (LRU is not the best eviction, and a router that keeps each "
+        "prefix on one replica can beat it):"
+    ]
+    for bounds in every_bounds:
+        lines.append(
+            f"  x{bounds.replicas}: pooled LRU of {bounds.replicas} x {bounds.cache_tokens:,} "
+            f"tokens {bounds.pooled_lru_hit_rate:.1%}"
+        )
+    return lines
 
 
 def _print_table(
     console: Console,
     scenario: Scenario,
     rows: Sequence[ScenarioRun],
-    bounds: Bounds,
+    every_bounds: Sequence[Bounds],
     changed: Sequence[str],
 ) -> None:
     print_table(
         console, f"{scenario.name}: {scenario.summary}", SUMMARY_HEADERS,
         [summary_cells(row) for row in rows],
     )
-    console.print(bounds_text(bounds), highlight=False)
+    for line in bounds_text(every_bounds):
+        console.print(line, highlight=False)
     for verdict in check(scenario, rows):
         exp = verdict.expectation
         mark = "[green]in range[/green]" if verdict.ok else "[red]OUT OF RANGE[/red]"

@@ -119,7 +119,7 @@
 
   function showOutputs() {
     const v = readControls();
-    $("out-cache_tokens").textContent = compact(v.cache_tokens) + " tok · " + gib(v.cache_tokens).toFixed(2) + " GiB";
+    $("out-cache_tokens").textContent = v.cache_tokens.toLocaleString("en-US") + " tokens · " + gib(v.cache_tokens).toFixed(2) + " GiB";
     $("out-replicas").textContent = String(v.replicas);
     $("out-spill_threshold_s").textContent = Math.round(v.spill_threshold_s * 1000) + " ms";
     $("out-arrival_rate").textContent = v.arrival_rate + " req/s";
