@@ -110,7 +110,9 @@ def _lanes_drawn(page: Any) -> bool:
         " return c; }"
     )
     bars = _bars_per_lane(page)
-    return len(bars) == len(routed) and all((b > 0) == (c > 0) for b, c in zip(bars, routed, strict=True))
+    if len(bars) != len(routed):
+        return False
+    return all((b > 0) == (c > 0) for b, c in zip(bars, routed, strict=True))
 
 
 def _wait_for_run(page: Any, runs_before: int) -> None:
