@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -108,3 +109,33 @@ def test_recorded_trace_through_the_gateway_leaks_no_prompt_or_tenant(
     assert records[0].tenant is not None and len(records[0].tenant) == 16
     assert records[2].cached_tokens is not None and records[2].cached_tokens > 0
     assert records[0].output_length == 4
+
+
+def test_import_of_the_same_requests_gives_the_recorded_ids(
+    engines: list[Engine], gateway_factory: Callable[..., RunningGateway], tmp_path: Path
+) -> None:
+    """`trace import` of a log of the requests a gateway recorded, with the gateway's secret,
+    writes the same hash ids (one keyed-id scheme, one tokenization)."""
+    from kvreuse.cli.main import main
+
+    secret = tmp_path / "secret"
+    secret.write_text("shared-secret-0123456789\n")
+    record_dir = tmp_path / "rec"
+    gateway = gateway_factory(engines, policy="round_robin", record_dir=str(record_dir),
+                              record_secret_file=str(secret), record_block_size=16,
+                              record_reorder_s=0.0)
+    bodies = [{"model": "sim", "prompt": "shared prefix " * 20 + f"question {i}", "max_tokens": 2}
+              for i in range(3)]
+    with httpx.Client(timeout=10) as client:
+        for body in bodies:
+            assert client.post(gateway.url + "/v1/completions", json=body).status_code == 200
+    gateway.server.stop()
+    recorded = parse_trace_lines(read_trace(record_dir), block=16)
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(f'{{"timestamp": {i}, "body": {json.dumps(b)}}}\n'
+                           for i, b in enumerate(bodies)))
+    out = tmp_path / "imported.jsonl"
+    assert main(["trace", "import", str(log), "--out", str(out), "--block-size", "16",
+                 "--secret-file", str(secret)]) == 0
+    imported = parse_trace_lines(out.read_text().splitlines(), block=16)
+    assert [r.hash_ids for r in imported] == [r.hash_ids for r in recorded]

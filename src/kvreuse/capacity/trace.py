@@ -31,6 +31,9 @@ class TraceHotSet:
     median_hot_tokens: float
     distinct_tokens: int
     block_tokens: int
+    per_window: tuple[tuple[float, int], ...] = ()
+    """``(window start in seconds from the first request, hot tokens)`` for each window that
+    has requests, in time order: the hot working set over time."""
 
     def describe(self) -> str:
         return (
@@ -60,7 +63,11 @@ def trace_hot_set(
         # A request uses each of its blocks once; repeats inside one prompt are not reuse.
         counter.update(set(request.hash_ids))
         distinct.update(request.hash_ids)
-    hot = [sum(1 for c in counter.values() if c >= 2) * block_tokens for counter in counts.values()]
+    series = tuple(
+        (window * window_seconds, sum(1 for c in counter.values() if c >= 2) * block_tokens)
+        for window, counter in sorted(counts.items())
+    )
+    hot = [tokens for _, tokens in series]
     duration = (ordered[-1].timestamp_ms - start) / 1000.0
     return TraceHotSet(
         requests=len(ordered),
@@ -71,4 +78,5 @@ def trace_hot_set(
         median_hot_tokens=statistics.median(hot),
         distinct_tokens=len(distinct) * block_tokens,
         block_tokens=block_tokens,
+        per_window=series,
     )

@@ -23,6 +23,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "kvreuse.cli.scenarios",
     "kvreuse.cli.simulate",
     "kvreuse.cli.plan",
+    "kvreuse.cli.trace",
     "kvreuse.cli.fingerprint",
     "kvreuse.cli.diff",
     "kvreuse.cli.audit",

@@ -1,0 +1,312 @@
+"""``kvreuse trace``: build a trace from request logs, and say what a trace allows.
+
+    kvreuse trace import LOG.jsonl --out TRACE.jsonl [--tokenizer DIR] [--block-size 512]
+                         [--secret-file FILE]
+    kvreuse trace stats TRACE.jsonl [--block-size 512] [--replicas 1,2,4,8]
+                        [--cache-tokens 100000,200000,400000] [--window 60]
+                        [--json FILE] [--report FILE.html]
+
+``import`` reads JSONL request logs, one request per line: ``timestamp`` (ms, or an ISO 8601
+time) and ``body``, the OpenAI request (``/v1/completions`` or ``/v1/chat/completions``; a line
+without ``body`` is taken as the body itself); optional ``output_tokens``, ``session_id``,
+``tenant``. Each prompt is tokenized as the gateway does (``--tokenizer DIR`` with its chat
+template, else one token per 4 bytes; :func:`kvreuse.gateway.prompts.request_tokens`) and
+written with keyed block ids exactly as ``kvreuse route --record`` writes them
+(:mod:`kvreuse.trace.keyed`; the same secret gives the same ids), with no text. A bad line is
+an error naming file, line and field. ``stats`` prints :mod:`kvreuse.trace.stats`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from kvreuse.cli.args import positive_float, positive_int
+from kvreuse.cli.tables import make_console
+from kvreuse.errors import ConfigError, InputFormatError
+from kvreuse.trace.format import (
+    DEFAULT_BLOCK_TOKENS,
+    MAX_LENGTH_TOKENS,
+    MAX_TEXT_FIELD,
+    TraceRecord,
+    parse_trace_lines,
+    record_json,
+)
+from kvreuse.trace.stats import TraceStats, trace_stats
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("trace", help="import request logs as a trace; trace stats")
+    commands = parser.add_subparsers(dest="trace_command", metavar="SUBCOMMAND", required=True)
+
+    imp = commands.add_parser("import", help="JSONL request logs -> a trace without text")
+    imp.add_argument("log", type=Path, help="JSONL: timestamp + OpenAI request body per line")
+    imp.add_argument("--out", type=Path, required=True, help="the trace to write")
+    imp.add_argument("--tokenizer", metavar="DIR", help="HF tokenizer dir (chat template)")
+    imp.add_argument("--block-size", type=positive_int, default=DEFAULT_BLOCK_TOKENS,
+                     help=f"tokens per hash id ({DEFAULT_BLOCK_TOKENS})")
+    imp.add_argument("--secret-file", metavar="FILE",
+                     help="secret keying the ids (else $KVREUSE_RECORD_SECRET, else random); "
+                          "the same as a recording gateway's gives the same ids")
+    imp.set_defaults(func=run_import)
+
+    stats = commands.add_parser("stats", help="what a trace allows: ceiling, bounds, hot set")
+    stats.add_argument("trace", type=Path)
+    stats.add_argument("--block-size", type=positive_int, default=DEFAULT_BLOCK_TOKENS,
+                       help=f"tokens per hash id ({DEFAULT_BLOCK_TOKENS})")
+    stats.add_argument("--replicas", default="1,2,4,8", help="fleet sizes for the pooled bound")
+    stats.add_argument("--cache-tokens", default="100000,200000,400000",
+                       help="KV pool sizes per replica for the pooled bound")
+    stats.add_argument("--window", type=positive_float, default=60.0,
+                       help="hot working set window, seconds (60)")
+    stats.add_argument("--json", type=Path, help="write the figures as JSON")
+    stats.add_argument("--report", type=Path, help="write an HTML report with plots")
+    stats.set_defaults(func=run_stats)
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    out = []
+    for part in text.split(","):
+        if part.strip():
+            try:
+                value = int(part)
+            except ValueError:
+                raise ConfigError(f"{flag} takes integers like 1,2,4; got {part!r}") from None
+            if value < 1:
+                raise ConfigError(f"{flag} values must be >= 1, got {value}")
+            out.append(value)
+    if not out:
+        raise ConfigError(f"{flag} needs at least one value")
+    return out
+
+
+# ---------------------------------------------------------------------------------- stats
+
+
+def run_stats(args: argparse.Namespace) -> int:
+    try:
+        with args.trace.open("rb") as lines:
+            records = parse_trace_lines(lines, str(args.trace), args.block_size)
+    except OSError as exc:
+        raise ConfigError(f"cannot read {args.trace}: {exc.strerror}") from None
+    stats = trace_stats(records, args.block_size, _ints(args.replicas, "--replicas"),
+                        _ints(args.cache_tokens, "--cache-tokens"), args.window)
+    console = make_console()
+    _print_stats(console, str(args.trace), stats)
+    if args.json is not None:
+        args.json.write_text(json.dumps(stats.as_dict(), indent=2) + "\n", encoding="utf-8")
+        console.print(f"wrote {args.json}")
+    if args.report is not None:
+        _write_stats_report(args.report, str(args.trace), stats)
+        console.print(f"report: {args.report}")
+    return 0
+
+
+def _print_stats(console: Any, name: str, stats: TraceStats) -> None:
+    from rich import box
+    from rich.table import Table
+
+    console.print(
+        f"[bold]{name}[/bold]: {stats.requests:,} requests over {stats.duration_s:,.1f} s; "
+        f"{stats.input_tokens:,} prompt tokens, {stats.output_tokens:,} answer tokens; "
+        f"{stats.sessions:,} sessions, {stats.tenants:,} tenants; models: "
+        f"{', '.join(stats.models) or '-'}"
+    )
+    console.print(f"infinite-cache ceiling (one cache that never forgets): "
+                  f"{stats.infinite_hit_rate:.1%} of prompt tokens")
+    replicas = sorted({p.replicas for p in stats.pooled})
+    table = Table(title="pooled bound: one LRU cache of replicas x cache tokens (no router "
+                  "over those replicas does better)", box=box.SIMPLE_HEAD)
+    table.add_column("cache tokens per replica", justify="right", overflow="fold")
+    for n in replicas:
+        table.add_column(f"{n} replicas", justify="right", overflow="fold")
+    for cache in sorted({p.cache_tokens for p in stats.pooled}):
+        row = [f"{cache:,}"]
+        for n in replicas:
+            bound = next(p for p in stats.pooled if p.replicas == n and p.cache_tokens == cache)
+            row.append(f"{bound.hit_rate:.1%}")
+        table.add_row(*row)
+    console.print(table)
+    hot = stats.hot
+    console.print(f"hot working set (blocks used by 2+ requests within {hot.window_seconds:g} s): "
+                  f"max {hot.max_hot_tokens:,} tokens, median {hot.median_hot_tokens:,.0f} over "
+                  f"{hot.windows:,} windows; {hot.distinct_tokens:,} distinct block tokens")
+    console.print(
+        f"reuse depth: {stats.requests_with_reuse:,} of {stats.requests:,} requests start with "
+        f"blocks seen before; leading blocks seen p50 {stats.depth_percentile(0.5):g}, p90 "
+        f"{stats.depth_percentile(0.9):g}, p99 {stats.depth_percentile(0.99):g}, max "
+        f"{max(stats.reuse_depth_blocks, default=0):,} (blocks of {stats.block} tokens)"
+    )
+    if stats.recorded_hit_rate is not None:
+        console.print(f"recorded: engines reported {stats.recorded_hit_rate:.1%} of prompt "
+                      f"tokens cached; TTFT p50 {stats.recorded_ttft_p50_s or 0:.3f} s, p95 "
+                      f"{stats.recorded_ttft_p95_s or 0:.3f} s")
+
+
+def _write_stats_report(path: Path, name: str, stats: TraceStats) -> None:
+    import html
+
+    from kvreuse.cli.simreport import _png, _pyplot
+
+    plt = _pyplot()
+    images = []
+    fig, ax = plt.subplots(figsize=(10, 4))
+    hot = stats.hot
+    ax.step([s for s, _ in hot.per_window], [t for _, t in hot.per_window], where="post")
+    ax.set_xlabel("seconds from the first request")
+    ax.set_ylabel(f"hot tokens per {hot.window_seconds:g} s window")
+    images.append(("Hot working set over time", _png(fig)))
+    fig, ax = plt.subplots(figsize=(10, 4))
+    for n in sorted({p.replicas for p in stats.pooled}):
+        bounds = sorted((p.cache_tokens, p.hit_rate) for p in stats.pooled if p.replicas == n)
+        ax.plot([c for c, _ in bounds], [h * 100 for _, h in bounds], marker="o",
+                label=f"{n} replicas")
+    ax.axhline(stats.infinite_hit_rate * 100, color="black", linestyle="--",
+               label="infinite cache")
+    ax.set_xlabel("cache tokens per replica")
+    ax.set_ylabel("token hit rate bound (%)")
+    ax.legend()
+    images.append(("Pooled bound against cache size", _png(fig)))
+    fig, ax = plt.subplots(figsize=(10, 4))
+    depths = stats.reuse_depth_blocks
+    ax.hist(depths, bins=min(50, max(depths, default=0) + 1))
+    ax.set_xlabel(f"leading blocks seen before ({stats.block} tokens each)")
+    ax.set_ylabel("requests")
+    images.append(("Reuse depth", _png(fig)))
+    plt.close("all")
+    esc = html.escape
+    rows = "".join(f"<tr><td>{esc(k)}</td><td>{esc(json.dumps(v))}</td></tr>"
+                   for k, v in stats.as_dict().items() if k != "hot_over_time")
+    figures = "".join(
+        f"<h2>{esc(title)}</h2><img alt='{esc(title)}' src='data:image/png;base64,{data}'>"
+        for title, data in images
+    )
+    path.write_text(f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>kvreuse trace stats: {esc(name)}</title>
+<style>body{{font-family:sans-serif;max-width:1200px;margin:auto}}
+td{{border:1px solid #ccc;padding:2px 6px;font-size:13px}}table{{border-collapse:collapse}}
+img{{max-width:100%}}</style></head><body><h1>{esc(name)}</h1>
+<table>{rows}</table>{figures}</body></html>
+""", encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------------- import
+
+
+def _timestamp_ms(value: object, where: str) -> float:
+    if isinstance(value, str):
+        try:
+            return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp() * 1000.0
+        except ValueError:
+            raise InputFormatError(
+                f"field 'timestamp' must be ms or an ISO 8601 time, got {value!r:.60}", where
+            ) from None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise InputFormatError(f"field 'timestamp' must be a finite number of ms or an ISO "
+                               f"8601 time, got {value!r:.60}", where)
+    if value < 0:
+        raise InputFormatError(f"field 'timestamp' must be >= 0, got {value}", where)
+    return float(value)
+
+
+def import_records(lines: Sequence[bytes], source: str, tokenizer: Any, ids: Any) -> list[str]:
+    """The trace lines for request-log ``lines``; errors name ``source:line`` and the field."""
+    from kvreuse.gateway.prompts import request_tokens
+    from kvreuse.gateway.validation import parse_request
+    from kvreuse.tokens import TOKEN_BYTES
+
+    out: list[str] = []
+    origin: float | None = None
+    previous = 0.0
+    for number, raw in enumerate(lines, start=1):
+        where = f"{source}:{number}"
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InputFormatError(f"not valid UTF-8 (byte {exc.start})", where) from None
+        if not text.strip():
+            continue
+        try:
+            row = json.loads(text)
+        except (ValueError, RecursionError) as exc:
+            raise InputFormatError(f"not valid JSON ({exc})", where) from None
+        if not isinstance(row, dict):
+            raise InputFormatError("each line must be a JSON object", where)
+        if "timestamp" not in row:
+            raise InputFormatError("missing field 'timestamp'", where)
+        stamp = _timestamp_ms(row["timestamp"], where)
+        body = row.get("body")
+        if body is None:
+            body = {k: v for k, v in row.items()
+                    if k not in ("timestamp", "output_tokens", "session_id", "tenant")}
+        if not isinstance(body, dict):
+            raise InputFormatError("field 'body' must be a JSON object", where)
+        kind = "chat" if "messages" in body else "completion"
+        try:
+            parsed = parse_request(kind, body)
+            tokens = request_tokens(tokenizer, parsed)
+        except InputFormatError as exc:  # RequestError names the body's field
+            raise InputFormatError(f"field 'body.{exc.where or '?'}': {exc.args[0]}",
+                                   where) from None
+        prompt = len(tokens) // TOKEN_BYTES
+        if not 1 <= prompt <= MAX_LENGTH_TOKENS:
+            raise InputFormatError(f"the prompt has {prompt} tokens; it must have 1 to "
+                                   f"{MAX_LENGTH_TOKENS:,}", where)
+        output = row.get("output_tokens", parsed.max_tokens or 0)
+        if isinstance(output, bool) or not isinstance(output, int) or not (
+                0 <= output <= MAX_LENGTH_TOKENS):
+            raise InputFormatError(f"field 'output_tokens' must be an integer in [0, "
+                                   f"{MAX_LENGTH_TOKENS:,}], got {output!r:.60}", where)
+        if origin is None:
+            origin = stamp
+        relative = stamp - origin
+        if relative < previous:
+            raise InputFormatError(f"field 'timestamp' goes back in time ({relative:g} ms after "
+                                   f"{previous:g} ms from the first line); sort the log", where)
+        previous = relative
+        session, tenant = row.get("session_id"), row.get("tenant")
+        for field_name, value in (("session_id", session), ("tenant", tenant)):
+            if value is not None and (not isinstance(value, str | int) or isinstance(value, bool)
+                                      or len(str(value)) > MAX_TEXT_FIELD):
+                raise InputFormatError(f"field {field_name!r} must be a string of at most "
+                                       f"{MAX_TEXT_FIELD} characters", where)
+        record = TraceRecord(
+            line=number,
+            timestamp_ms=round(relative, 3),
+            input_length=prompt,
+            output_length=output,
+            hash_ids=tuple(ids.block_ids(tokens, parsed.cache_salt)),
+            session_id=None if session is None else ids.session(str(session)),
+            model=parsed.model[:MAX_TEXT_FIELD],
+            tenant=None if tenant is None else ids.tenant(str(tenant)),
+        )
+        out.append(record_json(record))
+    if not out:
+        raise InputFormatError("the log holds no requests", source)
+    return out
+
+
+def run_import(args: argparse.Namespace) -> int:
+    from kvreuse.gateway.prompts import load_prompt_tokenizer
+    from kvreuse.gateway.recorder import load_secret
+    from kvreuse.trace.keyed import KeyedIds
+
+    secret, shared = load_secret(args.secret_file)
+    tokenizer = load_prompt_tokenizer(args.tokenizer)
+    try:
+        lines = args.log.read_bytes().splitlines()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {args.log}: {exc.strerror}") from None
+    out = import_records(lines, str(args.log), tokenizer, KeyedIds(secret, args.block_size))
+    try:
+        args.out.write_text("\n".join(out) + "\n", encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"--out {args.out}: cannot write: {exc.strerror}") from None
+    note = "" if shared else " (random secret: ids match no other trace's)"
+    print(f"wrote {len(out):,} requests to {args.out}{note}")
+    return 0

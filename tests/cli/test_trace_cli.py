@@ -1,0 +1,100 @@
+"""`kvreuse trace import` and `kvreuse trace stats`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvreuse.cli.main import main
+from kvreuse.testing.mooncake import synthetic_mooncake
+from kvreuse.testing.tiny_tokenizer import build_tokenizer_dir
+from kvreuse.trace.format import parse_trace_lines
+
+SECRET = "0123456789abcdef-import-secret"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tokenizer_dir(tmp_path_factory.mktemp("tok"), vocab_size=2000, corpus_lines=3000)
+
+
+def chat(stamp: object, question: str, **extra: object) -> str:
+    system = "You are a careful assistant for CANARYCORP. " * 40
+    body = {"model": "tiny", "max_tokens": 8,
+            "messages": [{"role": "system", "content": system},
+                         {"role": "user", "content": question}]}
+    return json.dumps({"timestamp": stamp, "body": body, **extra})
+
+
+def test_import_tokenizes_with_the_chat_template_and_writes_no_text(
+    tokenizer: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chats sharing a long system prompt share leading ids; no text or tenant reaches the
+    trace; ISO timestamps become ms from the first line."""
+    monkeypatch.setenv("KVREUSE_RECORD_SECRET", SECRET)
+    log = tmp_path / "log.jsonl"
+    log.write_text("\n".join([
+        chat("2026-01-01T00:00:00Z", "What is CANARYQUESTION one?", tenant="CANARYTENANT"),
+        chat("2026-01-01T00:00:01.5Z", "And two?", session_id="CANARYSESSION",
+             output_tokens=30),
+    ]) + "\n")
+    out = tmp_path / "trace.jsonl"
+    args = ["trace", "import", str(log), "--out", str(out), "--tokenizer", str(tokenizer),
+            "--block-size", "32"]
+    assert main(args) == 0
+    text = out.read_text()
+    assert "CANARY" not in text and "assistant" not in text
+    first, second = parse_trace_lines(text.splitlines(), block=32)
+    assert (first.timestamp_ms, second.timestamp_ms) == (0.0, 1500.0)
+    assert first.hash_ids[:5] == second.hash_ids[:5] and first.hash_ids != second.hash_ids
+    assert (first.output_length, second.output_length) == (8, 30)
+    assert first.tenant is not None and second.session_id is not None and first.model == "tiny"
+    assert main([*args[:-2], "--block-size", "32", "--out", str(tmp_path / "again.jsonl")]) == 0
+    assert (tmp_path / "again.jsonl").read_text() == text  # same secret, same ids
+
+
+@pytest.mark.parametrize(
+    ("line", "field"),
+    [
+        ('{"body": {"model": "m", "prompt": "x"}}', "'timestamp'"),
+        ('{"timestamp": NaN, "body": {"model": "m", "prompt": "x"}}', "'timestamp'"),
+        ('{"timestamp": "yesterday", "body": {"model": "m", "prompt": "x"}}', "'timestamp'"),
+        ('{"timestamp": 1, "body": {"prompt": "x"}}', "body.model"),
+        ('{"timestamp": 1, "body": [1]}', "'body'"),
+        ('{"timestamp": 1, "body": {"model": "m", "prompt": "x"}, "output_tokens": -2}',
+         "'output_tokens'"),
+        ('{"timestamp": 0.5, "body": {"model": "m", "prompt": "x"}}', "goes back"),
+        ("{oops", "not valid JSON"),
+    ],
+)
+def test_import_bad_lines_name_file_line_and_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], line: str, field: str
+) -> None:
+    """Each bad log line exits 1 with file:line and the field, never a traceback."""
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"timestamp": 1, "body": {"model": "m", "prompt": "hello"}}\n' + line + "\n")
+    assert main(["trace", "import", str(log), "--out", str(tmp_path / "t.jsonl")]) == 1
+    err = capsys.readouterr().err
+    assert "log.jsonl:2" in err and field in err and "Traceback" not in err
+
+
+def test_stats_prints_ceiling_bounds_hot_set_and_depth(tmp_path: Path) -> None:
+    """stats: the ceiling dominates every pooled bound, bounds grow with the pool, the JSON
+    and the report carry the hot set over time and reuse depth."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(synthetic_mooncake(requests=300, documents=8)) + "\n")
+    out, report = tmp_path / "s.json", tmp_path / "s.html"
+    args = ["trace", "stats", str(trace), "--replicas", "1,2", "--cache-tokens", "20000,80000",
+            "--window", "30", "--json", str(out), "--report", str(report)]
+    assert main(args) == 0
+    data = json.loads(out.read_text())
+    assert data["requests"] == 300
+    bounds = {(p["replicas"], p["cache_tokens"]): p["hit_rate"] for p in data["pooled"]}
+    assert all(b <= data["infinite_hit_rate"] + 1e-9 for b in bounds.values())
+    assert bounds[(1, 20000)] <= bounds[(2, 20000)] <= bounds[(2, 80000)]
+    assert data["infinite_hit_rate"] > 0.8  # 8 documents of 12 blocks, one private block each
+    assert len(data["hot_over_time"]) >= 2 and data["reuse_depth_blocks"]["p50"] == 12
+    assert data["requests_with_reuse"] > 250
+    assert report.read_text().count("data:image/png;base64,") == 3
