@@ -8,7 +8,8 @@ time, so the gateway's index must follow removals). Faults:
 
 * at 40 % of the run one engine is SIGKILLed, and restarted at 50 % on the same port;
 * all along, a rogue publisher connected to one engine's KV-event endpoint sends malformed
-  frames (wrong frame counts, bad sequence numbers, undecodable and ill-typed payloads).
+  frames (wrong frame counts, bad sequence numbers, undecodable and ill-typed payloads), frames
+  nested 100,000 deep, and batches numbered far ahead of the stream (2^62, clearing the index).
 
 Printed figures and pass/fail:
 
@@ -19,7 +20,10 @@ Printed figures and pass/fail:
 * the gateway's RSS after warm-up and at the end (target: within 10 %);
 * the gateway's index size per upstream against its limit, the engine's KV blocks (sampled
   every 5 s; target: never above);
-* KV events received and dropped, retries, ejections, TTFT percentiles.
+* KV events received and dropped, retries, ejections, TTFT percentiles;
+* after the traffic, exact mode still exact: one request at a time on prefixes the engines
+  hold, the gateway's predicted cached tokens must equal the engine's realized ones (target:
+  every one).
 
     .venv/bin/python benchmarks/soak.py --minutes 2
 """
@@ -124,7 +128,7 @@ class RoguePublisher:
     def send_one(self) -> None:
         import msgspec
 
-        kind = self.sent % 5
+        kind = self.sent % 7
         topic = b"kv-events"
         if kind == 0:
             frames = [topic, b"only two frames"]
@@ -135,8 +139,14 @@ class RoguePublisher:
         elif kind == 3:
             bad = [["BlockStored", "not-a-list", None, "tokens?", -5, None, None, None]]
             frames = [topic, (1).to_bytes(8, "big"), msgspec.msgpack.encode([0.0, bad, 0])]
-        else:
+        elif kind == 4:
             frames = [topic, self.rng.randbytes(8), self.rng.randbytes(self.rng.randrange(64))]
+        elif kind == 5:  # nested past any decoder's recursion limit (killed the subscriber once)
+            frames = [topic, (1).to_bytes(8, "big"), b"\x91" * 100_000 + b"\xc0"]
+        else:  # far ahead, and clearing the index: poisoned the sequence once
+            seq = (1 << 62) + self.rng.randrange(1 << 20)
+            frames = [topic, seq.to_bytes(8, "big"),
+                      msgspec.msgpack.encode([0.0, [{"type": "AllBlocksCleared"}], 0])]
         self.sock.send_multipart(frames)
         self.sent += 1
 
@@ -209,6 +219,31 @@ def gateway_metrics(url: str) -> dict[str, float]:
 
 def summed(metrics: dict[str, float], prefix: str) -> float:
     return sum(v for k, v in metrics.items() if k.startswith(prefix))
+
+
+def verify_exact(url: str, traffic: Traffic, count: int = 40) -> list[tuple[int, int]]:
+    """(predicted, realized) cached tokens of ``count`` requests sent one at a time (each
+    after the previous one's KV events have had time to arrive) on the hot documents."""
+    preamble = list(range(100, 100 + traffic.preamble_tokens))
+    pairs = []
+    question = 90_000_000
+    with httpx.Client(timeout=30) as client:
+        for i in range(count):
+            doc = i % traffic.hot_docs
+            body_ids = range(1_000_000 + doc * traffic.document_tokens,
+                             1_000_000 + (doc + 1) * traffic.document_tokens)
+            tokens = pack([*preamble, *body_ids, *range(question, question + 8)])
+            question += 8
+            response = client.post(url + "/v1/completions", headers={
+                "authorization": f"Bearer sk-t{i % traffic.tenants}"}, json={
+                "model": MODEL, "prompt": tokens_text(tokens), "max_tokens": 1})
+            if response.status_code != 200:
+                pairs.append((-1, -1))
+                continue
+            pairs.append((int(response.headers["x-kvreuse-predicted-cached-tokens"]),
+                          response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]))
+            time.sleep(0.1)
+    return pairs
 
 
 # ---------------------------------------------------------------------------- the run
@@ -297,14 +332,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                                on_tick=tick))
         wall = time.perf_counter() - started
         sample()
-        final = gateway_metrics(gateway.url)
         cpu = {"gateway": cpu_seconds(gateway.pid),
                "engines": sum(cpu_seconds(p.pid) for p in fleet.processes
                               if p.name.startswith("engine") and p.alive()),
                "client": resource.getrusage(resource.RUSAGE_SELF).ru_utime
                + resource.getrusage(resource.RUSAGE_SELF).ru_stime}
+        exact_pairs = verify_exact(gateway.url, traffic)
+        final = gateway_metrics(gateway.url)
         rogue.close()
         gateway_alive = gateway.alive()
+    exact_misses = [pair for pair in exact_pairs if pair[0] != pair[1]]
     rss = samples["rss"]
     # After the first fifth of the run: pools, caches and the index have filled by then.
     warm_rss = rss[max(len(rss) // 5, 1) - 1] if rss else 0.0
@@ -325,6 +362,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "kv_events_dropped": summed(final, "kvreuse_gateway_kv_events_dropped_total"),
         "retries": summed(final, "kvreuse_gateway_retries_total"),
         "rogue_frames_sent": rogue.sent, "gateway_alive": gateway_alive,
+        "kv_events_dropped_by_reason": {k: v for k, v in final.items()
+                                        if k.startswith("kvreuse_gateway_kv_events_dropped")},
+        "exact_pairs_after": exact_pairs,
         "cpu_seconds": cpu,
         "gateway_rss_mb_every_5s": [round(v / 2**20, 1) for v in rss],
         "errors": tally.errors, "cross_tenant_examples": tally.leaks,
@@ -340,6 +380,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("index size within its limit", index_max <= limit_blocks,
          f"max {index_max:.0f} blocks per upstream, limit {limit_blocks}"),
         ("gateway survived", gateway_alive, ""),
+        ("exact predictions after the rogue frames",
+         not exact_misses and any(real > 0 for _, real in exact_pairs),
+         f"{len(exact_pairs) - len(exact_misses)} of {len(exact_pairs)} predicted exactly"
+         + (f"; misses (predicted, realized): {exact_misses[:8]}" if exact_misses else "")),
         (f"rate held ({args.rate:.0f} req/s asked)", tally.sent / seconds >= 0.95 * args.rate,
          f"{tally.sent / seconds:.0f} req/s sent over {seconds:.0f} s; the last answer came "
          f"{wall - seconds:.1f} s after the last request was due"),
@@ -352,6 +396,9 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{figures['ttft_p99_ms']:.1f} ms; KV events received "
           f"{figures['kv_events_received']:.0f}, dropped {figures['kv_events_dropped']:.0f}; "
           f"retries {figures['retries']:.0f}; rogue frames {rogue.sent}")
+    print("# KV events dropped by reason: " + ", ".join(
+        f"{k[k.index('{'):]} {v:.0f}"
+        for k, v in sorted(figures["kv_events_dropped_by_reason"].items()) if v))  # type: ignore[attr-defined]
     step = max(len(rss) // 12, 1)
     print(f"# gateway RSS MiB, every ~{5 * step} s: "
           + " ".join(f"{v / 2**20:.0f}" for v in rss[::step]))

@@ -13,7 +13,7 @@ from tokenizers import Tokenizer
 from kvreuse.errors import InputFormatError
 from kvreuse.gateway.prompts import HFPromptTokenizer, TextApproximation, approximate_tokens
 from kvreuse.testing.tiny_tokenizer import corpus_words
-from kvreuse.tokens import num_tokens, unpack
+from kvreuse.tokens import num_tokens, pack, unpack
 
 WORDS = corpus_words()
 
@@ -151,3 +151,14 @@ def test_memo_turns_itself_off_when_pieces_would_differ(tmp_path: Path) -> None:
     text = "hello<|im_end|> world"
     assert not metaspace.memoized
     assert unpack(metaspace.completion(text)) == tok.encode(text).ids
+
+
+def test_memo_is_bounded_in_bytes(tokenizer_dir: Path) -> None:
+    """Unique long prompts cannot grow the memo past its byte budget; encoding stays exact."""
+    hf = HFPromptTokenizer(tokenizer_dir, memo_bytes=200_000)
+    for i in range(200):
+        text = f"document {i} " + "lorem ipsum dolor sit amet " * 40
+        assert hf.encode(text) == pack(hf._backend.encode(text, add_special_tokens=False).ids)
+        assert hf._memo_size <= 200_000
+    assert sum(len(p) + len(ids) for p, ids in hf._memo.items()) == hf._memo_size
+    assert len(hf._memo) < 200

@@ -271,3 +271,59 @@ def test_missed_batches_are_replayed_from_vllm(gateway_for: StartGateway,
     assert subscriber.stats.cold_resets == 0
     third = post(gateway, "/v1/completions", {"prompt": longer + " end", "max_tokens": 2})
     assert predicted(third) == cached(third) >= 128
+
+
+def test_stale_index_is_noticed_and_rebuilt_on_real_vllm(gateway_for: StartGateway,
+                                                         replicas: list[Replica]) -> None:
+    """vLLM's cache is cleared while its KV events are lost on the way to the gateway's index
+    (the sequence stays whole, so no gap shows): predictions exceed what vLLM reports, the
+    index turns suspect, is rebuilt from vLLM's replay socket, and exact mode comes back with
+    predictions equal to vLLM's cached tokens."""
+    from kvreuse.index.events import AllBlocksCleared
+
+    target = replicas[0]
+    gateway = gateway_for([target])
+    router = gateway.gateway.router
+    subscriber = gateway.gateway.subscribers[0]
+    prompts = [text(120) for _ in range(5)]
+    for prompt in prompts:
+        post(gateway, "/v1/completions", {"prompt": prompt, "max_tokens": 2})
+    deliver = subscriber._on_batch
+    lost: list[Any] = []
+    subscriber._on_batch = lost.append  # lost between the socket and the index
+    assert httpx.post(target.url + "/reset_prefix_cache").status_code == 200
+    # vLLM publishes AllBlocksCleared with its next engine step: make one.
+    httpx.post(target.url + "/v1/completions",
+               json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": 1}, timeout=60)
+    gateway.events_settled()
+    subscriber._on_batch = deliver
+    assert any(isinstance(e, AllBlocksCleared) for batch in lost for e in batch.events)
+
+    stale = []
+    for prompt in prompts[:3]:
+        response = post(gateway, "/v1/completions", {"prompt": prompt + " again",
+                                                     "max_tokens": 2})
+        stale.append((router.health[target.name].suspect, cached(response)))
+    assert [s for s, _ in stale] == [False, False, True] and all(c == 0 for _, c in stale)
+    deadline = time.monotonic() + 15
+    while subscriber.stats.resyncs < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert subscriber.stats.resyncs == 1 and subscriber.stats.replayed_batches > 0
+    gateway.events_settled()
+    time.sleep(1.0)  # the index stays suspect at least min_suspect_s
+    checked = []
+    for prompt in prompts:
+        response = post(gateway, "/v1/completions", {"prompt": prompt + " again",
+                                                     "max_tokens": 2})
+        checked.append((int(response.headers["x-kvreuse-predicted-cached-tokens"]),
+                        cached(response)))
+    assert not router.health[target.name].suspect, checked
+    final = []
+    for prompt in prompts:
+        response = post(gateway, "/v1/completions", {"prompt": prompt + " again, once more",
+                                                     "max_tokens": 2})
+        final.append((predicted(response), cached(response)))
+    assert all(p == c > 0 for p, c in final), final
+    metrics = httpx.get(gateway.url + "/metrics").text
+    assert f'kvreuse_gateway_index_suspect{{upstream="{target.name}"}} 0.0' in metrics
+    assert f'kvreuse_gateway_index_state_changes_total{{upstream="{target.name}"}} 2.0' in metrics

@@ -146,7 +146,8 @@ class TextApproximation:
 class HFPromptTokenizer:
     """A Hugging Face tokenizer directory; see the module docstring."""
 
-    def __init__(self, directory: str | Path, *, memo_entries: int = 65_536) -> None:
+    def __init__(self, directory: str | Path, *, memo_entries: int = 65_536,
+                 memo_bytes: int = 64 * 1024 * 1024) -> None:
         from tokenizers import Tokenizer
 
         from kvreuse.tokenizers import load_tokenizer
@@ -177,6 +178,9 @@ class HFPromptTokenizer:
         self._suffix = pack(with_specials[at + len(plain) :])
         self._memo: OrderedDict[str, bytes] = OrderedDict()
         self._memo_entries = memo_entries
+        # Entries alone do not bound memory: 65,536 pieces of 4,000-token prompts are ~2 GB.
+        self._memo_bytes = memo_bytes
+        self._memo_size = 0  # characters + packed id bytes held
         self.memo_hits = 0
         self.memo_misses = 0
         if self._pattern is not None and splitters and not self._pieces_agree(splitters):
@@ -192,6 +196,7 @@ class HFPromptTokenizer:
         whole = self._backend.encode(probe, add_special_tokens=False).ids
         ok = pack(whole) == self.encode(probe)
         self._memo.clear()
+        self._memo_size = 0
         self.memo_hits = self.memo_misses = 0
         return ok
 
@@ -210,9 +215,9 @@ class HFPromptTokenizer:
             start = match.end()
         if start < len(text):
             pieces.append(self._piece(text[start:]))
-        if len(memo) > self._memo_entries:
-            for _ in range(len(memo) - self._memo_entries):
-                memo.popitem(last=False)
+        while memo and (len(memo) > self._memo_entries or self._memo_size > self._memo_bytes):
+            piece, ids = memo.popitem(last=False)
+            self._memo_size -= len(piece) + len(ids)
         return TokenBuffer(b"".join(pieces))
 
     def _piece(self, piece: str) -> bytes:
@@ -223,7 +228,9 @@ class HFPromptTokenizer:
             return found
         self.memo_misses += 1
         ids = pack(self._backend.encode(piece, add_special_tokens=False).ids)
-        self._memo[piece] = ids
+        if len(piece) + len(ids) <= self._memo_bytes // 16:  # a giant piece would evict all
+            self._memo[piece] = ids
+            self._memo_size += len(piece) + len(ids)
         return ids
 
     def completion(self, prompt: str) -> TokenBuffer:
