@@ -221,9 +221,9 @@ def summed(metrics: dict[str, float], prefix: str) -> float:
     return sum(v for k, v in metrics.items() if k.startswith(prefix))
 
 
-def verify_exact(url: str, traffic: Traffic, count: int = 40) -> list[tuple[int, int]]:
-    """(predicted, realized) cached tokens of ``count`` requests sent one at a time (each
-    after the previous one's KV events have had time to arrive) on the hot documents."""
+def verify_exact(url: str, traffic: Traffic, count: int = 40) -> list[tuple[int, int, str]]:
+    """(predicted, realized, upstream) cached tokens of ``count`` requests sent one at a time
+    (each after the previous one's KV events have had time to arrive) on the hot documents."""
     preamble = list(range(100, 100 + traffic.preamble_tokens))
     pairs = []
     question = 90_000_000
@@ -238,10 +238,11 @@ def verify_exact(url: str, traffic: Traffic, count: int = 40) -> list[tuple[int,
                 "authorization": f"Bearer sk-t{i % traffic.tenants}"}, json={
                 "model": MODEL, "prompt": tokens_text(tokens), "max_tokens": 1})
             if response.status_code != 200:
-                pairs.append((-1, -1))
+                pairs.append((-1, -1, f"HTTP {response.status_code}"))
                 continue
             pairs.append((int(response.headers["x-kvreuse-predicted-cached-tokens"]),
-                          response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]))
+                          response.json()["usage"]["prompt_tokens_details"]["cached_tokens"],
+                          response.headers["x-kvreuse-upstream"]))
             time.sleep(0.1)
     return pairs
 
@@ -381,9 +382,10 @@ def main(argv: Sequence[str] | None = None) -> int:
          f"max {index_max:.0f} blocks per upstream, limit {limit_blocks}"),
         ("gateway survived", gateway_alive, ""),
         ("exact predictions after the rogue frames",
-         not exact_misses and any(real > 0 for _, real in exact_pairs),
+         not exact_misses and any(real > 0 for _, real, _ in exact_pairs),
          f"{len(exact_pairs) - len(exact_misses)} of {len(exact_pairs)} predicted exactly"
-         + (f"; misses (predicted, realized): {exact_misses[:8]}" if exact_misses else "")),
+         + (f"; misses (predicted, realized, upstream): {exact_misses[:8]}"
+            if exact_misses else "")),
         (f"rate held ({args.rate:.0f} req/s asked)", tally.sent / seconds >= 0.95 * args.rate,
          f"{tally.sent / seconds:.0f} req/s sent over {seconds:.0f} s; the last answer came "
          f"{wall - seconds:.1f} s after the last request was due"),

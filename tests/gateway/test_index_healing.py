@@ -112,3 +112,29 @@ def test_cache_aware_index_gauge_counts_its_trees(gateway_factory: Factory) -> N
             assert trees.tree_tokens("e0") <= 512
     finally:
         engine.server.stop()
+
+
+def test_answers_predicted_by_a_forgotten_index_do_not_count() -> None:
+    """Requests predicted before the index was made cold (an engine restart with requests in
+    flight) say nothing about the index now: they cannot make it suspect."""
+    from kvreuse.gateway.config import UpstreamConfig
+    from kvreuse.gateway.prompts import TextApproximation
+    from kvreuse.gateway.router import Candidate, Router
+    from kvreuse.gateway.upstreams import UpstreamState
+    from kvreuse.routing import build_policy
+
+    def router() -> Router:
+        upstream = UpstreamState(UpstreamConfig("http://127.0.0.1:9", name="u0",
+                                                events="tcp://127.0.0.1:9"),
+                                 eject_after=3, readmit_after=2)
+        return Router(build_policy("exact", block_size=4), [upstream], TextApproximation())
+
+    restarted, steady = router(), router()
+    for r in (restarted, steady):
+        stale = Candidate(r.upstreams["u0"], "test", 400, 400, r.epochs["u0"])
+        if r is restarted:
+            r.mark_cold("u0", "publisher restarted")
+        for _ in range(5):
+            r.realized(stale, 420, 0)
+    assert not restarted.health["u0"].suspect and restarted.health["u0"].predicted_tokens == 0
+    assert steady.health["u0"].suspect and steady.suspects() == ["u0"]

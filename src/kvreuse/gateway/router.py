@@ -74,6 +74,7 @@ class Candidate:
     branch: str
     predicted_cached_tokens: int
     index_predicted: int | None = None  # the KV-event index's own match, checked on answer
+    index_epoch: int = 0  # which life of the index predicted it (mark_cold starts a new one)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,15 +113,21 @@ class Router:
         # its events were silent (cleared by the next batch). /ready reports these.
         self.silent_since: dict[str, float] = {}
         self.budgets: dict[str, int] = {}
+        # Bumped by mark_cold: an answer predicted by an index since forgotten says nothing
+        # about the index now (a restarted engine's requests in flight, for one).
+        self.epochs = dict.fromkeys(self.indexes, 0)
         self.events_silence_s = 30.0
         self.started_at = clock()
         # Called with an upstream's name when its index turns suspect (the gateway asks that
         # upstream's subscriber to rebuild it from the replay socket).
         self.on_suspect: Callable[[str], None] = lambda name: None
-        if isinstance(policy, CacheAware) and policy.mirror is not None:
+        inner = getattr(policy, "inner", policy)  # TenantPinned wraps one
+        self._healable = (inner if isinstance(inner, CacheAware) and inner.mirror is not None
+                         else None)
+        if self._healable is not None:
             # What a suspect upstream is routed on: the prompts sent to it (bounded per
             # upstream by set_budget, like every index here).
-            policy.fallback = ApproxTrees()
+            self._healable.fallback = ApproxTrees()
         if policy.name == "exact" and not self.indexes:
             raise ConfigError(
                 "--policy exact routes on KV events: give at least one upstream an events "
@@ -258,7 +265,7 @@ class Router:
         ranked.sort(key=lambda entry: entry[:3])
         for negated, _, name, upstream in ranked[: limit - 1]:
             yield Candidate(upstream, "retry", -negated,
-                            -negated if name in self.indexes else None)
+                            -negated if name in self.indexes else None, self.epochs.get(name, 0))
 
     def _index_match(self, request: RequestView, name: str) -> int:
         index = self.indexes.get(name)
@@ -275,9 +282,11 @@ class Router:
         if index is None:
             return Candidate(upstream, decision.branch, decision.predicted_cached_tokens)
         exact = index.match(request.tokens, self._without_model(request.identity))
+        epoch = self.epochs[decision.replica]
         if self.health[decision.replica].suspect:
-            return Candidate(upstream, decision.branch, decision.predicted_cached_tokens, exact)
-        return Candidate(upstream, decision.branch, exact, exact)
+            return Candidate(upstream, decision.branch, decision.predicted_cached_tokens, exact,
+                             epoch)
+        return Candidate(upstream, decision.branch, exact, exact, epoch)
 
     def realized(self, candidate: Candidate, prompt_tokens: int, cached_tokens: int) -> None:
         """Called when an answer reports its cached tokens: checks the index's prediction
@@ -287,7 +296,9 @@ class Router:
         if health is None or candidate.index_predicted is None:
             return
         now = self.clock()
-        change = health.observe(candidate.index_predicted, max(cached_tokens, 0), now)
+        change = None
+        if candidate.index_epoch == self.epochs[name]:
+            change = health.observe(candidate.index_predicted, max(cached_tokens, 0), now)
         if change is not None:
             self._suspects_changed()
             if change == SUSPECT:
@@ -327,8 +338,8 @@ class Router:
         return [name for name, health in self.health.items() if health.suspect]
 
     def _suspects_changed(self) -> None:
-        if isinstance(self.policy, CacheAware):
-            self.policy.suspects = frozenset(self.suspects())
+        if self._healable is not None:
+            self._healable.suspects = frozenset(self.suspects())
 
     def _without_model(self, identity: CacheIdentity) -> CacheIdentity:
         """The namespace of an event index (which names no model, see the module docstring)."""
@@ -398,6 +409,7 @@ class Router:
     def mark_cold(self, upstream: str, reason: str) -> None:
         """Forget what ``upstream`` holds: its events can no longer be trusted to be complete."""
         self.indexes[upstream].reset()
+        self.epochs[upstream] += 1
         self.policy.on_kv_event(KvCleared(upstream, self.clock()))
 
     def budget_of(self, upstream: str) -> int | None:
