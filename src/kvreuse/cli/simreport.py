@@ -60,7 +60,7 @@ def _per_policy(plt: Any, rows: Sequence[ScenarioRun]) -> str:
     return _png(fig)
 
 
-def _load(plt: Any, rows: Sequence[ScenarioRun]) -> str:
+def _load(plt: Any, rows: Sequence[ScenarioRun]) -> Any:
     """Grouped bars: one group per replica, one bar per run, the tick under each group's
     middle and the legend outside the plot, so no bar hides under it."""
     fig, ax = plt.subplots(figsize=(12, 4.5))
@@ -78,7 +78,7 @@ def _load(plt: Any, rows: Sequence[ScenarioRun]) -> str:
     ax.set_ylabel("prefill GPU-seconds (measured requests)")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     ax.set_title("load per replica")
-    return _png(fig)
+    return fig
 
 
 def _over_time(plt: Any, rows: Sequence[ScenarioRun]) -> str:
@@ -94,7 +94,7 @@ def _over_time(plt: Any, rows: Sequence[ScenarioRun]) -> str:
     return _png(fig)
 
 
-def _bands(plt: Any, rows: Sequence[ScenarioRun]) -> str:
+def _bands(plt: Any, rows: Sequence[ScenarioRun]) -> Any:
     """Bands are categories, not a scale: grouped bars per band, no line drawn between them."""
     fig, ax = plt.subplots(figsize=(12, 4.5))
     per_row = [ttft_by_band(row.run) for row in rows]
@@ -111,7 +111,7 @@ def _bands(plt: Any, rows: Sequence[ScenarioRun]) -> str:
     ax.set_ylabel("p95 TTFT (s)")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     ax.set_title("p95 TTFT by prompt-length band")
-    return _png(fig)
+    return fig
 
 
 def _sweep(plt: Any, rows: Sequence[ScenarioRun]) -> str:
@@ -211,9 +211,9 @@ def write_report(
     drawn = list(plotted) if plotted else list(rows)
     images = [
         ("Hit rate and p95 TTFT per policy", _per_policy(plt, drawn)),
-        ("Load per replica", _load(plt, drawn)),
+        ("Load per replica", _png(_load(plt, drawn))),
         ("Hit rate over time", _over_time(plt, drawn)),
-        ("TTFT by prompt-length band", _bands(plt, drawn)),
+        ("TTFT by prompt-length band", _png(_bands(plt, drawn))),
     ]
     if sweep:
         images.append(("Spill-threshold sweep", _sweep(plt, sweep)))
