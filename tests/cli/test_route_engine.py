@@ -32,6 +32,25 @@ def test_route_flags_build_the_gateway_config(tmp_path: Path) -> None:
     assert config.policy_options == {"block_size": 32, "balance": "sglang"}
 
 
+def test_route_kv_event_and_budget_flags_land_in_the_config() -> None:
+    """The frame cap, the sequence window and the budget factor; capacity_tokens per upstream;
+    nonsense values refused."""
+    args = build_parser().parse_args([
+        "route", "--upstream", "http://127.0.0.1:8001,events=tcp://127.0.0.1:5557,"
+        "capacity_tokens=65536", "--kv-events-max-frame-bytes", "1048576",
+        "--kv-events-seq-window", "500", "--index-budget-factor", "1.5",
+    ])
+    config = build_config(args)
+    assert config.kv_events_max_frame_bytes == 1 << 20 and config.kv_events_seq_window == 500
+    assert config.index_budget_factor == 1.5 and config.upstreams[0].capacity_tokens == 65536
+    with pytest.raises(ConfigError, match="kv_events_seq_window"):
+        build_config(build_parser().parse_args([
+            "route", "--upstream", "http://127.0.0.1:8001", "--kv-events-seq-window", "0"]))
+    with pytest.raises(ConfigError, match="capacity_tokens"):
+        build_config(build_parser().parse_args([
+            "route", "--upstream", "http://127.0.0.1:8001,capacity_tokens=lots"]))
+
+
 def test_route_without_upstreams_is_a_config_error() -> None:
     """No upstream at all is refused with a message saying how to give one."""
     with pytest.raises(ConfigError, match="--upstream"):

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+
+import pytest
 
 from kvreuse.engine.publisher import EventPublisher
 from kvreuse.gateway.kv_events import EventBatch, encode_payload
@@ -135,7 +138,7 @@ def test_malformed_batch_is_counted_not_raised() -> None:
 def test_a_failing_consumer_does_not_stop_the_stream() -> None:
     """An exception while applying a batch is reported and the next batch still arrives."""
 
-    async def scenario() -> tuple[int, str]:
+    async def scenario() -> tuple[int, str, dict[str, int]]:
         async with Harness(replay=False) as h:
             delivered: list[int] = []
 
@@ -151,10 +154,10 @@ def test_a_failing_consumer_does_not_stop_the_stream() -> None:
                 if len(delivered) == 2:
                     break
                 await asyncio.sleep(0.01)
-            return len(delivered), h.subscriber.stats.last_error
+            return len(delivered), h.subscriber.stats.last_error, h.subscriber.stats.dropped
 
-    count, error = asyncio.run(scenario())
-    assert count == 2 and "policy bug" in error
+    count, error, dropped = asyncio.run(scenario())
+    assert count == 2 and "policy bug" in error and dropped == {"apply_error": 1}
 
 
 def test_tracker_drops_a_far_ahead_number_without_adopting_it() -> None:
@@ -233,3 +236,22 @@ def test_resync_forgets_and_refolds_the_replay_buffer() -> None:
     seqs, cold, resyncs, last = asyncio.run(scenario())
     assert resyncs == 1 and len(cold) == 1 and "suspect" in cold[0]
     assert seqs[-1] == last and seqs[:-1] == sorted(seqs[:-1])
+
+
+def test_a_flood_of_bad_frames_is_counted_each_and_logged_a_few_times(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """1,000 undecodable frames: 1,000 counted, a handful of log lines, the stream goes on."""
+
+    async def scenario() -> tuple[dict[str, int], int]:
+        async with Harness(replay=False) as h:
+            for _ in range(1000):
+                await h.subscriber.handle([b"kv", b"\0" * 8, b"\xc1"])
+            await h.publisher.publish([removed(1)], ts=1.0)
+            await h.until(1)
+            return h.subscriber.stats.dropped, len(h.batches)
+
+    with caplog.at_level(logging.WARNING, logger="kvreuse.gateway.events"):
+        dropped, delivered = asyncio.run(scenario())
+    lines = [r for r in caplog.records if r.name == "kvreuse.gateway.events"]
+    assert dropped == {"not_msgpack": 1000} and delivered == 1
+    assert 1 <= len(lines) <= 10

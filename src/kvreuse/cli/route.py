@@ -75,6 +75,15 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--metrics-interval", type=float,
                         help="seconds between /metrics scrapes (0: off)")
     parser.add_argument("--max-body-bytes", type=int)
+    parser.add_argument("--index-budget-factor", type=float, metavar="F",
+                        help="bound every index kept per upstream to its KV capacity (vLLM's "
+                        "vllm:cache_config_info, else capacity_tokens=) times F (default 2)")
+    parser.add_argument("--kv-events-max-frame-bytes", type=int, metavar="N",
+                        help="KV-event frames above N bytes are refused by the socket "
+                        "(default 16 MiB)")
+    parser.add_argument("--kv-events-seq-window", type=int, metavar="N",
+                        help="a KV-event batch more than N ahead of the stream is dropped, "
+                        "never adopted (default 100000)")
     parser.add_argument("--upstream-api-key", help="Bearer key the upstreams expect")
     parser.add_argument("--seed", type=int, help="seed of randomized policies")
     parser.add_argument(
@@ -138,6 +147,9 @@ def build_config(args: argparse.Namespace) -> Any:
         readmit_after=args.readmit_after,
         metrics_interval_s=args.metrics_interval,
         max_body_bytes=args.max_body_bytes,
+        index_budget_factor=args.index_budget_factor,
+        kv_events_max_frame_bytes=args.kv_events_max_frame_bytes,
+        kv_events_seq_window=args.kv_events_seq_window,
         upstream_api_key=args.upstream_api_key,
         seed=args.seed,
         access_log=args.access_log,
