@@ -29,7 +29,8 @@ def test_another_seed_gives_other_traffic() -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["six-turn", "belgavi", "mission-1", "mission-2", "mission-3", "contract-library"]
+    "name", ["six-turn", "belgavi", "mission-1", "mission-2", "mission-3", "contract-library",
+             "multi-model"]
 )
 def test_scenario_lands_in_its_stated_ranges(name: str) -> None:
     """Every expectation of the scenario holds on a full-length run of seed 0."""

@@ -61,16 +61,27 @@ class ReplicaConfig:
 
 @dataclass(frozen=True, slots=True)
 class FleetConfig:
-    """How many replicas, each configured alike, and the router's information delays."""
+    """How many replicas, each configured alike, and the router's information delays.
+
+    ``models``: per replica, the model names it serves (a request, by its identity's
+    ``model``, may only go to a replica serving it: the router sees just those); ``None``:
+    every replica serves every model."""
 
     replicas: int = 3
     replica: ReplicaConfig = field(default_factory=ReplicaConfig)
     load_lag_s: float = 0.0
     kv_event_lag_s: float | None = None
+    models: tuple[tuple[str, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ConfigError(f"replicas must be >= 1, got {self.replicas}")
+        if self.models is not None:
+            if len(self.models) != self.replicas:
+                raise ConfigError(f"models lists {len(self.models)} replicas' models for "
+                                  f"{self.replicas} replicas; give one tuple per replica")
+            if not all(self.models):
+                raise ConfigError("every replica must serve at least one model")
         if self.load_lag_s < 0:
             raise ConfigError(f"load_lag_s must be >= 0, got {self.load_lag_s}")
         if self.kv_event_lag_s is not None and self.kv_event_lag_s < 0:

@@ -11,6 +11,10 @@ source of truth). With a lag of 0 they are handed over as they happen, without a
 event heap: a router reads its state only when routing an arrival, and arrivals run after every
 other event due at the same instant, so the delivery order cannot be told apart.
 
+Models: with ``FleetConfig.models`` each replica serves some models, and a request's view holds
+only the replicas serving its model (as the gateway's does), so every policy routes on that
+candidate subset; a policy choosing outside it breaks an invariant (an assertion).
+
 Seeded and deterministic: the workload carries all randomness, policies get a seeded rng, and the
 engine's tie rule (see :mod:`kvreuse.sim.engine`) fixes the order of simultaneous events.
 """
@@ -63,6 +67,14 @@ class FleetSimulator:
             for i in range(config.replicas)
         ]
         self._by_id = {r.replica_id: r for r in self.replicas}
+        # Model -> the replicas serving it (None: all serve everything, the common case).
+        self._serving: dict[str, frozenset[str]] | None = None
+        if config.models is not None:
+            serving: dict[str, set[str]] = {}
+            for replica, names in zip(self.replicas, config.models, strict=True):
+                for name in names:
+                    serving.setdefault(name, set()).add(replica.replica_id)
+            self._serving = {name: frozenset(ids) for name, ids in serving.items()}
         self._records: list[RequestRecord] = []
         self._snapshot: FleetView | None = None
         self._load_lag = config.load_lag_s
@@ -140,11 +152,23 @@ class FleetSimulator:
         now = self.engine.now
         request = self._requests[index]
         view = request.view
-        decision = self.policy.route(view, self.fleet_view(now))
+        fleet = self.fleet_view(now)
+        serving = self._serving
+        allowed: frozenset[str] | None = None
+        if serving is not None:
+            allowed = serving.get(view.identity.model)
+            if allowed is None:
+                raise ConfigError(f"no replica serves the model {view.identity.model!r} of "
+                                  f"request {request.request_id}; serving: {sorted(serving)}")
+            fleet = fleet.restrict(allowed)
+        decision = self.policy.route(view, fleet)
         if decision is None:
             raise ConfigError("the policy found no eligible replica; check tenant pins")
         replica = self._by_id.get(decision.replica)
         assert replica is not None, f"policy chose unknown replica {decision.replica!r}"
+        assert allowed is None or decision.replica in allowed, (
+            f"{self.policy.name} sent a {view.identity.model!r} request to "
+            f"{decision.replica}, which does not serve it")
         self.policy.on_routed(view, decision, now)
         job = Job(request, decision.branch, decision.predicted_cached_tokens)
         replica.enqueue(job, now)

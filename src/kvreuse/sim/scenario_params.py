@@ -295,3 +295,67 @@ LONG_CONTEXT_EXPECTATIONS = (
     Expectation("relative_spill", 4, "token_hit_rate", 0.6, 1.0,
                 "ours: a bound relative to the request's prefill time keeps documents in place"),
 )
+
+# ---------------------------------------------------------------------------- multi-model
+
+MULTI_MODEL_WORKLOADS = (
+    replace(BELGAVI, tenants=(Tenant("chat-a", 20.0),), model="model-a"),
+    replace(BELGAVI, tenants=(Tenant("chat-b", 10.0),), model="model-b"),
+)
+"""Belgavi's support chat split over two models; both workloads draw their system prompts
+from fresh token spaces, so the two models' prompts have the same token ids (one product
+prompt sent to two models): only the cache identity keeps them apart."""
+
+MULTI_MODEL_REPLICAS = 4
+
+
+def multi_model_serving(replicas: int) -> tuple[tuple[str, ...], ...]:
+    """Which models each replica serves: model-a on the first three quarters (rounded up, but
+    never all of three or more), model-b on the second half; the sets overlap (r2 of 4 serves
+    both)."""
+    a_until = -(-3 * replicas // 4)
+    if replicas >= 3:
+        a_until = min(a_until, replicas - 1)
+    b_from = replicas // 2
+    return tuple(
+        tuple(name for name, on in (("model-a", i < a_until), ("model-b", i >= b_from)) if on)
+        for i in range(replicas)
+    )
+
+
+MULTI_MODEL_PARAMS = (
+    Param("models", "model-a 20 req/s, model-b 10 req/s", "ours: belgavi's 30 req/s split "
+          "2:1 over two models"),
+    Param("system_prompts", "6 per model, the same token ids for both models", "ours: one "
+          "product's prompts sent to two models; only the model in the cache identity keeps "
+          "their caches apart"),
+    Param("replicas", "4: model-a on r0-r2, model-b on r2-r3", "ours: partly overlapping "
+          "replica sets, so every policy routes on a candidate subset and r2 holds both "
+          "models' caches in one pool"),
+    Param("pool_tokens", BELGAVI_POOL, "belgavi's replicas (seed 001's 1 GB radix cache)"),
+)
+
+MULTI_MODEL_POLICIES = ("round_robin", "random", "least_load", "session_affinity",
+                        "prefix_hash", "cache_aware", "exact", "cost")
+MULTI_MODEL_RUNS = tuple(RunSpec(p, MULTI_MODEL_REPLICAS) for p in MULTI_MODEL_POLICIES)
+
+MULTI_MODEL_EXPECTATIONS = (
+    Expectation("round_robin", 4, "max_over_mean_load", 1.4, 2.5,
+                "ours: rotating within each model's replicas sends r2 a third of model-a's "
+                "20 req/s plus half of model-b's 10 (11.7 req/s against a fleet mean of 7.5: "
+                "1.56 by requests, more by prefill time), blind to the other model's load"),
+    Expectation("round_robin", 4, "ttft_p95_s", 5.0, math.inf,
+                "ours: at ~0.14 s of prefill each, 11.7 req/s is more than r2 can prefill, "
+                "so its queue grows for the whole run"),
+    Expectation("least_load", 4, "max_over_mean_load", 1.0, 1.2,
+                "ours: a load-aware choice within each subset shifts model-a traffic off the "
+                "shared replica and balances the fleet"),
+    Expectation("cache_aware", 4, "token_hit_rate", 0.55, 0.72,
+                "ours: each model's chats on its own replicas, as belgavi's cache-aware on 3 "
+                "('about two thirds of prompt tokens hit'), a little lower for model-b's six "
+                "prompts on two replicas"),
+    Expectation("exact", 4, "token_hit_rate", 0.55, 0.75,
+                "ours: as cache_aware, on the replicas' true contents"),
+    Expectation("exact", 4, "ttft_p95_s", 0.0, 0.6,
+                "ours: no replica overloaded once routing is load- and cache-aware"),
+)

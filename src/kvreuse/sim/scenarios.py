@@ -55,6 +55,10 @@ from kvreuse.sim.scenario_params import (
     MISSION_3_RUNS,
     MISSION_4_PARAMS,
     MISSION_4_RUNS,
+    MULTI_MODEL_EXPECTATIONS,
+    MULTI_MODEL_PARAMS,
+    MULTI_MODEL_RUNS,
+    MULTI_MODEL_WORKLOADS,
     SIX_TURN_ANSWER_TOKENS,
     SIX_TURN_BLOCK_SIZE,
     SIX_TURN_EXPECTATIONS,
@@ -67,8 +71,9 @@ from kvreuse.sim.scenario_params import (
     SIX_TURN_USER_TOKENS,
     SPILLS,
     SURGE,
+    multi_model_serving,
 )
-from kvreuse.sim.workloads import ChatWorkload, TokenSpace
+from kvreuse.sim.workloads import ChatWorkload, TokenSpace, merge_workloads
 from kvreuse.tokens import TOKEN_BYTES, TokenBuffer
 
 __all__ = [
@@ -282,6 +287,32 @@ MISSION_4 = _mission(
     sweep_option="spill_threshold_s",
 )
 
+# ---------------------------------------------------------------------------- multi-model
+
+
+def _multi_model_requests(seed: int, variant: str, scale: float) -> list[SimRequest]:
+    """Each model's chat traffic (its own arrivals: seeds ``seed`` and ``seed + 1``), merged."""
+    build = [chat_requests(workload) for workload in MULTI_MODEL_WORKLOADS]
+    return merge_workloads([make(seed + i, variant, scale) for i, make in enumerate(build)])
+
+
+def multi_model_fleet(replicas: int, variant: str) -> FleetConfig:
+    """Belgavi's replicas, each serving the models :func:`multi_model_serving` gives it."""
+    return replace(belgavi_fleet(replicas, variant), models=multi_model_serving(replicas))
+
+
+MULTI_MODEL = Scenario(
+    name="multi-model",
+    summary="two models on partly overlapping replicas (model-a on 3 of 4, model-b on 2): "
+    "every policy routes among the replicas serving the request's model",
+    params=MULTI_MODEL_PARAMS,
+    runs=MULTI_MODEL_RUNS,
+    requests=_multi_model_requests,
+    fleet=multi_model_fleet,
+    policy_options=CACHE_TREE_OPTIONS,
+    expectations=MULTI_MODEL_EXPECTATIONS,
+)
+
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in (
@@ -293,6 +324,7 @@ SCENARIOS: dict[str, Scenario] = {
         MISSION_3,
         MISSION_4,
         LONG_CONTEXT_SCENARIO,
+        MULTI_MODEL,
     )
 }
 

@@ -282,3 +282,13 @@ def _number(pending: list[tuple[float, int, SimRequest]]) -> list[SimRequest]:
             )
         )
     return out
+
+
+def merge_workloads(parts: Sequence[Sequence[SimRequest]]) -> list[SimRequest]:
+    """Several generated workloads as one: by arrival (ties: earlier part first, then each
+    part's own order), renumbered 0..n-1. Token ids are kept as generated, so parts from
+    separate :class:`TokenSpace` s share ids exactly where their generators did (under
+    different identities they still share no cache). O(n log n)."""
+    pending = [(request.arrival_s, position, request)
+               for position, request in enumerate(r for part in parts for r in part)]
+    return _number(pending)
