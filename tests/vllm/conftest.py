@@ -21,7 +21,7 @@ from kvreuse.gateway.config import GatewayConfig, UpstreamConfig
 from kvreuse.gateway.prompts import HFPromptTokenizer
 from kvreuse.testing.servers import ServerThread
 
-from .vllm_fleet import Replica, build_model, launch, wait_ready
+from .vllm_fleet import ALIAS_NAME, MODEL_NAME, Replica, build_model, launch, wait_ready
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,12 +61,14 @@ def model_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def replicas(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Replica]]:
-    """Two vLLM replicas, started in parallel (~40-100 s), for the whole session."""
+    """Two vLLM replicas, started in parallel (~40-100 s), for the whole session; the second
+    also serves the model as ``ALIAS_NAME``."""
     python = vllm_python()
     assert python is not None
     log_dir = Path(os.environ.get("KVREUSE_VLLM_LOGS", tmp_path_factory.mktemp("vllm-logs")))
     log_dir.mkdir(parents=True, exist_ok=True)
-    started = [launch(f"vllm{i}", python, model_dir, log_dir) for i in range(2)]
+    started = [launch("vllm0", python, model_dir, log_dir),
+               launch("vllm1", python, model_dir, log_dir, served=(MODEL_NAME, ALIAS_NAME))]
     try:
         with ThreadPoolExecutor(2) as pool:
             list(pool.map(lambda r: wait_ready([r]), started))

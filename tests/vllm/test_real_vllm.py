@@ -27,7 +27,7 @@ from kvreuse.testing.servers import free_port
 from kvreuse.testing.tiny_tokenizer import corpus_words
 
 from .conftest import LiveGateway
-from .vllm_fleet import MODEL_NAME, Replica
+from .vllm_fleet import ALIAS_NAME, MODEL_NAME, Replica
 
 StartGateway = Callable[..., LiveGateway]
 WORDS = corpus_words()
@@ -82,7 +82,7 @@ def test_completions_and_chat_pass_through_streamed_and_not(gateway_for: StartGa
         chunks = [json.loads(e) for e in events[:-1]]
         assert any(c["choices"] for c in chunks) and "usage" in chunks[-1]
     models = httpx.get(gateway.url + "/v1/models").json()["data"]
-    assert [m["id"] for m in models] == [MODEL_NAME]
+    assert [m["id"] for m in models] == [MODEL_NAME, ALIAS_NAME]
 
 
 def test_conversation_turns_land_on_the_replica_holding_history(

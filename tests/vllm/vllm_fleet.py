@@ -25,6 +25,9 @@ from kvreuse.testing.servers import free_port
 
 BLOCK_SIZE = 32  # the CPU attention backend wants multiples of 32 (its default is 128)
 MODEL_NAME = "tiny-llama"
+ALIAS_NAME = "tiny-llama-b"
+"""A second served name of replica 1 only (vLLM's --served-model-name a b: one cache), so the
+pair serves partly overlapping model sets."""
 START_TIMEOUT_S = float(os.environ.get("KVREUSE_VLLM_START_TIMEOUT", "600"))
 
 
@@ -58,8 +61,10 @@ class Replica:
             self.process.wait(timeout=10)
 
 
-def launch(name: str, python: str, model_dir: Path, log_dir: Path) -> Replica:
-    """Start one replica; returns at once (see :func:`wait_ready`)."""
+def launch(name: str, python: str, model_dir: Path, log_dir: Path,
+           served: tuple[str, ...] = (MODEL_NAME,)) -> Replica:
+    """Start one replica serving the model under the ``served`` names; returns at once (see
+    :func:`wait_ready`)."""
     port, events_port, replay_port = free_port(), free_port(), free_port()
     events = f"tcp://127.0.0.1:{events_port}"
     replay = f"tcp://127.0.0.1:{replay_port}"
@@ -67,7 +72,7 @@ def launch(name: str, python: str, model_dir: Path, log_dir: Path) -> Replica:
                  "replay_endpoint": replay, "topic": "kv-events"}
     command = [
         python, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model_dir), "--served-model-name", MODEL_NAME,
+        "--model", str(model_dir), "--served-model-name", *served,
         "--host", "127.0.0.1", "--port", str(port),
         "--dtype", "float32", "--max-model-len", "2048", "--block-size", str(BLOCK_SIZE),
         "--enable-prefix-caching", "--enable-prompt-tokens-details",
