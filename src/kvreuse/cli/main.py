@@ -24,6 +24,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "kvreuse.cli.simulate",
     "kvreuse.cli.plan",
     "kvreuse.cli.trace",
+    "kvreuse.cli.replay",
     "kvreuse.cli.fingerprint",
     "kvreuse.cli.diff",
     "kvreuse.cli.audit",

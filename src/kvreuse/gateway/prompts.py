@@ -289,6 +289,11 @@ class HFPromptTokenizer:
             )
         )
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the tokenizer knows, added tokens included."""
+        return int(self._backend.get_vocab_size(with_added_tokens=True))
+
     def decode(self, ids: Sequence[int]) -> str:
         text: str = self._backend.decode(list(ids), skip_special_tokens=True)
         return text

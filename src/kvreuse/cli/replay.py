@@ -1,0 +1,208 @@
+"""``kvreuse replay``: send a trace to an OpenAI-compatible endpoint at the trace's own times.
+
+    kvreuse replay --trace FILE --target URL [--speed 1] [--duration S] [--model NAME]
+                   [--block-size 512] [--tokenizer DIR | --vocab-size N --first-token K]
+                   [--max-tokens N] [--engine-metrics URL,...] [--json FILE] [--report FILE]
+
+Open loop (:mod:`kvreuse.testing.loadgen`): each request leaves at its timestamp divided by
+``--speed`` whatever the target does, streamed with usage, and TTFT is the time to the first
+chunk. Prompts are synthesized (:mod:`kvreuse.trace.replay`) so that equal ids become equal
+token runs: token-id prompts for ``/v1/completions``, or, with ``--tokenizer DIR``, text that
+tokenizes back to exactly those runs. Answers are as long as the trace says (capped by
+``--max-tokens``). The token hit rate comes from the engines' ``/metrics`` counters
+(``--engine-metrics``, read before and after) or else from ``usage`` cached tokens. Prints a
+table; ``--json`` and ``--report`` (HTML, TTFT over time) too. Targets are plain ``http://``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvreuse.cli.args import positive_float, positive_int
+from kvreuse.cli.tables import make_console
+from kvreuse.errors import ConfigError
+from kvreuse.sim.summary import percentile
+from kvreuse.trace.format import DEFAULT_BLOCK_TOKENS, TraceRecord, parse_trace_lines
+from kvreuse.trace.replay import (
+    PromptSynthesizer,
+    ReplaySummary,
+    WordTable,
+    vocabulary_alphabet,
+)
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "replay", help="send a trace to an OpenAI-compatible endpoint at its own timestamps")
+    parser.add_argument("--trace", type=Path, required=True, help="Mooncake-format JSONL")
+    parser.add_argument("--target", required=True, help="base URL, e.g. http://127.0.0.1:8080")
+    parser.add_argument("--speed", type=positive_float, default=1.0,
+                        help="time compression: 2 sends twice as fast (1)")
+    parser.add_argument("--duration", type=positive_float,
+                        help="replay only the first SECONDS of the trace (after --speed)")
+    parser.add_argument("--model", default="sim", help="model name to send (sim)")
+    parser.add_argument("--block-size", type=positive_int, default=DEFAULT_BLOCK_TOKENS,
+                        help=f"tokens per hash id ({DEFAULT_BLOCK_TOKENS})")
+    parser.add_argument("--tokenizer", metavar="DIR",
+                        help="send text prompts that this tokenizer turns back into the runs")
+    parser.add_argument("--vocab-size", type=positive_int, default=8192,
+                        help="token-id prompts: ids drawn below this (8192)")
+    parser.add_argument("--first-token", type=int, default=100,
+                        help="token-id prompts: ids drawn from here up (100, past specials)")
+    parser.add_argument("--max-tokens", type=positive_int, default=256,
+                        help="cap on each answer's length (256)")
+    parser.add_argument("--engine-metrics", help="comma-separated engine URLs whose /metrics "
+                                                 "give the token hit rate")
+    parser.add_argument("--timeout", type=positive_float, default=120.0,
+                        help="seconds before a request counts as failed (120)")
+    parser.add_argument("--json", type=Path, help="write the figures as JSON")
+    parser.add_argument("--report", type=Path, help="write an HTML report")
+    parser.set_defaults(func=run)
+
+
+def build_calls(records: Sequence[TraceRecord], args: argparse.Namespace) -> list[Any]:
+    """One loadgen :class:`Call` per record within ``--duration``."""
+    from kvreuse.testing.loadgen import Call
+
+    table: WordTable | None = None
+    if args.tokenizer:
+        from kvreuse.gateway.prompts import HFPromptTokenizer
+        from kvreuse.tokens import unpack
+
+        tokenizer = HFPromptTokenizer(args.tokenizer)
+        table = WordTable.build(tokenizer.vocab_size, tokenizer.decode,
+                                lambda text: unpack(tokenizer.encode(text)))
+        synth = PromptSynthesizer(args.block_size, table.tokens)
+    else:
+        synth = PromptSynthesizer(args.block_size,
+                                  vocabulary_alphabet(args.vocab_size, args.first_token))
+    origin = records[0].timestamp_ms
+    calls = []
+    for record in records:
+        at_s = (record.timestamp_ms - origin) / 1000.0 / args.speed
+        if args.duration is not None and at_s > args.duration:
+            break
+        tokens = synth.prompt(record)
+        prompt: str | list[int] = table.render(tokens) if table is not None else tokens
+        body = {"model": args.model, "prompt": prompt,
+                "max_tokens": max(1, min(record.output_length, args.max_tokens)),
+                "stream": True, "stream_options": {"include_usage": True}, "temperature": 0}
+        calls.append(Call(at_s, "/v1/completions", json.dumps(body).encode(),
+                          session=record.session_id or "", prompt_tokens=len(tokens)))
+    return calls
+
+
+def replay(calls: Sequence[Any], target: str, engines: Sequence[str],
+           timeout_s: float) -> tuple[ReplaySummary, list[Any]]:
+    """Send ``calls``; read engine counters around it. Returns the summary and the results."""
+    from kvreuse.testing.loadgen import fleet_hits, run_calls, scrape
+
+    before = scrape(engines) if engines else {}
+    started = time.perf_counter()
+    results = asyncio.run(run_calls(calls, lambda i, call: target, timeout_s=timeout_s))
+    duration = time.perf_counter() - started
+    engine_rate = fleet_hits(before, scrape(engines)).hit_rate if engines else None
+    ok = [r for r in results if r.status == 200 and not r.error and r.ttft_s is not None]
+    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
+    usage = [(r.call.prompt_tokens, r.cached_tokens) for r in ok if r.cached_tokens is not None]
+    prompt = sum(p for p, _ in usage)
+    cached = sum(c for _, c in usage) if usage else None
+
+    def pick(fraction: float) -> float | None:
+        return percentile(ttfts, fraction) if ttfts else None
+
+    summary = ReplaySummary(
+        sent=len(results), ok=len(ok), errors=len(results) - len(ok),
+        ttft_p50_s=pick(0.5), ttft_p90_s=pick(0.9), ttft_p95_s=pick(0.95),
+        ttft_p99_s=pick(0.99), prompt_tokens=sum(r.call.prompt_tokens for r in results),
+        usage_cached_tokens=cached,
+        usage_hit_rate=(cached / prompt) if cached is not None and prompt else None,
+        engine_hit_rate=engine_rate, duration_s=duration,
+    )
+    return summary, list(results)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.target.startswith("http://"):
+        raise ConfigError(f"--target must be an http:// URL, got {args.target!r}")
+    try:
+        with args.trace.open("rb") as lines:
+            records = parse_trace_lines(lines, str(args.trace), args.block_size)
+    except OSError as exc:
+        raise ConfigError(f"cannot read --trace {args.trace}: {exc.strerror}") from None
+    calls = build_calls(records, args)
+    engines = [u.strip() for u in (args.engine_metrics or "").split(",") if u.strip()]
+    console = make_console()
+    console.print(f"replaying {len(calls):,} requests over "
+                  f"{calls[-1].at_s if calls else 0:,.1f} s to {args.target}")
+    summary, results = replay(calls, args.target.rstrip("/"), engines, args.timeout)
+    _print(console, summary, engines)
+    errors = [r.error or f"HTTP {r.status}" for r in results
+              if not (r.status == 200 and not r.error and r.ttft_s is not None)]
+    if errors:
+        console.print(f"first error: {errors[0][:200]}")
+    if args.json is not None:
+        payload = {"trace": str(args.trace), "target": args.target, "speed": args.speed,
+                   **summary.as_dict(), "errors_sample": errors[:5]}
+        args.json.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+        console.print(f"wrote {args.json}")
+    if args.report is not None:
+        _report(args.report, str(args.trace), args.target, summary, results)
+        console.print(f"report: {args.report}")
+    return 0 if summary.ok else 1
+
+
+def _fmt(value: float | None, unit: str = "s") -> str:
+    return "-" if value is None else f"{value:.3f}{unit}"
+
+
+def _print(console: Any, summary: ReplaySummary, engines: Sequence[str]) -> None:
+    from rich import box
+    from rich.table import Table
+
+    table = Table(box=box.SIMPLE_HEAD)
+    for name in ("sent", "ok", "errors", "TTFT p50", "TTFT p90", "TTFT p95", "TTFT p99",
+                 "token hit", "source"):
+        table.add_column(name, justify="right", overflow="fold")
+    rate = summary.token_hit_rate
+    source = ("engine /metrics" if summary.engine_hit_rate is not None
+              else "usage cached_tokens" if summary.usage_hit_rate is not None else "-")
+    table.add_row(
+        f"{summary.sent:,}", f"{summary.ok:,}", f"{summary.errors:,}",
+        _fmt(summary.ttft_p50_s), _fmt(summary.ttft_p90_s), _fmt(summary.ttft_p95_s),
+        _fmt(summary.ttft_p99_s), "-" if rate is None else f"{rate:.1%}", source,
+    )
+    console.print(table)
+
+
+def _report(path: Path, trace: str, target: str, summary: ReplaySummary,
+            results: Sequence[Any]) -> None:
+    import html
+
+    from kvreuse.cli.simreport import _png, _pyplot
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(10, 4))
+    ok = [r for r in results if r.ttft_s is not None and not r.error]
+    ax.scatter([r.call.at_s for r in ok], [r.ttft_s for r in ok], s=6)
+    ax.set_xlabel("seconds into the replay (scheduled)")
+    ax.set_ylabel("TTFT (s)")
+    image = _png(fig)
+    plt.close("all")
+    esc = html.escape
+    rows = "".join(f"<tr><td>{esc(k)}</td><td>{esc(json.dumps(v))}</td></tr>"
+                   for k, v in summary.as_dict().items())
+    path.write_text(f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>kvreuse replay: {esc(trace)}</title>
+<style>body{{font-family:sans-serif;max-width:1200px;margin:auto}}
+td{{border:1px solid #ccc;padding:2px 6px;font-size:13px}}table{{border-collapse:collapse}}
+img{{max-width:100%}}</style></head><body><h1>{esc(trace)} to {esc(target)}</h1>
+<table>{rows}</table><h2>TTFT over time</h2>
+<img alt="TTFT over time" src="data:image/png;base64,{image}"></body></html>
+""", encoding="utf-8")

@@ -1,0 +1,60 @@
+"""`kvreuse replay` against a real `kvreuse engine` over HTTP."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvreuse.cli.main import main
+from kvreuse.testing.mooncake import synthetic_mooncake
+from kvreuse.testing.processes import EngineSpec, Fleet
+from kvreuse.trace.format import parse_trace_lines
+from kvreuse.trace.stats import trace_stats
+
+
+def test_replay_reproduces_the_traces_reuse_on_an_engine(tmp_path: Path) -> None:
+    """Replayed to one engine with room for everything, the engines' hit rate (from /metrics)
+    equals usage's and lands within 3 points of the trace's infinite-cache ceiling."""
+    trace = tmp_path / "t.jsonl"
+    lines = synthetic_mooncake(requests=40, requests_per_second=20.0, documents=3,
+                               prefix_blocks=2)
+    trace.write_text("\n".join(lines) + "\n")
+    ceiling = trace_stats(parse_trace_lines(lines), 512, [1], [10**6]).infinite_hit_rate
+    out, report = tmp_path / "r.json", tmp_path / "r.html"
+    with Fleet(tmp_path / "fleet") as fleet:
+        engine = fleet.start_engine("e0", EngineSpec(events=False, cache_tokens=200_000))
+        assert main(["replay", "--trace", str(trace), "--target", engine.url, "--speed", "2",
+                     "--engine-metrics", engine.url, "--max-tokens", "4", "--json", str(out),
+                     "--report", str(report)]) == 0
+    data = json.loads(out.read_text())
+    assert data["sent"] == data["ok"] == 40 and data["errors"] == 0
+    assert data["engine_hit_rate"] == pytest.approx(data["usage_hit_rate"], abs=1e-9)
+    assert abs(data["engine_hit_rate"] - ceiling) <= 0.03
+    assert 0 < data["ttft_p50_s"] <= data["ttft_p95_s"] <= data["ttft_p99_s"]
+    assert "data:image/png;base64," in report.read_text()
+
+
+def test_replay_reports_an_unreachable_target_as_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Nothing listening: every request is an error, exit 1, no traceback."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(synthetic_mooncake(requests=3, requests_per_second=50.0)) + "\n")
+    from kvreuse.testing.processes import free_port
+
+    code = main(["replay", "--trace", str(trace), "--target", f"http://127.0.0.1:{free_port()}",
+                 "--timeout", "5"])
+    out = capsys.readouterr()
+    assert code == 1 and "first error" in out.out and "Traceback" not in out.err
+
+
+def test_replay_refuses_a_non_http_target(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--target must be http://."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(synthetic_mooncake(requests=1)[0] + "\n")
+    assert main(["replay", "--trace", str(trace), "--target", "ftp://x"]) == 1
+    assert "--target" in capsys.readouterr().err
