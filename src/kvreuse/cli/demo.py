@@ -6,10 +6,8 @@ import argparse
 import json
 from typing import Any
 
-from rich.table import Table
-
 from kvreuse.cli.args import positive_int
-from kvreuse.cli.tables import make_console
+from kvreuse.cli.tables import make_console, print_table
 from kvreuse.six_turn import ChatShape, run_six_turn
 
 
@@ -55,25 +53,22 @@ def run(args: argparse.Namespace) -> int:
             )
         )
         return 0
-    table = Table(title="The six-turn chat: prefill tokens per turn")
-    table.add_column("turn", justify="right")
-    table.add_column("prompt tokens", justify="right")
-    table.add_column("prefilled (radix)", justify="right")
-    table.add_column(f"prefilled (blocks of {shape.block_size})", justify="right")
-    for r in result.rows:
-        table.add_row(
-            str(r.turn), f"{r.prompt_tokens:,}", f"{r.radix_prefilled:,}", f"{r.block_prefilled:,}"
-        )
+    rows = [
+        [str(r.turn), f"{r.prompt_tokens:,}", f"{r.radix_prefilled:,}", f"{r.block_prefilled:,}"]
+        for r in result.rows
+    ]
     total = result.total_prompt_tokens
-    table.add_section()
-    table.add_row(
-        "total",
-        f"{total:,}",
-        f"{result.total_radix_prefilled:,}",
+    rows.append([
+        "total", f"{total:,}", f"{result.total_radix_prefilled:,}",
         f"{result.total_block_prefilled:,}",
-    )
+    ])
     console = make_console()
-    console.print(table)
+    print_table(
+        console, "The six-turn chat: prefill tokens per turn",
+        ("turn", "prompt\ntokens", "prefilled\n(radix)",
+         f"prefilled (blocks\nof {shape.block_size})"),
+        rows, text_columns=(),
+    )
     saved = 1 - result.total_radix_prefilled / total
     console.print(
         f"Radix tree: {saved:.0%} less prefill than no cache. Block index: "

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import socket
 from pathlib import Path
 from typing import Any
 
+from kvreuse.cli.args import key_value
 from kvreuse.errors import ConfigError
 
 DESCRIPTION = """\
@@ -116,23 +116,15 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=run)
 
 
-def _option_value(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
-
-
 def build_config(args: argparse.Namespace) -> Any:
     from kvreuse.gateway.config import load_config_file, merge, parse_upstream_flag
 
     file_config = load_config_file(args.config) if args.config else None
     options: dict[str, Any] = dict(file_config.policy_options) if file_config else {}
     for item in args.policy_option:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--policy-option expects KEY=VALUE, got {item!r}")
-        options[key.strip()] = _option_value(value.strip())
+        # the same KEY=VALUE reading as `kvreuse simulate --policy-option`
+        key, value = key_value(item, "--policy-option")
+        options[key] = value
     return merge(
         file_config,
         [parse_upstream_flag(text) for text in args.upstream],

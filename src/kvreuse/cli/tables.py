@@ -66,10 +66,8 @@ def table_renderable(
     its full width. When the console is too narrow for that, every row becomes one block
     instead: its first column on a line, the other cells as ``name value`` pairs wrapped
     between pairs. O(cells)."""
-    table = Table(
-        title=Text(title), box=box.SIMPLE_HEAD, padding=(0, 0), title_justify="left",
-        show_edge=False,
-    )
+    # The title goes on its own line: as a table title rich would wrap it to the table's width.
+    table = Table(box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False)
     for i, header in enumerate(headers):
         if i in text_columns:
             table.add_column(header, no_wrap=True)
@@ -81,7 +79,7 @@ def table_renderable(
     # measured unbounded: rich clamps a measurement to the console, hiding the overflow
     natural = Measurement.get(console, console.options.update_width(1 << 20), table).maximum
     if natural <= console.width:
-        return table
+        return Group(Text(title, overflow="fold"), table)
     return Group(*_blocks(console.width, title, headers, rows))
 
 

@@ -1,0 +1,52 @@
+"""`route --policy-option`, `simulate --policy-option` and `simulate --policy NAME[k=v]` read
+options the same way."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvreuse.cli.args import key_value, option_value, policy_spec, split_policies
+from kvreuse.cli.main import build_parser
+from kvreuse.cli.route import build_config
+from kvreuse.errors import ConfigError
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("0.2", 0.2), ("512", 512), ("null", None), ("None", None), ("inf", math.inf),
+     ("true", True), ('"in_flight"', "in_flight"), ("in_flight", "in_flight")],
+)
+def test_values_read_as_json_or_as_labels_print_them(text: str, value: object) -> None:
+    """JSON, the words the run labels print (None, inf, True), else the text itself."""
+    assert option_value(text) == value
+
+
+def test_route_and_simulate_agree() -> None:
+    """The gateway's options from --policy-option equal simulate's from brackets."""
+    args = build_parser().parse_args([
+        "route", "--upstream", "http://127.0.0.1:9", "--policy", "prefix_hash",
+        "--policy-option", "overload=None", "--policy-option", "k=512",
+    ])
+    assert build_config(args).policy_options == {"overload": None, "k": 512}
+    assert policy_spec("prefix_hash[overload=None,k=512]") == (
+        "prefix_hash", {"overload": None, "k": 512}
+    )
+
+
+def test_policies_split_outside_brackets() -> None:
+    """Commas inside a policy's brackets separate options, not policies."""
+    assert split_policies("round_robin, prefix_hash[overload=2,k=64],exact") == [
+        "round_robin", "prefix_hash[overload=2,k=64]", "exact"
+    ]
+
+
+@pytest.mark.parametrize("text", ["overload", "=3", "prefix_hash[overload=2"])
+def test_malformed_options_name_the_flag(text: str) -> None:
+    """KEY=VALUE without a key or a value sign, or an unclosed bracket: ConfigError."""
+    with pytest.raises(ConfigError):
+        if "[" in text:
+            policy_spec(text)
+        else:
+            key_value(text, "--policy-option")
