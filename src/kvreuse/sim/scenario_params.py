@@ -273,7 +273,7 @@ LONG_CONTEXT_PARAMS = (
           "fixed 200 ms spill bound"),
     Param("hot_docs", 40, "ours: 80 % of questions on 40 documents (480k tokens: fits the "
           "fleet's 640k only if each replica keeps its own share)"),
-    Param("hot_fraction", 0.8, "ours, as seed 000's contracts"),
+    Param("hot_fraction", 0.8, "ours, as the contract library's"),
     Param("rate_rps", 8.0, "ours: about 60 % of the fleet's prefill capacity when hot documents "
           "hit, several times over it when they miss"),
     Param("pool_tokens", LONG_CONTEXT_POOL, "ours: 160k tokens of KV per replica"),
@@ -332,7 +332,7 @@ MULTI_MODEL_PARAMS = (
     Param("replicas", "4: model-a on r0-r2, model-b on r2-r3", "ours: partly overlapping "
           "replica sets, so every policy routes on a candidate subset and r2 holds both "
           "models' caches in one pool"),
-    Param("pool_tokens", BELGAVI_POOL, "belgavi's replicas (seed 001's 1 GB radix cache)"),
+    Param("pool_tokens", BELGAVI_POOL, "belgavi's replicas (its 1 GB radix cache)"),
 )
 
 MULTI_MODEL_POLICIES = ("round_robin", "random", "least_load", "session_affinity",
