@@ -126,6 +126,10 @@ def test_a_template_that_is_not_utf8_names_the_template(
         (["--kv-pool-gib", "40", "--workload", "."], ["--workload .: is a directory"]),
         (["--kv-pool-gib", "40", "--trace", "."], ["--trace .: is a directory"]),
         (["--kv-pool-gib", "40", "--trace", "missing.jsonl"], ["--trace missing.jsonl: no such"]),
+        (["--kv-pool-gib", "1e300"], ["--kv-pool-gib", "at most 1,048,576"]),
+        (["--kv-pool-gib", "40", "--replicas", "1" + "0" * 20], ["--replicas", "at most"]),
+        (["--kv-pool-gib", "40", "--pinned-gib", "50", "--workload",
+          str(EXAMPLES / "capacity" / "contract-library.json")], ["--pinned-gib", "no idle cache"]),
     ],
 )
 def test_capacity_flags_are_checked(
@@ -135,6 +139,22 @@ def test_capacity_flags_are_checked(
     """Negative sizes, a fleet of zero, a utilisation over 1, directories: each names its flag."""
     done = run_main(capsys, monkeypatch, tmp_path, "capacity", "--config", str(CONFIG), *flags)
     assert_clear_error(done, *names)
+
+
+@pytest.mark.parametrize(
+    ("group", "problem"),
+    [('{"count": 1e308, "tokens": 100}', "'count' is 1e+308; at most 1e+15"),
+     ('{"count": 5, "tokens": 100, "hot_count": 10}', "'hot_count' (10) is more than 'count'")],
+)
+def test_capacity_workload_values_are_checked(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+    group: str, problem: str,
+) -> None:
+    """Absurd or contradictory workload numbers name the file and the field, no overflow."""
+    (tmp_path / "w.json").write_text('{"prefix_groups": [' + group + "]}")
+    done = run_main(capsys, monkeypatch, tmp_path, "capacity", "--config", str(CONFIG),
+                    "--kv-pool-gib", "40", "--workload", "w.json")
+    assert_clear_error(done, "w.json: prefix_groups[0]", problem)
 
 
 def test_capacity_config_that_is_a_directory_or_malformed(tmp_path: Path) -> None:

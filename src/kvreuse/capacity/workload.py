@@ -41,22 +41,30 @@ class HotPart:
     tail_tokens: int = 0
 
 
+MAX_QUANTITY = 1e15
+"""Larger counts, token lengths or rates describe no real workload (and overflow the sizing)."""
+
+
 def _number(data: Mapping[str, Any], key: str, where: str, default: float | None = None) -> float:
     value = data.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
         raise InputFormatError(f"{key!r} must be a non-negative number", where=where)
+    if value > MAX_QUANTITY:
+        raise InputFormatError(f"{key!r} is {value:g}; at most {MAX_QUANTITY:g}", where=where)
     return float(value)
 
 
 def _range(data: Mapping[str, Any], key: str, where: str) -> tuple[float, float]:
     value = data.get(key)
-    if isinstance(value, int | float) and not isinstance(value, bool):
+    if isinstance(value, int | float) and not isinstance(value, bool) and (
+        0 <= value <= MAX_QUANTITY
+    ):
         return float(value), float(value)
     if (
         isinstance(value, list)
         and len(value) == 2
         and all(isinstance(v, int | float) and not isinstance(v, bool) for v in value)
-        and 0 <= value[0] <= value[1]
+        and 0 <= value[0] <= value[1] <= MAX_QUANTITY
     ):
         return float(value[0]), float(value[1])
     raise InputFormatError(f"{key!r} must be a number or [low, high]", where=where)
@@ -76,6 +84,10 @@ def parse_workload(data: object, where: str = "workload") -> tuple[list[HotPart]
             raise InputFormatError("must be an object", where=at)
         count = int(_number(group, "count", at))
         hot = int(_number(group, "hot_count", at, default=count))
+        if hot > count:
+            raise InputFormatError(
+                f"'hot_count' ({hot:,}) is more than 'count' ({count:,})", where=at
+            )
         tail = int(_number(group, "tail_tokens", at, default=0))
         entry = int(_number(group, "tokens", at)) + tail
         share = group.get("hot_share")

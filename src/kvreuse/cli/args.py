@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -154,3 +155,17 @@ def _finite(text: str) -> float:
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
     return value
+
+
+def bounded(parse: Callable[[str], float], high: float) -> Callable[[str], Any]:
+    """``parse`` (one of the types above) with an upper bound: sizes past what any machine has
+    are typing mistakes, and would overflow the arithmetic downstream."""
+
+    def checked(text: str) -> Any:
+        value = parse(text)
+        if value > high:
+            raise argparse.ArgumentTypeError(f"must be at most {high:,.0f}, got {text}")
+        return value
+
+    checked.__name__ = parse.__name__
+    return checked

@@ -17,6 +17,7 @@ from kvreuse.capacity.workload import (
     parse_workload,
 )
 from kvreuse.cli.args import (
+    bounded,
     fraction,
     input_file,
     non_negative_float,
@@ -28,6 +29,14 @@ from kvreuse.cli.args import (
 from kvreuse.errors import ConfigError, InputFormatError
 from kvreuse.json_input import parse_json
 from kvreuse.trace.format import parse_trace_lines
+
+MAX_GIB = float(1 << 20)
+"""A pebibyte: more memory than any replica has."""
+MAX_COUNT = 10**9
+gib = bounded(positive_float, MAX_GIB)
+gib_or_zero = bounded(non_negative_float, MAX_GIB)
+count = bounded(non_negative_int, MAX_COUNT)
+positive_count = bounded(positive_int, MAX_COUNT)
 
 
 def register(subparsers: Any) -> None:
@@ -49,30 +58,31 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--kv-cache-dtype", help="KV cache dtype if not the model's (e.g. fp8)")
     memory = parser.add_argument_group("replica memory")
     memory.add_argument(
-        "--kv-pool-gib", type=positive_float, help="KV pool per replica, if known"
+        "--kv-pool-gib", type=gib, help="KV pool per replica, if known"
     )
-    memory.add_argument("--gpu-memory-gib", type=positive_float, help="memory per GPU")
+    memory.add_argument("--gpu-memory-gib", type=gib, help="memory per GPU")
     memory.add_argument(
-        "--gpus", type=positive_int, default=1, help="GPUs per replica (tensor parallel)"
+        "--gpus", type=positive_count, default=1, help="GPUs per replica (tensor parallel)"
     )
     memory.add_argument(
         "--utilisation", type=fraction, default=0.9, help="gpu_memory_utilization, in (0, 1]"
     )
-    memory.add_argument("--weights-gib", type=non_negative_float, help="model weights per replica")
+    memory.add_argument("--weights-gib", type=gib_or_zero, help="model weights per replica")
     memory.add_argument(
-        "--params-b", type=positive_float, help="parameters in billions (weights estimate)"
+        "--params-b", type=bounded(positive_float, 1e6),
+        help="parameters in billions (weights estimate)",
     )
     memory.add_argument(
-        "--overhead-gib", type=non_negative_float, default=0.0, help="activations, graphs"
+        "--overhead-gib", type=gib_or_zero, default=0.0, help="activations, graphs"
     )
     memory.add_argument(
-        "--pinned-gib", type=non_negative_float, help="KV pinned by running requests"
+        "--pinned-gib", type=gib_or_zero, help="KV pinned by running requests"
     )
-    memory.add_argument("--running-requests", type=non_negative_int, default=0)
+    memory.add_argument("--running-requests", type=count, default=0)
     memory.add_argument(
-        "--running-tokens", type=non_negative_int, default=0, help="tokens per running request"
+        "--running-tokens", type=count, default=0, help="tokens per running request"
     )
-    parser.add_argument("--replicas", type=positive_int, help="replicas in the fleet (>= 1)")
+    parser.add_argument("--replicas", type=positive_count, help="replicas in the fleet (>= 1)")
     parser.add_argument("--workload", help="workload description JSON")
     parser.add_argument("--trace", help="Mooncake-format JSONL trace")
     parser.add_argument(
@@ -132,6 +142,12 @@ def run(args: argparse.Namespace) -> int:
         running_requests=args.running_requests,
         running_tokens=args.running_tokens,
     )
+    if budget.pinned_bytes >= budget.pool_bytes:
+        raise ConfigError(
+            f"running requests pin {format_bytes(budget.pinned_bytes)}, all of the "
+            f"{format_bytes(budget.pool_bytes)} KV pool: no idle cache is left; lower "
+            "--pinned-gib (or --running-requests/--running-tokens) or raise the pool"
+        )
     parts: list[HotPart] = []
     replicas = args.replicas
     trace_summary = None
@@ -172,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
                 tail = format_bytes(part.tail_tokens * per_token)
                 each = f"{each} ({prefix} prefix + {tail} cached question tail)"
             print(
-                f"  {each} each; {fit} fit one replica's idle cache, {fit * replicas:,} fit the "
+                f"  {each} each; {fit:,} fit one replica's idle cache, {fit * replicas:,} fit the "
                 f"fleet of {replicas}; with prefix affinity each replica owns about "
                 f"{part.entries / replicas:,.0f} hot entries"
             )
