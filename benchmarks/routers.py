@@ -94,15 +94,18 @@ def scenario_calls(name: str, *, rate: float, warmup_s: float, duration_s: float
     raise SystemExit(f"unknown scenario {name!r}: choose belgavi, contracts, surge")
 
 
-def ceiling(calls: Sequence[Call], block_size: int = 16) -> float:
+def ceiling(calls: Sequence[Call], block_size: int = 16,
+            capacity_tokens: int | None = None) -> float:
     """The token hit rate of one infinite cache holding every earlier prompt (no router can do
     better; outputs are not counted as reusable): whole blocks of each measured prompt's longest
-    match among all prompts sent before it. Prompts are read back from the request bodies."""
+    match among all prompts sent before it. Prompts are read back from the request bodies.
+    ``capacity_tokens``: one LRU cache of that size instead (replicas x cache: the pooled bound
+    of :func:`kvreuse.sim.trace.compute_bounds`, what the fleet's caches could hold together)."""
     from kvreuse.gateway.prompts import TextApproximation
     from kvreuse.index import RadixIndex
 
     render = TextApproximation()
-    seen = RadixIndex()
+    seen = RadixIndex() if capacity_tokens is None else RadixIndex(capacity_tokens=capacity_tokens)
     hits = total = 0
     for call in calls:
         body = json.loads(call.body)
@@ -332,8 +335,8 @@ def verdicts(rows: Sequence[RunRow], cost: dict[str, dict[str, float]],
              candidate: str = "kvreuse:relative_spill") -> list[str]:
     """Issue 15's verdict per scenario: ``candidate`` (the default policy) must reach the best
     peer's token hit rate (the real peer with the highest) at no higher p95 TTFT, with no
-    request lost, and close half the gap to the ceiling where the best peer is more than 3
-    points under it."""
+    request lost, and close half the gap to the ceiling (``ceilings``: the pooled-LRU bound)
+    where the best peer is more than 3 points under it."""
     out = []
     ceilings = ceilings or {}
     for scenario in dict.fromkeys(r.scenario for r in rows):
@@ -444,6 +447,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--vllm-only", action="store_true", help="only the vLLM comparison")
     parser.add_argument("--vllm-rate", type=float, default=2.0)
     parser.add_argument("--json", type=Path, help="write every figure here")
+    parser.add_argument("--verdicts-from", type=Path,
+                        help="print the verdicts of an earlier --json run (no processes started)")
     parser.add_argument("--workdir", type=Path, help="process logs (default: a temp dir)")
     args = parser.parse_args(argv)
     if args.quick:
@@ -465,8 +470,30 @@ def router_list(spec: str) -> list[str]:
     return names
 
 
+def verdicts_from(path: Path, candidate: str) -> int:
+    """The verdicts of a saved run, its ceilings recomputed from the same seeded traffic."""
+    data = json.loads(path.read_text())
+    saved = data["args"]
+    rows = [RunRow(**row) for row in data["runs"]]
+    ceilings = {}
+    for scenario in dict.fromkeys(r.scenario for r in rows):
+        calls = scenario_calls(scenario, rate=float(saved["rate"]),
+                               warmup_s=float(saved["warmup"]),
+                               duration_s=float(saved["duration"]), seed=int(saved["seed"]),
+                               max_tokens=int(saved["max_tokens"]))
+        pool = int(saved["replicas"]) * int(saved["cache_tokens"])
+        ceilings[scenario] = ceiling(calls, capacity_tokens=pool)
+        print(f"{scenario:10} ceiling: one infinite cache {ceiling(calls):.1%}, pooled LRU of "
+              f"{pool:,} tokens {ceilings[scenario]:.1%}")
+    for line in verdicts(rows, data.get("cost", {}), ceilings, candidate):
+        print(line)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.verdicts_from is not None:
+        return verdicts_from(args.verdicts_from, args.candidate)
     routers = router_list(args.routers)
     scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     if args.vllm_only:
@@ -488,8 +515,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             calls = scenario_calls(scenario, rate=args.rate, warmup_s=args.warmup,
                                    duration_s=args.duration, seed=args.seed,
                                    max_tokens=args.max_tokens)
-            ceilings[scenario] = ceiling(calls)
-            print(f"{scenario:10} {'ceiling (one infinite cache)':26} {ceilings[scenario]:8.1%}",
+            ceilings[scenario] = ceiling(calls, capacity_tokens=args.replicas * args.cache_tokens)
+            print(f"{scenario:10} {'ceiling (one infinite cache)':26} {ceiling(calls):8.1%}",
+                  flush=True)
+            print(f"{scenario:10} {'ceiling (pooled LRU)':26} {ceilings[scenario]:8.1%}",
                   flush=True)
             window = (surge_window(args.warmup, args.duration) if scenario == "surge"
                       else None)
