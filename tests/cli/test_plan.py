@@ -105,3 +105,14 @@ def test_ray_gives_the_serial_results(trace: Path, tmp_path: Path) -> None:
     serial = plan(trace, tmp_path / "s.json", "--serial", "--no-cache")
     on_ray = plan(trace, tmp_path / "r.json", "--ray", "--workers", "2", "--no-cache")
     assert on_ray["cells"] == serial["cells"] and on_ray["winner"] == serial["winner"]
+
+
+def test_simulate_command_gives_the_winners_figures(trace: Path, tmp_path: Path) -> None:
+    """The plan's `kvreuse simulate` line for the winner reports the winner's hit rate and p95."""
+    data = plan(trace, tmp_path / "a.json", "--serial", "--no-cache")
+    out = tmp_path / "sim.json"
+    argv = [*shlex.split(data["simulate_command"])[1:], "--json", str(out)]
+    assert main(argv) == 0
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["token_hit_rate"] == data["winner"]["token_hit_rate"]
+    assert run["ttft_p95_s"] == data["winner"]["ttft_p95_s"]

@@ -270,6 +270,18 @@ def _command(args: argparse.Namespace, cell: Cell, slos: Sequence[Slo]) -> str:
     return shlex.join([*parts, "--serial"])
 
 
+def _simulate_command(args: argparse.Namespace, cell: Cell) -> str:
+    """The same cell as one row of ``kvreuse simulate`` (same constants, seed, granularity)."""
+    policy = cell.policy if cell.knob is None else f"{cell.policy}[{cell.knob_name}={cell.knob:g}]"
+    parts = ["kvreuse", "simulate", "--trace", str(args.trace), "--policy", policy,
+             "--replicas", str(cell.replicas), "--cache-tokens", str(cell.cache_tokens),
+             "--trace-block-size", str(args.trace_block_size),
+             "--trace-granularity", args.trace_granularity,
+             "--prefill-rate", f"{args.prefill_rate:g}", "--overhead", f"{args.overhead:g}",
+             "--tpot", f"{args.tpot:g}", "--seed", str(args.seed), "--no-baseline"]
+    return shlex.join(parts)
+
+
 def _default_cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "kvreuse" / "plan"
@@ -346,6 +358,7 @@ def run(args: argparse.Namespace) -> int:
             "front": [r.as_dict() | {"meets_slo": r.meets(slos)} for r in front],
             "winner": None if winner is None else winner.as_dict(),
             "command": command,
+            "simulate_command": _simulate_command(args, winner.cell) if winner else None,
         }
         args.json.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
         console.print(f"wrote {args.json}")
@@ -392,6 +405,7 @@ def _print(console: Console, args: argparse.Namespace, slos: Sequence[Slo],
         f"{winner.mean_queue_s:.3f} s, prefill {winner.prefill_gpu_s:,.1f} GPU-s"
     )
     console.print(f"reproduce: {_command(args, cell, slos)}", soft_wrap=True)
+    console.print(f"or as a simulation: {_simulate_command(args, cell)}", soft_wrap=True)
     if units.tokens_per_unit > 1:
         console.print(f"(simulated at block granularity: one unit = {units.tokens_per_unit} "
                       "tokens; --trace-granularity token for exact lengths)")
