@@ -170,13 +170,18 @@ def test_capacity_config_that_is_a_directory_or_malformed(tmp_path: Path) -> Non
 def test_simulate_rejects_a_bad_policy_spec_and_scale(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """An unclosed bracket and a non-positive --scale name the flag."""
+    """An unclosed bracket, a --scale that is not a positive finite number up to 100 and a NaN
+    lag name the flag (a NaN scale used to hang)."""
     done = run_main(capsys, monkeypatch, tmp_path, "simulate", "--scenario", "six-turn",
                     "--policy", "prefix_hash[overload=None")
     assert_clear_error(done, "--policy")
+    for scale in ("0", "nan", "inf", "1000"):
+        done = run_main(capsys, monkeypatch, tmp_path, "simulate", "--scenario", "six-turn",
+                        "--scale", scale)
+        assert_clear_error(done, "--scale")
     done = run_main(capsys, monkeypatch, tmp_path, "simulate", "--scenario", "six-turn",
-                    "--scale", "0")
-    assert_clear_error(done, "--scale")
+                    "--kv-lag", "nan")
+    assert_clear_error(done, "--kv-lag", "finite")
 
 
 def test_simulate_json_to_a_directory_names_the_flag(

@@ -26,7 +26,15 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvreuse import defaults
-from kvreuse.cli.args import key_value, policy_spec, split_policies
+from kvreuse.cli.args import (
+    bounded,
+    key_value,
+    non_negative_float,
+    policy_spec,
+    positive_float,
+    positive_int,
+    split_policies,
+)
 from kvreuse.cli.tables import make_console, print_table
 from kvreuse.errors import ConfigError
 from kvreuse.routing import POLICIES, policy_option_names
@@ -39,6 +47,9 @@ from kvreuse.sim.scenarios import SPILLS, RunSpec, Scenario, get_scenario
 from kvreuse.sim.trace import Bounds, compute_bounds
 from kvreuse.sim.units import TraceUnits
 from kvreuse.trace import GRANULARITIES, parse_trace_lines, trace_requests
+
+MAX_SCALE = 100.0
+"""A hundred times a scenario's window is hours of simulated traffic: more is a typing mistake."""
 
 
 def register(subparsers: Any) -> None:
@@ -78,10 +89,13 @@ def register(subparsers: Any) -> None:
         f"on (default {defaults.lab_base_url()})",
     )
     parser.add_argument(
-        "--scale", type=float, default=1.0,
-        help="multiply the scenario's measured duration (e.g. 0.25 for a quick look)",
+        "--scale", type=bounded(positive_float, MAX_SCALE), default=1.0,
+        help="multiply the scenario's measured duration (e.g. 0.25 for a quick look; at most "
+        f"{MAX_SCALE:g})",
     )
-    parser.add_argument("--cache-tokens", type=int, help="KV pool per replica, in tokens")
+    parser.add_argument(
+        "--cache-tokens", type=positive_int, help="KV pool per replica, in tokens"
+    )
     parser.add_argument(
         "--trace-block-size", type=int, default=defaults.TRACE_BLOCK_SIZE,
         help=f"tokens per trace hash id ({defaults.TRACE_BLOCK_SIZE})",
@@ -106,10 +120,14 @@ def register(subparsers: Any) -> None:
         help="replica cache: radix (SGLang, token granular) or block (vLLM's block pool)",
     )
     parser.add_argument(
-        "--block-size", type=int, help="tokens per block with --cache-kind block (16)"
+        "--block-size", type=positive_int, help="tokens per block with --cache-kind block (16)"
     )
-    parser.add_argument("--load-lag", type=float, help="router's load view refresh, seconds")
-    parser.add_argument("--kv-lag", type=float, help="KV event delay to the router, seconds")
+    parser.add_argument(
+        "--load-lag", type=non_negative_float, help="router's load view refresh, seconds"
+    )
+    parser.add_argument(
+        "--kv-lag", type=non_negative_float, help="KV event delay to the router, seconds"
+    )
     parser.set_defaults(func=run)
 
 
