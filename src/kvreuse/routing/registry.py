@@ -91,6 +91,9 @@ def build_policy(
             f"policy {name!r} has no option(s) {', '.join(unknown)}; "
             f"it accepts: {', '.join(sorted(accepted)) or 'none'}"
         )
+    kinds = _option_kinds(factory)
+    for key, value in options.items():
+        _check_kind(name, key, value, kinds.get(key, ""))
     policy = factory(**options)
     return TenantPinned(policy, pins) if pins else policy
 
@@ -113,6 +116,46 @@ def policy_defaults(name: str) -> dict[str, Any]:
         if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
             break
     return defaults
+
+
+_KINDS: dict[str, tuple[type, ...]] = {"float": (int, float), "int": (int,), "str": (str,),
+                                       "bool": (bool,)}
+
+
+def _option_kinds(factory: PolicyFactory) -> dict[str, str]:
+    """Each keyword option's annotation as written (``"float"``, ``"int | None"``...), found
+    the way :func:`_accepted_options` finds the options."""
+    cls: Any = factory
+    kinds: dict[str, str] = {}
+    for klass in getattr(cls, "__mro__", (cls,)):
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        for p in inspect.signature(init).parameters.values():
+            if p.name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
+                kinds.setdefault(p.name, str(p.annotation))
+    return kinds
+
+
+def _check_kind(policy: str, key: str, value: Any, annotation: str) -> None:
+    """A caller's option of the wrong type (text where a number goes: ``slack=abc``,
+    ``nan``) is a :class:`ConfigError` naming it, not a TypeError deep in a constructor.
+    Annotations other than plain numbers, text and booleans are left to the policy."""
+    parts = [part.strip() for part in annotation.split("|")]
+    optional = "None" in parts
+    named = [part for part in parts if part != "None"]
+    if len(named) != 1 or named[0] not in _KINDS:
+        return
+    if value is None and optional:
+        return
+    wanted = named[0]
+    ok = isinstance(value, _KINDS[wanted]) and (wanted == "bool" or not isinstance(value, bool))
+    if not ok:
+        words = {"float": "a number", "int": "an integer", "str": "text", "bool": "true or false"}
+        raise ConfigError(
+            f"policy {policy!r} option {key} must be {words[wanted]}"
+            f"{' or None' if optional else ''}, got {value!r}"
+        )
 
 
 def _accepted_options(factory: PolicyFactory) -> set[str]:
