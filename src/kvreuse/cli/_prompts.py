@@ -14,7 +14,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvreuse.cli.args import read_bytes
+from kvreuse.cli.args import positive_int, read_bytes
 from kvreuse.errors import ConfigError, InputFormatError
 from kvreuse.json_input import parse_json
 from kvreuse.lint.fingerprint import DEFAULT_BLOCK_SIZE, Revisions
@@ -57,7 +57,8 @@ def add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
         "default: the current time",
     )
     parser.add_argument(
-        "--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="cache block size (vLLM: 16)"
+        "--block-size", type=positive_int, default=DEFAULT_BLOCK_SIZE,
+        help="cache block size (vLLM: 16)",
     )
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvreuse.cli._prompts import add_prompt_arguments, load_prompts, setup_prompts
-from kvreuse.cli.args import read_bytes
+from kvreuse.cli.args import bounded, positive_float, positive_int, read_bytes
 from kvreuse.errors import InputFormatError
 from kvreuse.json_input import parse_json
 from kvreuse.lint.fingerprint import DEFAULT_PREFIX_TOKENS, PrefixFingerprint, fingerprint
@@ -54,9 +54,14 @@ def register(subparsers: Any) -> None:
         sub.set_defaults(func=func)
     check = actions.choices["check"]
     check.add_argument("--json", action="store_true", help="print JSON instead of text")
-    check.add_argument("--rps", type=float, help="requests per second (cold-cache prediction)")
-    check.add_argument("--prefixes", type=int, help="distinct prefixes in traffic")
-    check.add_argument("--replicas", type=int, default=1)
+    check.add_argument(
+        "--rps", type=bounded(positive_float, 1e9),
+        help="requests per second (cold-cache prediction)",
+    )
+    check.add_argument(
+        "--prefixes", type=bounded(positive_int, 10**9), help="distinct prefixes in traffic"
+    )
+    check.add_argument("--replicas", type=bounded(positive_int, 10**6), default=1)
     check.add_argument(
         "--affinity", action="store_true", help="routing keeps each prefix on one replica"
     )

@@ -20,7 +20,7 @@ from typing import Any
 
 from rich.console import Console, RenderableType
 
-from kvreuse.cli.args import positive_float, positive_int
+from kvreuse.cli.args import non_negative_float, positive_float, positive_int
 from kvreuse.cli.tables import make_console, table_renderable
 from kvreuse.errors import InputFormatError
 from kvreuse.hitrate.prometheus import cache_counters, metric_names, parse_exposition
@@ -50,11 +50,12 @@ def register(subparsers: Any) -> None:
         "--window", type=positive_float, default=300.0, help="rate window in seconds"
     )
     parser.add_argument(
-        "--drop", type=float, default=10.0, help="alert when the rate falls this many points"
+        "--drop", type=non_negative_float, default=10.0,
+        help="alert when the rate falls this many points",
     )
     parser.add_argument(
         "--min-queried",
-        type=float,
+        type=non_negative_float,
         default=1.0,
         help="ignore windows with fewer queried tokens than this (noise)",
     )
