@@ -192,3 +192,27 @@ def test_simulate_json_to_a_directory_names_the_flag(
     done = run_main(capsys, monkeypatch, tmp_path, "simulate", "--scenario", "six-turn",
                     "--json", "out")
     assert_clear_error(done, "--json out")
+
+
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (["fingerprint", str(EXAMPLES / "prompts" / "stable-a.json"), *PROMPT,
+          "--block-size", "0"], "--block-size"),
+        (["fixtures", "check", str(EXAMPLES / "prompts" / "stable-a.json"), "--golden", "g.json",
+          *PROMPT, "--rps", "nan"], "--rps"),
+        (["fixtures", "check", str(EXAMPLES / "prompts" / "stable-a.json"), "--golden", "g.json",
+          *PROMPT, "--replicas", "0"], "--replicas"),
+        (["hitrate", "http://127.0.0.1:9/metrics", "--count", "0"], "--count"),
+        (["hitrate", "http://127.0.0.1:9/metrics", "--window", "-1"], "--window"),
+    ],
+)
+def test_flags_out_of_range_name_the_flag(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+    args: list[str], flag: str,
+) -> None:
+    """A zero block size, a NaN rate, no replicas, no rounds, a negative window: the argument
+    parser refuses them (exit 2) naming the flag."""
+    done = run_main(capsys, monkeypatch, tmp_path, *args)
+    assert done.returncode == 2
+    assert_clear_error(done, f"argument {flag}")
