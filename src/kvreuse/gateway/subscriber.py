@@ -227,6 +227,9 @@ class EventSubscriber:
         try:
             while not self._closed:
                 self.stats.heartbeat_at = self.clock()
+                # Also after a watchdog restart, whose cancelled predecessor may end after this
+                # loop began and leave "failed" behind.
+                self.stats.state = "running"
                 try:
                     if self._resync_wanted:
                         await self._resync()
