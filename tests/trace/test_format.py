@@ -113,3 +113,14 @@ def test_simulate_trace_refuses_non_finite_rates(
     args = ["simulate", "--trace", str(trace), "--cache-tokens", "5000", "--prefill-rate", "nan"]
     assert main(args) == 1
     assert "--prefill-rate" in capsys.readouterr().err
+
+
+def test_fast_and_full_parsers_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    """msgspec's fast path and the full parser give equal records for valid lines."""
+    from kvreuse.testing.mooncake import synthetic_mooncake
+    from kvreuse.trace import format as trace_format
+
+    lines = [*synthetic_mooncake(requests=200), GOOD.replace('"timestamp": 5', '"timestamp": 1e9')]
+    fast = parse_trace_lines(lines)
+    monkeypatch.setattr(trace_format, "_FAST", None)
+    assert parse_trace_lines(lines) == fast

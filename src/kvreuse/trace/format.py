@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from kvreuse.errors import InputFormatError
 from kvreuse.frozen import fast_init
@@ -106,10 +107,58 @@ def _seconds(record: dict[str, object], name: str, where: str) -> float | None:
     return float(value)
 
 
+def _fast_decoder() -> Callable[[str | bytes], Any] | None:
+    """msgspec's typed decoder of a plain Mooncake line (the gateway extra installs msgspec):
+    about three times faster than ``json.loads`` plus the checks. Anything it refuses goes to
+    the full parser, which names the problem; without msgspec everything does."""
+    try:
+        import msgspec
+    except ImportError:
+        return None
+
+    class MooncakeLine(msgspec.Struct, forbid_unknown_fields=True):
+        timestamp: float
+        input_length: int
+        output_length: int
+        hash_ids: list[int]
+
+    return msgspec.json.Decoder(MooncakeLine).decode
+
+
+_FAST = _fast_decoder()
+
+
+def _fast_record(
+    line: str | bytes, number: int, block: int
+) -> TraceRecord | None:
+    """The record of a plain, valid Mooncake line; ``None`` for anything else (the full parser
+    then decides)."""
+    assert _FAST is not None
+    try:
+        row = _FAST(line)
+    except Exception:  # msgspec's DecodeError and ValidationError: the full parser explains
+        return None
+    stamp, length, output, ids = row.timestamp, row.input_length, row.output_length, row.hash_ids
+    if (
+        not 0 <= stamp <= MAX_TIMESTAMP_MS  # also refuses NaN
+        or not 1 <= length <= MAX_LENGTH_TOKENS
+        or not 0 <= output <= MAX_LENGTH_TOKENS
+        or len(ids) != -(-length // block)
+        or min(ids) < 0
+        or max(ids) > MAX_HASH_ID
+    ):
+        return None
+    return TraceRecord(number, stamp, length, output, tuple(ids))
+
+
 def parse_record(
     line: str | bytes, number: int, source: str, block: int = DEFAULT_BLOCK_TOKENS
 ) -> TraceRecord | None:
     """One line; ``None`` for a blank line. Does not check the order against other lines."""
+    if _FAST is not None:
+        fast = _fast_record(line, number, block)
+        if fast is not None:
+            return fast
     where = f"{source}:{number}"
     if isinstance(line, bytes):
         try:
