@@ -164,3 +164,25 @@ def test_peers_are_in_the_registry() -> None:
                                               llmd.kv_cache_weight) == (3.0, 2.0, 2.0)
     assert isinstance(dynamo, DynamoKvCost) and dynamo.overlap_score_weight == 1.0
     assert dynamo.router_temperature == 0.0 and dynamo.uses_kv_events
+
+
+def test_bookkeeping_survives_reused_request_ids_and_stray_finishes() -> None:
+    """Two sends under one request id (a retry, or two clients reusing an id) each release
+    what they added; a finish for a request never routed changes nothing."""
+    dynamo = DynamoKvCost(block_size=4)
+    llmd = LlmdScorers(kv_capacity_tokens=64, queue_weight=0.0, prefix_weight=0.0)
+    same = request(PROMPT, "dup")
+    for policy in (dynamo, llmd):
+        policy.on_routed(same, RoutingDecision("r0", "x"), 0.0)
+        policy.on_routed(same, RoutingDecision("r1", "x"), 0.0)
+        policy.on_finished(request([1, 2, 3], "stranger"), "r0", 1.0)
+    idle = view((0, 0), (0, 0))
+    other = request([9] * 16, "p")  # shares no block: decode = active 4 + its own 4
+    assert dynamo.logits(other, idle)[0] == {"r0": 4 + 4 + 4.0, "r1": 4 + 4 + 4.0}
+    assert llmd.scores(request(PROMPT, "p"), idle) == {"r0": 2 * 0.75, "r1": 2 * 0.75}
+    for policy in (dynamo, llmd):
+        policy.on_finished(same, "r1", 2.0)
+        policy.on_finished(same, "r0", 2.0)
+        policy.on_finished(same, "r0", 3.0)  # a duplicate finish takes nothing more back
+    assert dynamo.logits(other, idle)[0] == {"r0": 4 + 0 + 4.0, "r1": 4 + 0 + 4.0}
+    assert llmd.scores(request(PROMPT, "p"), idle) == {"r0": 2.0, "r1": 2.0}

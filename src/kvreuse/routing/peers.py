@@ -115,7 +115,9 @@ class LlmdScorers(PolicyBase):
         )
         self._rng = _check_rng(rng, seed)
         self._running: dict[ReplicaId, int] = {}
-        self._routed: dict[str, tuple[ReplicaId, int]] = {}
+        # (request id, replica) -> prompt tokens of each unfinished send: a retried request or
+        # two clients reusing one id each release exactly what they added.
+        self._routed: dict[tuple[str, ReplicaId], list[int]] = {}
 
     def _hashed(self, request: RequestView) -> tuple[RequestView, int]:
         """The part of the prompt the prefix scorer hashes, and its number of blocks."""
@@ -168,13 +170,16 @@ class LlmdScorers(PolicyBase):
             self.trees.record(hashed, decision.replica, now)
         rid = decision.replica
         self._running[rid] = self._running.get(rid, 0) + request.prompt_tokens
-        self._routed[request.request_id] = (rid, request.prompt_tokens)
+        self._routed.setdefault((request.request_id, rid), []).append(request.prompt_tokens)
 
     def on_finished(self, request: RequestView, replica: ReplicaId, now: float) -> None:
-        entry = self._routed.pop(request.request_id, None)
-        if entry is not None:
-            rid, tokens = entry
-            self._running[rid] -= tokens
+        key = (request.request_id, replica)
+        sends = self._routed.get(key)
+        if not sends:
+            return  # never routed here (or already released): nothing to take back
+        self._running[replica] -= sends.pop()
+        if not sends:
+            del self._routed[key]
 
 
 class DynamoKvCost(PolicyBase):
@@ -212,7 +217,8 @@ class DynamoKvCost(PolicyBase):
         self._rng = _check_rng(rng, seed)
         # Per replica: chained hash of each active (routed, unfinished) prompt block -> count.
         self._active: dict[ReplicaId, dict[int, int]] = {}
-        self._routed: dict[str, tuple[ReplicaId, list[int]]] = {}
+        # (request id, replica) -> block chains of its unfinished sends (see LlmdScorers).
+        self._routed: dict[tuple[str, ReplicaId], list[list[int]]] = {}
         self._last_chain: tuple[RequestView | None, list[int]] = (None, [])
 
     def _chain(self, request: RequestView) -> list[int]:
@@ -276,14 +282,17 @@ class DynamoKvCost(PolicyBase):
         active = self._active.setdefault(decision.replica, {})
         for h in chain:
             active[h] = active.get(h, 0) + 1
-        self._routed[request.request_id] = (decision.replica, chain)
+        self._routed.setdefault((request.request_id, decision.replica), []).append(chain)
 
     def on_finished(self, request: RequestView, replica: ReplicaId, now: float) -> None:
-        entry = self._routed.pop(request.request_id, None)
-        if entry is None:
-            return
-        rid, chain = entry
-        active = self._active[rid]
+        key = (request.request_id, replica)
+        sends = self._routed.get(key)
+        if not sends:
+            return  # never routed here (or already released): nothing to take back
+        chain = sends.pop()
+        if not sends:
+            del self._routed[key]
+        active = self._active[replica]
         for h in chain:
             left = active[h] - 1
             if left:

@@ -118,26 +118,34 @@ class RelativeSpill(PolicyBase):
         self.slack = slack
         self.cache_threshold = cache_threshold
         self.cost = cost or CostModel()
-        self.estimator: ApproxTrees | CacheMirror
+        # ``trees`` by that name: a gateway bounds it per upstream (set_capacity) and may swap
+        # in a shared index (gateway/shared_index), so it is read on every call.
+        self.trees: ApproxTrees | None = None
+        self.mirror: CacheMirror | None = None
         if estimator == "approx":
-            self.estimator = ApproxTrees(capacity_tokens=tree_capacity_tokens)
+            self.trees = ApproxTrees(capacity_tokens=tree_capacity_tokens)
         elif estimator == "exact":
-            self.estimator = CacheMirror(block_size)
+            self.mirror = CacheMirror(block_size)
             self.uses_kv_events = True
         else:
             raise ConfigError(f"estimator must be 'approx' or 'exact', got {estimator!r}")
 
     def cache_size(self, replica: ReplicaId) -> int:
         """Tokens the router believes ``replica`` caches."""
-        if isinstance(self.estimator, CacheMirror):
-            return self.estimator.cached_tokens(replica)
-        return self.estimator.tree_tokens(replica)
+        if self.trees is not None:
+            return int(self.trees.tree_tokens(replica))
+        assert self.mirror is not None, "a policy with neither trees nor mirror"
+        return self.mirror.cached_tokens(replica)
 
     def route(self, request: RequestView, fleet: FleetView) -> RoutingDecision | None:
         if not fleet.replicas:
             return None
         ids = tuple(map(REPLICA_ID, fleet.replicas))
-        matched = self.estimator.predict(request, ids, fleet.now)
+        if self.trees is not None:
+            matched = self.trees.predict(request, ids, fleet.now)
+        else:
+            assert self.mirror is not None, "a policy with neither trees nor mirror"
+            matched = self.mirror.predict(request, ids, fleet.now)
         return relative_spill_rule(
             matched,
             fleet.replicas,
@@ -149,9 +157,9 @@ class RelativeSpill(PolicyBase):
         )
 
     def on_routed(self, request: RequestView, decision: RoutingDecision, now: float) -> None:
-        if isinstance(self.estimator, ApproxTrees):
-            self.estimator.record(request, decision.replica, now)
+        if self.trees is not None:
+            self.trees.record(request, decision.replica, now)
 
     def on_kv_event(self, event: KvEvent) -> None:
-        if isinstance(self.estimator, CacheMirror):
-            self.estimator.apply(event)
+        if self.mirror is not None:
+            self.mirror.apply(event)
