@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -168,3 +169,41 @@ def test_the_bounds_say_what_pooled_lru_is_not(capsys: pytest.CaptureFixture[str
     assert sglang["token_hit_rate"] > by_size[3]["pooled_lru_hit_rate"]
     for bounds in by_size.values():
         assert all(r["token_hit_rate"] <= bounds["infinite_hit_rate"] for r in payload["runs"])
+
+
+def test_a_100_column_terminal_gets_whole_figures(mission_four: dict[str, Any]) -> None:
+    """In a real (pseudo-)terminal 100 columns wide, with no COLUMNS set, rich reads the width
+    from the terminal: still every label and figure whole, no ellipsis."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 100, 0, 0))
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
+    env["TERM"] = "xterm"  # rich takes a "dumb" terminal for 80 columns whatever its size
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from kvreuse.cli.main import main; sys.exit(main())",
+         "simulate", "--scenario", "mission-4", "--scale", "0.25"],
+        stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True,
+    )
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    assert child.wait(timeout=300) == 0
+    os.close(master)
+    raw = b"".join(chunks).decode("utf-8", "replace").replace("\r", "")
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", raw)  # colours and cursor codes
+    assert "…" not in text
+    for run in mission_four["runs"]:
+        line = next(line for line in text.splitlines() if f"{run['label']} x4" in line)
+        assert all(cell in line for cell in _cells(run)), (line, _cells(run))
