@@ -41,6 +41,9 @@ LAB_HOST = "127.0.0.1"
 LAB_PORT = 8765
 """``kvreuse lab``'s address unless ``--host``/``--port`` say otherwise; ``simulate --report``
 links there unless ``--lab-url`` says otherwise."""
+LAB_MAX_CONCURRENT_RUNS = 2
+"""Simulations the lab runs at once (``kvreuse lab --max-concurrent-runs``): each holds a core
+and up to a few hundred MB."""
 
 # ---------------------------------------------------------------------------- trace replays
 

@@ -38,6 +38,7 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from kvreuse import defaults
 from kvreuse.errors import ConfigError, InputFormatError
 from kvreuse.json_input import parse_json
 from kvreuse.web.controls import LIMITS, ControlChoices, LabControls, parse_controls, parse_query
@@ -49,8 +50,7 @@ MAX_BODY_BYTES = 64 * 1024
 MAX_BODY_DEPTH = 8
 """The controls are a flat object; anything nested deeper than this is not a lab request."""
 RESULT_CACHE_SIZE = 32
-MAX_CONCURRENT_RUNS = 2
-"""Simulations at once by default: each holds a core and up to a few hundred MB."""
+MAX_CONCURRENT_RUNS = defaults.LAB_MAX_CONCURRENT_RUNS
 MAX_WAITING_RUNS = 8
 QUEUE_TIMEOUT_S = 30.0
 
