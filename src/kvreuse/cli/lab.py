@@ -9,13 +9,10 @@ from typing import Any
 
 from kvreuse.cli.args import positive_int
 from kvreuse.defaults import LAB_HOST as DEFAULT_HOST
+from kvreuse.defaults import LAB_MAX_CONCURRENT_RUNS as MAX_CONCURRENT_RUNS
 from kvreuse.defaults import LAB_PORT as DEFAULT_PORT
 from kvreuse.defaults import lab_base_url
 from kvreuse.errors import ConfigError
-
-MAX_CONCURRENT_RUNS = 2
-"""Kept equal to :data:`kvreuse.web.app.MAX_CONCURRENT_RUNS` (tests/web checks), so that
-``kvreuse --help`` need not import starlette."""
 
 
 def register(subparsers: Any) -> None:
