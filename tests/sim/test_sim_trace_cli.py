@@ -63,14 +63,16 @@ def test_bad_lines_name_line_and_field(line: str, field: str) -> None:
 
 @needs_trace
 def test_real_trace_bounds_dominate_every_policy() -> None:
-    """Infinite cache >= pooled LRU >= any router over the same N x C (first 600 requests)."""
+    """The infinite cache is a ceiling over pooled LRU and every router (first 600 requests).
+    Pooled LRU is only a reference: routers may beat it (belgavi does, see
+    tests/cli/test_simulate_output.py), so nothing is asserted between them."""
     requests = parse_trace(head(600))
     bounds = compute_bounds(requests, 4, 200_000)
     assert bounds.infinite_hit_rate >= bounds.pooled_lru_hit_rate > 0
     for name in ("round_robin", "cache_aware"):
         config = FleetConfig(4, ReplicaConfig(pool_tokens=200_000))
         rate = summarize(FleetSimulator(config, build_policy(name)).run(requests)).token_hit_rate
-        assert rate <= bounds.pooled_lru_hit_rate + 1e-9
+        assert rate <= bounds.infinite_hit_rate + 1e-9
 
 
 def test_scenarios_command_lists_every_scenario(capsys: pytest.CaptureFixture[str]) -> None:
