@@ -120,8 +120,8 @@ def _print_stats(console: Any, name: str, stats: TraceStats) -> None:
     console.print(f"infinite-cache ceiling (one cache that never forgets): "
                   f"{stats.infinite_hit_rate:.1%} of prompt tokens")
     replicas = sorted({p.replicas for p in stats.pooled})
-    table = Table(title="pooled bound: one LRU cache of replicas x cache tokens (no router "
-                  "over those replicas does better)", box=box.SIMPLE_HEAD)
+    table = Table(title="pooled LRU: one LRU cache of replicas x cache tokens (a reference, "
+                  "not a ceiling: routers can beat LRU)", box=box.SIMPLE_HEAD)
     table.add_column("cache tokens per replica", justify="right", overflow="fold")
     for n in replicas:
         table.add_column(f"{n} replicas", justify="right", overflow="fold")

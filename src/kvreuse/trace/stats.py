@@ -2,8 +2,9 @@
 
 * volume: requests, prompt and answer tokens, duration, sessions, tenants, models;
 * the infinite-cache ceiling: the token hit rate of one cache that never forgets;
-* the pooled bound for each replicas × cache size: one LRU cache of N × C tokens, which no
-  router over N replicas of C can beat (:mod:`kvreuse.sim.trace`);
+* the pooled-LRU reference for each replicas × cache size: one LRU cache of N × C tokens
+  (:mod:`kvreuse.sim.trace`); a yardstick, not a ceiling: LRU is not the best eviction, and a
+  router that keeps each prefix on one replica can beat it;
 * the hot working set over time: per window, the tokens of blocks two or more requests use
   (:func:`kvreuse.capacity.trace.trace_hot_set`);
 * reuse depth: per request, how many leading blocks an earlier request already had (ids are
