@@ -99,6 +99,12 @@ def test_recorded_trace_through_the_gateway_leaks_no_prompt_or_tenant(
                                    json={"model": "sim", "prompt": prompt, "max_tokens": 4})
             assert response.status_code == 200
     salt = gateway.gateway.tenants.authenticate("Bearer sk-CANARYKEY-77").cache_salt  # type: ignore[union-attr]
+    deadline = time.monotonic() + 10
+    while 'kvreuse_gateway_trace_records_total{outcome="written"} 3.0' not in (
+            metrics := httpx.get(gateway.url + "/metrics").text):
+        assert time.monotonic() < deadline, metrics
+        time.sleep(0.05)
+    assert 'kvreuse_gateway_trace_records_total{outcome="dropped"} 0.0' in metrics
     gateway.server.stop()
     text = "\n".join(read_trace(record_dir))
     for canary in ("CANARY", "quick brown", "sk-", salt, "tenant-secret"):

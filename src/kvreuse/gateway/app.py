@@ -53,7 +53,13 @@ from kvreuse.gateway.config import GatewayConfig
 from kvreuse.gateway.metrics import GatewayMetrics, GatewayState, TokenTally
 from kvreuse.gateway.prompts import PromptTokenizer, load_prompt_tokenizer
 from kvreuse.gateway.proxy import CLIENT_LEFT, Forwarder
-from kvreuse.gateway.recorder import SECRET_ENV, RecorderSettings, TraceRecorder, load_secret
+from kvreuse.gateway.recorder import (
+    SECRET_ENV,
+    RecorderCollector,
+    RecorderSettings,
+    TraceRecorder,
+    load_secret,
+)
 from kvreuse.gateway.router import Router
 from kvreuse.gateway.subscriber import EventSubscriber
 from kvreuse.gateway.telemetry import AccessLog, RequestRecord, ThrottledLog, trace_headers
@@ -171,6 +177,7 @@ class Gateway:
                 Path(config.record_dir), secret, config.record_block_size,
                 config.record_max_bytes, config.record_rotate_s, config.record_queue,
                 config.record_reorder_s))
+            self.metrics.registry.register(RecorderCollector(self.recorder))
             if not shared:
                 log.warning("--record without --record-secret-file or $%s: a random secret, so "
                             "this trace's ids match no other gateway's or run's", SECRET_ENV)

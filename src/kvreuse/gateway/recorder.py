@@ -29,10 +29,12 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
+
+from prometheus_client.core import CounterMetricFamily, Metric
 
 from kvreuse.errors import ConfigError
 from kvreuse.gateway.telemetry import RequestRecord
@@ -248,3 +250,21 @@ class TraceRecorder:
                 and time.monotonic() - self._file_opened >= self.settings.rotate_s):
             self._file.close()
             self._file = None
+
+
+class RecorderCollector:
+    """``/metrics``: ``kvreuse_gateway_trace_records_total{outcome}`` — written, dropped (queue
+    full), late (finished after the reorder window; written with the last timestamp)."""
+
+    def __init__(self, recorder: TraceRecorder) -> None:
+        self._recorder = recorder
+
+    def collect(self) -> Iterable[Metric]:
+        family = CounterMetricFamily(
+            "kvreuse_gateway_trace_records",
+            "requests handed to the --record trace, by outcome", labels=["outcome"])
+        recorder = self._recorder
+        for outcome, value in (("written", recorder.written), ("dropped", recorder.dropped),
+                               ("late", recorder.late)):
+            family.add_metric([outcome], value)
+        yield family
