@@ -42,7 +42,8 @@ PROMPT = list(range(1000, 1016))  # 16 tokens: four Dynamo blocks of 4, two llm-
 
 
 def test_dynamo_selects_the_documented_worker() -> None:
-    """Dynamo's docs example (weight 1.0): costs 1*8+10=18, 1*5+5=10, 1*2+9=11 pick worker 2."""
+    """Dynamo's docs example ("Routing Concepts", weight 1.0): costs 1*8+10=18, 1*5+5=10,
+    1*2+9=11 pick worker 2."""
     logits = {"w1": 1.0 * 8 + 10, "w2": 1.0 * 5 + 5, "w3": 1.0 * 2 + 9}
     assert select_worker(logits, lambda rid: 0, 0.0, random.Random(0)) == "w2"
 

@@ -4,10 +4,12 @@ Real peers only run as gateways (``benchmarks/routers.py``); these classes resta
 rules on kvreuse's contract, from their documentation and default configurations (facts, not
 code). SGLang router's ``cache_aware`` is :class:`~kvreuse.routing.cache_aware.CacheAwareSGLang`.
 
-:class:`LlmdScorers` (``llm_d``) — the llm-d inference scheduler's default scheduling profile
-(llm-d 0.3 "inference scheduling" well-lit path; the same plugins as the Gateway API Inference
-Extension's endpoint picker, GIE v1.0): filter → score → pick. Three scorers, each in [0, 1],
-summed with weights ``prefix-cache-scorer: 3``, ``queue-scorer: 2``,
+:class:`LlmdScorers` (``llm_d``) — the llm-d inference scheduler's default scheduling profile:
+the "standard deployment" of llm-d's router documentation (approximate prefix-cache scoring
+balanced against load signals; llm-d-inference-scheduler v0.4 era, the same weights Red Hat
+OpenShift AI 3.4's llm-d documentation states as the default), with the plugin semantics of the
+Gateway API Inference Extension's endpoint picker: filter → score → pick. Three scorers, each
+in [0, 1], summed with weights ``prefix-cache-scorer: 3``, ``queue-scorer: 2``,
 ``kv-cache-utilization-scorer: 2``, then ``max-score-picker`` (highest weighted sum, ties at
 random):
 
@@ -25,14 +27,19 @@ random):
   the requests it routed and that have not finished, per replica, over ``kv_capacity_tokens``
   (give it the replica's KV pool; capped at 1).
 
-:class:`DynamoKvCost` (``dynamo_kv``) — NVIDIA Dynamo's KV router (Dynamo 0.4–0.7 documentation,
-"KV Router": cost function and worker selection; ``--kv-overlap-score-weight`` default 1.0,
-``--router-temperature`` default 0.0, KV events on by default)::
+:class:`DynamoKvCost` (``dynamo_kv``) — NVIDIA Dynamo's KV router: the "KV Router" page of the
+Dynamo documentation (archive 0.4.0, same text through 0.7: cost function,
+``--kv-overlap-score-weight`` default 1.0, ``--router-temperature`` default 0.0, KV events on
+by default) and, for ties and the softmax, its ``DefaultWorkerSelector`` / ``softmax_sample``
+(Dynamo 1.x source)::
 
     logit(w) = overlap_score_weight × prefill_blocks(w) + decode_blocks(w)
     prefill_blocks(w) = (prefill tokens already queued on w + prompt − overlap(w) × block) / block
     decode_blocks(w)  = blocks of w's active requests + the request's blocks not already among them
 
+The queued part of ``prefill_blocks`` is as Dynamo's current "Routing Concepts" page and its
+1.x ``prefill_tokens`` have it ("active prompt work already assigned to the worker plus the
+incoming request's uncached prompt work"); the 0.4 page counts only the request's own.
 Lowest logit wins; at temperature 0 ties go to the smallest cache (tree size), then at random.
 Above 0 a worker is drawn with probability ∝ ``exp(-(logit - min) / ((max - min) × T))`` (costs
 rescaled by their range; uniform when all are equal). ``overlap(w)`` is the worker's cached
