@@ -288,6 +288,12 @@ def test_stale_index_is_noticed_and_rebuilt_on_real_vllm(gateway_for: StartGatew
     prompts = [text(120) for _ in range(5)]
     for prompt in prompts:
         post(gateway, "/v1/completions", {"prompt": prompt, "max_tokens": 2})
+    # The index's budget comes from vLLM's own vllm:cache_config_info (num_gpu_blocks x 32).
+    from kvreuse.gateway.upstreams import parse_kv_capacity
+
+    capacity = parse_kv_capacity(httpx.get(target.url + "/metrics", timeout=10).text)
+    assert capacity is not None and capacity % 32 == 0
+    assert router.budget_of(target.name) == 2 * capacity
     deliver = subscriber._on_batch
     lost: list[Any] = []
     subscriber._on_batch = lost.append  # lost between the socket and the index
@@ -306,7 +312,8 @@ def test_stale_index_is_noticed_and_rebuilt_on_real_vllm(gateway_for: StartGatew
         stale.append((router.health[target.name].suspect, cached(response)))
     assert [s for s, _ in stale] == [False, False, True] and all(c == 0 for _, c in stale)
     deadline = time.monotonic() + 15
-    while subscriber.stats.resyncs < 1 and time.monotonic() < deadline:
+    while ((subscriber.stats.resyncs < 1 or subscriber.stats.state == "resyncing")
+           and time.monotonic() < deadline):
         time.sleep(0.05)
     assert subscriber.stats.resyncs == 1 and subscriber.stats.replayed_batches > 0
     gateway.events_settled()
