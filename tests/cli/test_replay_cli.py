@@ -58,3 +58,21 @@ def test_replay_refuses_a_non_http_target(
     trace.write_text(synthetic_mooncake(requests=1)[0] + "\n")
     assert main(["replay", "--trace", str(trace), "--target", "ftp://x"]) == 1
     assert "--target" in capsys.readouterr().err
+
+
+def test_speed_and_duration_shape_the_schedule(tmp_path: Path) -> None:
+    """--speed 2 halves every send time; --duration keeps the sends due before it."""
+    import argparse
+
+    from kvreuse.cli.replay import build_calls
+
+    lines = synthetic_mooncake(requests=50, requests_per_second=5.0)
+    records = parse_trace_lines(lines)
+    base = {"tokenizer": None, "block_size": 512, "vocab_size": 8192, "first_token": 100,
+            "model": "m", "max_tokens": 16, "duration": None}
+    normal = build_calls(records, argparse.Namespace(speed=1.0, **base))
+    fast = build_calls(records, argparse.Namespace(speed=2.0, **base))
+    assert [c.at_s / 2 for c in normal] == pytest.approx([c.at_s for c in fast])
+    cut = build_calls(records, argparse.Namespace(speed=1.0, **{**base, "duration": 3.0}))
+    assert 0 < len(cut) < len(normal) and all(c.at_s <= 3.0 for c in cut)
+    assert cut == normal[: len(cut)]
