@@ -145,3 +145,26 @@ def test_import_of_the_same_requests_gives_the_recorded_ids(
                  "--secret-file", str(secret)]) == 0
     imported = parse_trace_lines(out.read_text().splitlines(), block=16)
     assert [r.hash_ids for r in imported] == [r.hash_ids for r in recorded]
+
+
+def test_an_unwritable_directory_is_a_startup_error(tmp_path: Path) -> None:
+    """--record on a path under a file fails when the gateway is built, naming the flag."""
+    import pytest
+
+    from kvreuse.errors import ConfigError
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ConfigError, match="--record"):
+        TraceRecorder(RecorderSettings(blocker / "sub", SECRET))
+
+
+def test_record_settings_come_from_the_toml_file(tmp_path: Path) -> None:
+    """record_dir and record_block_size are read from the gateway's config file."""
+    from kvreuse.gateway.config import load_config_file
+
+    path = tmp_path / "gw.toml"
+    path.write_text('[gateway]\nrecord_dir = "rec"\nrecord_block_size = 64\n'
+                    '[[upstreams]]\nurl = "http://127.0.0.1:1"\n')
+    config = load_config_file(path)
+    assert config.record_dir == "rec" and config.record_block_size == 64

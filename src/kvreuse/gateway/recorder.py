@@ -115,12 +115,19 @@ class TraceRecorder:
         self._last_ms = 0.0
         self._dropped_logged = 0.0
         self.error: str | None = None
+        # Made here, when the gateway is built: a directory that cannot be written is a
+        # start-up error naming the flag, not a failure once serving.
+        directory = settings.directory
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            probe = directory / f".probe-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            raise ConfigError(f"--record {directory}: cannot write there: {exc.strerror}"
+                              ) from None
 
     def start(self) -> None:
-        try:
-            self.settings.directory.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ConfigError(f"--record {self.settings.directory}: {exc.strerror}") from None
         self._thread.start()
 
     # ------------------------------------------------------------------ request path
