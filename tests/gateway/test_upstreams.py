@@ -21,9 +21,11 @@ vllm:prefix_cache_hits_created{engine="0",model_name="m"} 1.7e9
 """
 
 
-def state(**kwargs: object) -> UpstreamState:
+def state(clock: list[float] | None = None, **kwargs: object) -> UpstreamState:
+    now = clock if clock is not None else [0.0]
     return UpstreamState(UpstreamConfig("http://h:1", **kwargs),  # type: ignore[arg-type]
-                         eject_after=2, readmit_after=2)
+                         eject_after=2, readmit_after=2, ejection_s=10.0,
+                         clock=lambda: now[0])
 
 
 def test_prometheus_text_is_summed_over_label_sets() -> None:
@@ -34,15 +36,45 @@ def test_prometheus_text_is_summed_over_label_sets() -> None:
                       "vllm:prefix_cache_hits_total": 250.0}
 
 
-def test_ejection_after_repeated_failures_and_readmission_by_probes() -> None:
-    """eject_after failures eject; readmit_after successful probes re-admit."""
+def test_ejection_after_repeated_failed_probes_and_readmission_by_probes() -> None:
+    """eject_after failed probes eject; readmit_after passing probes re-admit."""
     upstream = state()
-    assert not upstream.record_failure() and upstream.healthy
-    assert upstream.record_failure() and not upstream.healthy
+    assert not upstream.record_failure(probe=True) and upstream.healthy
+    assert upstream.record_failure(probe=True) and not upstream.healthy
     assert not upstream.record_success(probe=False) and not upstream.healthy
     assert not upstream.record_success(probe=True)
     assert upstream.record_success(probe=True) and upstream.healthy
     assert upstream.ejections == 1
+
+
+def test_failed_requests_eject_although_probes_pass() -> None:
+    """Passing probes do not end a streak of failed requests: it ejects (passive health)."""
+    upstream = state()
+    assert not upstream.record_failure(probe=False)
+    assert not upstream.record_success(probe=True)  # /health answers between the failures
+    assert upstream.record_failure(probe=False) and not upstream.healthy
+
+
+def test_passive_ejection_lasts_its_time_then_probation_and_doubling() -> None:
+    """Probes cannot re-admit before ejection_s; back on probation one failure re-ejects for
+    twice as long; a served request ends the doubling."""
+    clock = [0.0]
+    upstream = state(clock)
+    upstream.record_failure(probe=False)
+    assert upstream.record_failure(probe=False)
+    for _ in range(3):
+        assert not upstream.record_success(probe=True)  # passing, but the 10 s are not over
+    clock[0] = 10.0
+    assert upstream.record_success(probe=True) and upstream.healthy
+    assert upstream.record_failure(probe=False) and not upstream.healthy  # probation
+    assert upstream.ejected_until == 30.0  # 20 s this time
+    clock[0] = 30.0
+    upstream.record_success(probe=True)
+    assert upstream.record_success(probe=True) and upstream.healthy
+    upstream.record_success(probe=False)  # it served a request: the streak is over
+    upstream.record_failure(probe=False)
+    assert upstream.healthy and upstream.record_failure(probe=False)
+    assert upstream.ejected_until == 40.0
 
 
 def test_load_counts_what_the_gateway_sent_and_what_the_engine_reports() -> None:

@@ -40,6 +40,14 @@ without a key. /metrics needs no key: serve it on its own port with --metrics-po
 Telemetry: one start-up line on stdout; --access-log text|json writes one line per request on
 stdout (request id, model, tenant, upstream, policy decision, predicted and realized cached
 tokens, status, TTFT, total time; never the salt); warnings and errors go to stderr.
+
+Limits: --upstream-timeout (to an upstream's first byte; past it the request is cancelled
+there and tried on the next candidate), --idle-timeout (idle client keep-alive connections),
+--head-timeout (a request head, or a stalled body), --max-connections (more clients get a fast
+503), --max-response-bytes (a larger whole response is a 502). Upstreams failing requests in a
+row are ejected even while their /health answers. Every failure reaches the client as an
+OpenAI error body (or, inside a stream, an SSE error event) and is logged with the request id
+(x-request-id, taken from the caller or made, returned on every answer).
 """
 
 
@@ -74,7 +82,26 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--readmit-after", type=int, help="consecutive probes that re-admit")
     parser.add_argument("--metrics-interval", type=float,
                         help="seconds between /metrics scrapes (0: off)")
-    parser.add_argument("--max-body-bytes", type=int)
+    parser.add_argument("--max-body-bytes", type=int, help="largest request body (default "
+                        "8 MiB; larger: 413, refused before it is read)")
+    parser.add_argument("--upstream-timeout", type=float, metavar="S",
+                        help="seconds to an upstream's first byte before the request is "
+                        "cancelled there and retried on the next candidate (default 60)")
+    parser.add_argument("--idle-timeout", type=float, metavar="S",
+                        help="seconds an idle client keep-alive connection stays open "
+                        "(default 30)")
+    parser.add_argument("--head-timeout", type=float, metavar="S",
+                        help="seconds a client has to send a complete request head, and "
+                        "between pieces of its body (default 10)")
+    parser.add_argument("--max-connections", type=int, metavar="N",
+                        help="client connections open at once; more get a fast 503 "
+                        "(default: half the open-file limit, at most 10000)")
+    parser.add_argument("--max-response-bytes", type=int, metavar="N",
+                        help="largest whole (non-streamed) upstream response relayed; larger "
+                        "is a 502 naming the limit (default 64 MiB)")
+    parser.add_argument("--ejection-time", type=float, metavar="S",
+                        help="first ejection of an upstream failing requests in a row; "
+                        "doubles while it goes on (default 10)")
     parser.add_argument("--index-budget-factor", type=float, metavar="F",
                         help="bound every index kept per upstream to its KV capacity (vLLM's "
                         "vllm:cache_config_info, else capacity_tokens=) times F (default 2)")
@@ -142,6 +169,12 @@ def build_config(args: argparse.Namespace) -> Any:
         index_budget_factor=args.index_budget_factor,
         kv_events_max_frame_bytes=args.kv_events_max_frame_bytes,
         kv_events_seq_window=args.kv_events_seq_window,
+        upstream_timeout_s=args.upstream_timeout,
+        idle_timeout_s=args.idle_timeout,
+        head_timeout_s=args.head_timeout,
+        max_connections=args.max_connections,
+        max_response_bytes=args.max_response_bytes,
+        ejection_s=args.ejection_time,
         upstream_api_key=args.upstream_api_key,
         seed=args.seed,
         access_log=args.access_log,
@@ -159,9 +192,11 @@ def run(args: argparse.Namespace) -> int:
 
     from kvreuse.gateway.app import Gateway
     from kvreuse.gateway.asgi import server_stack
+    from kvreuse.gateway.serve import raise_open_file_limit, uvicorn_options
     from kvreuse.gateway.telemetry import configure_logging
 
     configure_logging(args.log_level)
+    open_files = raise_open_file_limit()
     config = build_config(args)
     if config.metrics_port is not None and config.metrics_port == args.port:
         raise ConfigError(f"--metrics-port must differ from --port ({args.port})")
@@ -181,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
     server_config = uvicorn.Config(
         by_listener(gateway.app, gateway.metrics_app, config.metrics_port), host=args.host,
         port=args.port, log_level=args.log_level, access_log=False, loop=stack.loop,
-        http=stack.http)
+        **uvicorn_options(config, open_files))
     sockets = [listen(args.host, args.port, "--port")]
     if config.metrics_port is not None:
         sockets.append(listen(args.host, config.metrics_port, "--metrics-port"))

@@ -52,7 +52,7 @@ from kvreuse.gateway.validation import (
     ENDPOINT_KINDS,
     ParsedRequest,
     RequestError,
-    parse_json_body,
+    decode_body,
     parse_request,
 )
 from kvreuse.identity import CacheIdentity
@@ -62,6 +62,76 @@ RENDER_KINDS = {path + "/render": kind for path, kind in ENDPOINT_KINDS.items()}
 FILLER = "lorem ipsum dolor sit amet, consectetur adipiscing elit, sed do eiusmod tempor. "
 DEFAULT_MAX_TOKENS = 16
 MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+def _is_set(value: object) -> bool:
+    return value not in (None, False, "", [], {})
+
+
+# Request options vLLM implements and this simulator does not, each with the test for a value
+# that asks for something (absent, null and the neutral value pass). Refused with a 400 naming
+# the option rather than ignored: a caller must not take filler text for what it asked for.
+UNSUPPORTED_OPTIONS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "n": (lambda v: v != 1, "more than one choice per request"),
+    "best_of": (lambda v: v != 1, "best-of sampling"),
+    "use_beam_search": (_is_set, "beam search"),
+    "logprobs": (lambda v: v is not False, "log probabilities"),
+    "top_logprobs": (lambda v: v != 0, "log probabilities"),
+    "prompt_logprobs": (lambda v: True, "prompt log probabilities"),
+    "echo": (_is_set, "echoing the prompt"),
+    "suffix": (_is_set, "a suffix"),
+    "stop": (_is_set, "stop strings"),
+    "stop_token_ids": (_is_set, "stop token ids"),
+    "bad_words": (_is_set, "bad words"),
+    "allowed_token_ids": (lambda v: True, "allowed token ids"),
+    "logit_bias": (_is_set, "logit bias"),
+    "logits_processors": (_is_set, "logits processors"),
+    "response_format": (lambda v: not (isinstance(v, dict) and v.get("type") == "text"),
+                        "structured output (response_format)"),
+    "guided_json": (lambda v: True, "guided decoding"),
+    "guided_regex": (lambda v: True, "guided decoding"),
+    "guided_choice": (lambda v: True, "guided decoding"),
+    "guided_grammar": (lambda v: True, "guided decoding"),
+    "structural_tag": (lambda v: True, "guided decoding"),
+    "structured_outputs": (lambda v: True, "structured outputs"),
+    "tool_choice": (lambda v: v not in ("none", "auto"), "forced tool calls"),
+    "truncate_prompt_tokens": (lambda v: True, "prompt truncation"),
+    "prompt_embeds": (lambda v: True, "prompt embeddings"),
+    "return_tokens_as_token_ids": (_is_set, "token ids in place of text"),
+    "return_token_ids": (_is_set, "token ids in the answer"),
+    "kv_transfer_params": (lambda v: True, "KV transfer"),
+    "vllm_xargs": (_is_set, "extra sampling arguments"),
+    "audio": (lambda v: True, "audio output"),
+    "modalities": (lambda v: v != ["text"], "output modalities other than text"),
+    "prediction": (lambda v: True, "predicted outputs"),
+    "parallel_tool_calls": (lambda v: False, ""),  # only meaningful with tool calls
+    "min_tokens": (lambda v: False, ""),  # checked against max_tokens below
+}
+
+
+def check_supported(parsed: ParsedRequest, max_tokens: int) -> None:
+    """Raise :class:`RequestError` (400) for an option the simulator does not implement, or
+    one that contradicts another (as vLLM would). O(options)."""
+    body = parsed.body
+    for name, (asks, what) in UNSUPPORTED_OPTIONS.items():
+        value = body.get(name)
+        if value is not None and asks(value):
+            raise RequestError(f"{name}={json.dumps(value)[:80]} is not supported by the "
+                               f"simulated engine (kvreuse engine implements no {what}); "
+                               f"remove it or send the neutral value", name)
+    min_tokens = body.get("min_tokens")
+    if min_tokens is not None and (not isinstance(min_tokens, int) or isinstance(
+            min_tokens, bool) or not 0 <= min_tokens <= max_tokens):
+        raise RequestError(f"min_tokens must be an integer from 0 to max_tokens "
+                           f"({max_tokens}), got {min_tokens!r}", "min_tokens")
+    options = body.get("stream_options")
+    if options is not None:
+        if not parsed.stream:
+            raise RequestError("stream_options can only be given with stream=true",
+                               "stream_options")
+        if options.get("continuous_usage_stats"):
+            raise RequestError("stream_options.continuous_usage_stats is not supported by "
+                               "the simulated engine", "stream_options")
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,12 +276,15 @@ class EngineApp:
     def _tokens(self, parsed: ParsedRequest) -> TokenBuffer:
         return request_tokens(self.tokenizer, parsed)
 
-    async def _prepare(self, receive: Receive, send: Send, kind: str) -> PreparedRequest | None:
+    async def _prepare(self, scope: Scope, receive: Receive, send: Send,
+                       kind: str) -> PreparedRequest | None:
         """Read and check a ``kind`` body and tokenize its prompt; a refusal is answered here
         (vLLM's error shape naming the field) and gives None, as does a client gone."""
+        declared = next((value for name, value in scope["headers"]
+                         if name == b"content-length"), None)
         try:
-            parsed = parse_request(kind, parse_json_body(
-                await read_body(receive, MAX_BODY_BYTES, None)))
+            parsed = parse_request(kind, decode_body(
+                await read_body(receive, MAX_BODY_BYTES, declared)).value)
             if parsed.model not in self.replica.config.names:
                 raise RequestError(
                     f"the model {parsed.model[:200]!r} does not exist; this engine serves "
@@ -220,8 +293,9 @@ class EngineApp:
             if kind == "completion" and isinstance(parsed.body.get("prompt"), list) and len(
                 parsed.body["prompt"]) > 1 and not isinstance(parsed.body["prompt"][0], int):
                 raise RequestError("the simulated engine serves one prompt per request", "prompt")
-            tokens = self._tokens(parsed)
             max_tokens = parsed.max_tokens or DEFAULT_MAX_TOKENS
+            check_supported(parsed, max_tokens)
+            tokens = self._tokens(parsed)
             self.replica.check_fits(tokens, max_tokens)
         except ClientGone:
             return None
@@ -231,10 +305,17 @@ class EngineApp:
         except InputFormatError as exc:
             await send_error(send, RequestError(str(exc), exc.where))
             return None
+        except RecursionError:  # a body nested deep enough to overflow a recursive walk
+            await send_error(send, RequestError("the body nests JSON too deeply", "body"))
+            return None
+        except UnicodeError as exc:
+            await send_error(send, RequestError(f"the body holds invalid Unicode: {exc}",
+                                                "body"))
+            return None
         return PreparedRequest(parsed, tokens, max_tokens)
 
     async def _render(self, scope: Scope, receive: Receive, send: Send, kind: str) -> None:
-        prepared = await self._prepare(receive, send, kind)
+        prepared = await self._prepare(scope, receive, send, kind)
         if prepared is None:
             return
         parsed = prepared.parsed
@@ -277,9 +358,15 @@ class EngineApp:
         self.received_headers.append({
             name.decode("latin-1"): value.decode("latin-1") for name, value in scope["headers"]
             if name in CORRELATION_HEADERS})
-        prepared = await self._prepare(receive, send, kind)
+        prepared = await self._prepare(scope, receive, send, kind)
         if prepared is None:
             return
+        # As vLLM does, a client that disconnects aborts its request wherever it is (queued,
+        # prefilling, decoding), streamed or not, and its blocks are freed.
+        with contextlib.suppress(OSError):  # a server reporting the gone client by raising
+            await until_disconnect(receive, self._run(send, prepared, kind))
+
+    async def _run(self, send: Send, prepared: PreparedRequest, kind: str) -> None:
         parsed, tokens, max_tokens = prepared.parsed, prepared.tokens, prepared.max_tokens
         identity = CacheIdentity(cache_salt=parsed.cache_salt)
         request_id = self.replica.new_request_id()
@@ -296,8 +383,8 @@ class EngineApp:
             "prompt_tokens_details": {"cached_tokens": prefilled.cached_tokens},
         }
         if parsed.stream:
-            await self._relay(receive, send, self._stream(parsed, completion_id, request_id,
-                                                          tokens, max_tokens, usage))
+            await self._relay(send, self._stream(parsed, completion_id, request_id, tokens,
+                                                 max_tokens, usage))
             return
         output: list[int] = []
         try:
@@ -311,20 +398,15 @@ class EngineApp:
         await send_json(send, 200, self._whole(parsed, completion_id, text, usage))
 
     @staticmethod
-    async def _relay(receive: Receive, send: Send, stream: AsyncGenerator[bytes, None]) -> None:
-        """Send an SSE stream; when the client leaves, stop and close the generator (which
-        aborts the request and frees its blocks, as vLLM does)."""
-        async def pump() -> None:
+    async def _relay(send: Send, stream: AsyncGenerator[bytes, None]) -> None:
+        """Send an SSE stream; when the client leaves (this is cancelled), close the generator,
+        which aborts the request and frees its blocks, as vLLM does."""
+        try:
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
             async for chunk in stream:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-        try:
-            await until_disconnect(receive, pump())
-        except OSError:  # a server that reports the gone client by raising (ASGI spec 2.4)
-            pass
         finally:
             await stream.aclose()
 

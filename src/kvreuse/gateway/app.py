@@ -22,8 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import itertools
-import json
 import logging
 import random
 import time
@@ -31,7 +29,6 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-import msgspec
 from prometheus_client import generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -46,10 +43,10 @@ from kvreuse.gateway.asgi import (
     Scope,
     Send,
     read_body,
-    send_error,
     send_json,
 )
 from kvreuse.gateway.config import GatewayConfig
+from kvreuse.gateway.exchange import ClientReply, request_id_of
 from kvreuse.gateway.metrics import GatewayMetrics, GatewayState, TokenTally
 from kvreuse.gateway.prompts import PromptTokenizer, load_prompt_tokenizer
 from kvreuse.gateway.proxy import CLIENT_LEFT, Forwarder
@@ -74,7 +71,7 @@ from kvreuse.gateway.upstreams import (
 from kvreuse.gateway.validation import (
     ENDPOINT_KINDS,
     RequestError,
-    parse_json_body,
+    decode_body,
     parse_request,
 )
 from kvreuse.routing import RoutingPolicy, build_policy
@@ -94,33 +91,6 @@ def no_upstream(model: str) -> dict[str, Any]:
 # Requests open at once per upstream; more wait for a connection. vLLM serves hundreds of
 # concurrent streams per replica, so this only bounds a runaway, it does not shape load.
 MAX_UPSTREAM_CONNECTIONS = 1024
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class DecodedBody:
-    """A request body as a JSON object, and which decoder read it."""
-
-    value: dict[str, Any]
-    by_stdlib: bool  # msgspec refused it (NaN, lone surrogates...): re-encode with json too
-
-    def encode(self) -> bytes:
-        """The (possibly edited) body as JSON again."""
-        if self.by_stdlib:
-            return json.dumps(self.value).encode()
-        return msgspec.json.encode(self.value)
-
-
-def decode_body(raw: bytes) -> DecodedBody:
-    """The request body as a JSON object. msgspec first (about 10x faster than json.loads on
-    a short completion body); anything it refuses goes through :func:`parse_json_body`, so
-    what is accepted and every error message stay exactly the stdlib's."""
-    try:
-        body = msgspec.json.decode(raw)
-    except msgspec.DecodeError:
-        body = None
-    if isinstance(body, dict):
-        return DecodedBody(body, by_stdlib=False)
-    return DecodedBody(parse_json_body(raw), by_stdlib=True)
 
 
 class Gateway:
@@ -147,7 +117,8 @@ class Gateway:
             config.policy, rng=random.Random(config.seed), **config.policy_options
         )
         self.upstreams = [
-            UpstreamState(u, eject_after=config.eject_after, readmit_after=config.readmit_after)
+            UpstreamState(u, eject_after=config.eject_after, readmit_after=config.readmit_after,
+                          ejection_s=config.ejection_s)
             for u in config.upstreams
         ]
         if self.tenants is not None:
@@ -184,7 +155,6 @@ class Gateway:
         self._refusals = ThrottledLog(log)
         self.subscribers: list[EventSubscriber] = []
         self._subscriber_tasks: dict[str, asyncio.Task[None]] = {}
-        self._ids = itertools.count()
         self._tasks: list[asyncio.Task[None]] = []
         # Per upstream, two pools: proxied requests, and probes/scrapes/model lists, so that a
         # probe never queues behind requests when the request pool is at its limit.
@@ -228,7 +198,8 @@ class Gateway:
                 read_timeout_s=config.connect_timeout_s, headers=auth)
         self.forwarder = Forwarder(
             self._pools, self.router, self.metrics, self.tallies, policy_name=self.policy.name,
-            retries=config.retries,
+            retries=config.retries, upstream_timeout_s=config.upstream_timeout_s,
+            max_response_bytes=config.max_response_bytes,
         )
         if self.recorder is not None:
             self.recorder.start()
@@ -356,7 +327,7 @@ class Gateway:
                 ok = False
             if ok and upstream.record_success(probe=True):
                 log.warning("upstream %s re-admitted", upstream.name)
-            elif not ok and upstream.record_failure():
+            elif not ok and upstream.record_failure(probe=True):
                 log.warning("upstream %s ejected (health probes failing)", upstream.name)
             if ok and not upstream.declared:
                 await self.learn_models(upstream)
@@ -417,8 +388,13 @@ class Gateway:
     async def ready(self, request: Request) -> Response:
         admitted = [u.name for u in self.upstreams if u.healthy]
         ejected = [u.name for u in self.upstreams if not u.healthy]
-        body: dict[str, Any] = {"ready": bool(admitted), "admitted": admitted,
+        # Ready once an admitted upstream has passed a probe: not before the first one.
+        probed = [name for name in admitted if self.router.upstreams[name].probed_ok]
+        body: dict[str, Any] = {"ready": bool(probed), "admitted": admitted,
                                 "ejected": ejected}
+        if not probed:
+            body["reason"] = ("every upstream is ejected" if not admitted else
+                              "no upstream has passed a health probe yet")
         # Degraded, not down: an upstream whose events went silent (or whose index is
         # suspect) still serves, routed on the approximate estimate; failing readiness would
         # take the whole gateway out of its load balancer for it. Operators see it here and
@@ -431,7 +407,7 @@ class Gateway:
         body["index_suspect"] = self.router.suspects()
         if silent or stopped or body["index_suspect"]:
             body["degraded"] = True
-        return JSONResponse(body, status_code=200 if admitted else 503)
+        return JSONResponse(body, status_code=200 if probed else 503)
 
     async def prometheus(self, request: Request) -> Response:
         if self.config.metrics_port is not None:
@@ -490,11 +466,19 @@ class Gateway:
                 traceparent = value
             elif name == b"tracestate":
                 tracestate = value
-        record = RequestRecord(f"gw-{next(self._ids)}-{time.monotonic_ns()}", path,
-                               time.perf_counter())
+        reply = ClientReply(send, request_id_of(scope["headers"]))
+        record = RequestRecord(reply.request_id, path, time.perf_counter())
         try:
-            await self._serve(scope, receive, send, path, kind, record, session_id, declared,
+            await self._serve(scope, receive, reply, path, kind, record, session_id, declared,
                               trace_headers(traceparent, tracestate))
+        except Exception as exc:  # a bug: the client still gets an answer, and it is logged
+            log.error("request %s: internal error, answered 500: %r", reply.request_id, exc,
+                      exc_info=exc)
+            record.status, record.error = 500, f"internal error: {exc!r}"
+            with contextlib.suppress(Exception):
+                await reply.fail(500, f"internal error in the gateway (request id "
+                                 f"{reply.request_id}): {type(exc).__name__}",
+                                 "InternalServerError")
         finally:
             self._finish(record)
 
@@ -513,7 +497,8 @@ class Gateway:
         self.metrics.reject(error.status, model)
         self._refusals.warning("refused %s with %d: %s", path, error.status, ascii(str(error)))
 
-    async def _serve(self, scope: Scope, receive: Receive, send: Send, path: str, kind: str,
+    async def _serve(self, scope: Scope, receive: Receive, reply: ClientReply, path: str,
+                     kind: str,
                      record: RequestRecord, session_id: str | None, declared: bytes | None,
                      trace: dict[str, str]) -> None:
         try:
@@ -552,6 +537,10 @@ class Gateway:
             error = RequestError(str(exc), exc.where or "body")
         except KvreuseError as exc:  # e.g. a chat request and a tokenizer without a template
             error = RequestError(str(exc), None)
+        except RecursionError:  # a body nested deep enough to overflow a recursive walk
+            error = RequestError("the body nests JSON too deeply", "body")
+        except UnicodeError as exc:  # text no tokenizer can take
+            error = RequestError(f"the body holds invalid Unicode: {exc}", "body")
         else:
             if plan is None:
                 self.metrics.reject(503, parsed.model)
@@ -559,18 +548,20 @@ class Gateway:
                                        parsed.model, path, record.request_id)
                 record.status, record.error = 503, "no upstream admitted"
                 record.sent_first_byte()
-                await send_json(send, 503, no_upstream(parsed.model))
+                await reply.json(503, no_upstream(parsed.model))
                 return
             self.metrics.decision_seconds.observe(plan.decision_s)
             record.view, record.max_tokens = plan.request, parsed.max_tokens
             assert self.forwarder is not None
-            await self.forwarder.forward(receive, send, path, forwarded, parsed, plan, record,
+            await self.forwarder.forward(receive, reply, path, forwarded, parsed, plan, record,
                                          trace)
             return
         self._refused(error, path, record.model)
         record.status, record.error = error.status, str(error)
         record.sent_first_byte()
-        await send_error(send, error)
+        # A body refused as too large also closes the connection: the rest is never read.
+        await reply.json(error.status, error.body(),
+                         [(b"connection", b"close")] if error.status == 413 else [])
 
     def _authenticate(self, headers: list[tuple[bytes, bytes]]) -> Tenant | None:
         """The caller's tenant from its one ``Authorization`` header (None with tenants off);

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Coroutine, Iterable
+from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
@@ -77,28 +77,37 @@ async def send_error(send: Send, error: RequestError) -> None:
     await send_json(send, error.status, error.body())
 
 
-async def until_disconnect(receive: Receive, work: Coroutine[Any, Any, T]) -> T | None:
-    """Run ``work`` (which sends a streamed response) to its end, unless the client disconnects
-    first: then ``work`` is cancelled and None returned.
+async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T | None:
+    """Run ``work`` (which answers the client) to its end, unless the client disconnects
+    first: then ``work`` is cancelled where it waits (closing an upstream connection there is
+    how the upstream learns to abort) and None returned.
 
     uvicorn (ASGI spec 2.3) drops messages sent to a gone client without telling the sender, so
-    a stream would run on for nobody; the only signal is ``http.disconnect`` on ``receive``.
-    Costs two tasks per stream, which is why whole responses do without it."""
+    a request would run on for nobody; the only signal is ``http.disconnect`` on ``receive``.
+    ``work`` runs in the calling task; one watcher task per request waits on ``receive``."""
+    task = asyncio.current_task()
+    assert task is not None, "until_disconnect runs inside a task"
     loop = asyncio.get_running_loop()
-    task = loop.create_task(work)
-    watcher = loop.create_task(_disconnected(receive))
-    try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:  # this handler itself was cancelled (shutdown)
+    state = {"gone": False, "over": False}
+
+    def client_left(watcher: asyncio.Task[None]) -> None:
+        if state["over"] or watcher.cancelled() or watcher.exception() is not None:
+            return
+        state["gone"] = True
         task.cancel()
+
+    watcher = loop.create_task(_disconnected(receive))
+    watcher.add_done_callback(client_left)
+    try:
+        return await work
+    except asyncio.CancelledError:
+        # Ours (the client left) unless the task was also cancelled from outside (shutdown).
+        if state["gone"] and task.uncancel() == 0:
+            return None
         raise
     finally:
+        state["over"] = True
         watcher.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    await asyncio.wait((task,))  # let its cleanup run; its CancelledError stays in it
-    return None
 
 
 async def _disconnected(receive: Receive) -> None:

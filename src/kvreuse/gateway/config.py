@@ -27,6 +27,17 @@ to drain its queue twice as fast. ``capacity_tokens`` is the engine's KV capacit
 ``/metrics`` has no ``vllm:cache_config_info``: the gateway's indexes for it are bounded to
 ``index_budget_factor`` times that. ``models`` declares the served model names; without it the
 gateway learns them from the upstream's ``/v1/models`` (see :mod:`kvreuse.gateway.upstreams`).
+
+Production limits, in ``[gateway]`` as on the command line (README, "Running the gateway in
+production")::
+
+    upstream_timeout_s = 60.0       # to an upstream's first byte; then the next candidate
+    idle_timeout_s = 30.0           # an idle keep-alive client connection is closed
+    head_timeout_s = 10.0           # a connection without a complete request head is closed
+    max_connections = 4096          # more clients at once get a fast 503 (default: from
+                                    # the open-file limit)
+    max_response_bytes = 67108864   # a larger whole response is a 502 naming the limit
+    ejection_s = 10.0               # first passive ejection; doubles while failures go on
 """
 
 from __future__ import annotations
@@ -101,6 +112,12 @@ class GatewayConfig:
     retries: int = 2
     connect_timeout_s: float = 2.0
     read_timeout_s: float = 600.0
+    upstream_timeout_s: float = 60.0
+    idle_timeout_s: float = 30.0
+    head_timeout_s: float = 10.0
+    max_connections: int | None = None  # None: derived from the open-file limit at start
+    max_response_bytes: int = 64 * 1024 * 1024
+    ejection_s: float = 10.0
     upstream_api_key: str | None = None
     seed: int = 0
     access_log: str = "off"  # off, text or json: one line per request on stdout
@@ -132,7 +149,7 @@ class GatewayConfig:
                 f"caller_salt must be one of {CALLER_SALT_MODES}, got {self.caller_salt!r}"
             )
         for name in ("max_body_bytes", "eject_after", "readmit_after", "index_budget_tokens",
-                     "kv_events_max_frame_bytes", "kv_events_seq_window"):
+                     "kv_events_max_frame_bytes", "kv_events_seq_window", "max_response_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.retries < 0:
@@ -148,10 +165,14 @@ class GatewayConfig:
                 or not 1 <= self.metrics_port <= 65535):
             raise ConfigError(f"metrics_port must be a TCP port (1-65535), got "
                               f"{self.metrics_port!r}")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ConfigError(f"max_connections must be >= 1, got {self.max_connections}")
         for name in ("health_interval_s", "connect_timeout_s", "read_timeout_s",
-                     "index_budget_factor", "events_silence_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+                     "index_budget_factor", "events_silence_s", "upstream_timeout_s",
+                     "idle_timeout_s", "head_timeout_s", "ejection_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ConfigError(f"{name} must be a number > 0, got {value!r}")
 
 
 _UPSTREAM_KEYS = {f.name: f.type for f in fields(UpstreamConfig)}

@@ -4,7 +4,10 @@ The building block of :mod:`kvreuse.gateway.upstream_client` (which pools these 
 the gateway has its own client). Responses are parsed by ``httptools`` (the parser uvicorn
 uses) and framed by ``content-length``, chunked encoding or, for HTTP/1.0-style answers, the
 close. Waiting for the upstream is bounded per wait (headers, then each body chunk) by a read
-timeout; a reader that falls more than ``HIGH_WATER_BYTES`` behind pauses the socket.
+timeout, and the wait for the first byte (the status line, and for a stream the first body
+chunk) by a deadline of its own; a reader that falls more than ``HIGH_WATER_BYTES`` behind
+pauses the socket (whole bodies are drained as they arrive, so only their size limit bounds
+them).
 """
 
 from __future__ import annotations
@@ -37,6 +40,12 @@ class UpstreamTimeout(UpstreamError):
     """Connecting or waiting for the upstream's bytes took longer than configured."""
 
     kind = "Timeout"
+
+
+class UpstreamTooLarge(UpstreamError):
+    """A whole response is larger than the caller's limit (not retried: it is the answer)."""
+
+    kind = "TooLarge"
 
 
 class UpstreamProtocolError(UpstreamError):
@@ -168,12 +177,13 @@ class Http1Connection(asyncio.Protocol):
             self.error = error
         self._wake()
 
-    async def wait(self, timeout_s: float) -> None:
-        """Wait for more of the response; raises its error, or UpstreamTimeout."""
+    async def wait(self, timeout_s: float, first_byte: bool = False) -> None:
+        """Wait for more of the response; raises its error, or UpstreamTimeout (which, with
+        ``first_byte``, says the first byte is late rather than that the upstream paused)."""
         if self.error is not None:
             raise self.error
         waiter = self.waiter = self.loop.create_future()
-        timer = self.loop.call_later(timeout_s, self._expire, waiter, timeout_s)
+        timer = self.loop.call_later(timeout_s, self._expire, waiter, timeout_s, first_byte)
         try:
             await waiter
         finally:
@@ -182,9 +192,11 @@ class Http1Connection(asyncio.Protocol):
         if self.error is not None:
             raise self.error
 
-    def _expire(self, waiter: asyncio.Future[None], timeout_s: float) -> None:
+    def _expire(self, waiter: asyncio.Future[None], timeout_s: float, first_byte: bool) -> None:
         if waiter is self.waiter:
-            self._fail(UpstreamTimeout(f"{self.pool.url} sent nothing for {timeout_s:g} s"))
+            self._fail(UpstreamTimeout(
+                f"{self.pool.url} sent no first byte within the upstream timeout" if first_byte
+                else f"{self.pool.url} sent nothing for {timeout_s:g} s"))
 
     def take(self) -> bytes:
         """The body bytes received and not yet taken."""
@@ -227,13 +239,18 @@ class Http1Connection(asyncio.Protocol):
 
 class UpstreamResponse:
     """Status and headers of an upstream's answer; read the body with :meth:`read` or
-    :meth:`chunks`, or drop it with :meth:`aclose` (always safe to call, also twice)."""
+    :meth:`chunks`, or drop it with :meth:`aclose` (always safe to call, also twice).
 
-    __slots__ = ("_conn", "_timeout_s", "headers", "status")
+    ``first_byte_deadline`` (loop time) bounds the wait for the first body chunk of
+    :meth:`chunks`: a stream whose headers came at once but whose first event does not."""
 
-    def __init__(self, conn: Http1Connection, timeout_s: float) -> None:
+    __slots__ = ("_conn", "_first_byte_deadline", "_timeout_s", "headers", "status")
+
+    def __init__(self, conn: Http1Connection, timeout_s: float,
+                 first_byte_deadline: float | None = None) -> None:
         self._conn: Http1Connection | None = conn
         self._timeout_s = timeout_s
+        self._first_byte_deadline = first_byte_deadline
         self.status = conn.status
         self.headers = conn.headers
 
@@ -249,35 +266,61 @@ class UpstreamResponse:
         value = self.header_bytes(name.encode())
         return None if value is None else value.decode("latin-1")
 
-    async def read(self) -> bytes:
-        """The whole body. O(body)."""
+    async def read(self, limit: int | None = None) -> bytes:
+        """The whole body, drained as it arrives (a body of any size never stalls on the
+        read-ahead pause); :class:`UpstreamTooLarge` past ``limit`` bytes, declared or
+        received. O(body)."""
         conn = self._conn
         if conn is None:
             return b""
+        parts: list[bytes] = []
+        size = 0
         try:
-            while not conn.complete:
-                await conn.wait(self._timeout_s)
-            data = conn.take()
+            if limit is not None:
+                declared = self.header_bytes(b"content-length")
+                if declared is not None and declared.isdigit() and int(declared) > limit:
+                    raise UpstreamTooLarge(
+                        f"{conn.pool.url} answered {int(declared)} bytes, over the "
+                        f"{limit}-byte response limit (--max-response-bytes)")
+            while True:
+                if conn.body:
+                    part = conn.take()
+                    size += len(part)
+                    if limit is not None and size > limit:
+                        raise UpstreamTooLarge(
+                            f"{conn.pool.url} answered more than {limit} bytes, the response "
+                            f"limit (--max-response-bytes)")
+                    parts.append(part)
+                elif conn.complete:
+                    break
+                else:
+                    await conn.wait(self._timeout_s)
         except BaseException:
             self._abandon()
             raise
         self._conn = None
         conn.done()
-        return data
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """The body piece by piece as the upstream sends it (empty pieces are skipped)."""
         conn = self._conn
         if conn is None:
             return
+        deadline = self._first_byte_deadline
         try:
             while True:
                 if conn.body:
+                    deadline = None
                     yield conn.take()
                     continue
                 if conn.complete:
                     break
-                await conn.wait(self._timeout_s)
+                if deadline is None:
+                    await conn.wait(self._timeout_s)
+                else:
+                    await conn.wait(min(max(deadline - conn.loop.time(), 0.0), self._timeout_s),
+                                    first_byte=True)
         except BaseException:
             self._abandon()
             raise

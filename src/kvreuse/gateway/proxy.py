@@ -1,36 +1,47 @@
 """Forwarding: try candidates in order until one answers, then pass its bytes through.
 
-* Before the first byte reaches the client, an upstream failure (connection refused, timeout,
-  5xx, a stream that breaks before its first chunk) is retried on the next candidate, up to
-  ``retries`` times; the failure counts against the upstream's health.
+* Before the first byte reaches the client, an upstream failure (connection refused, no first
+  byte within ``upstream_timeout_s``, 5xx, a stream that breaks before its first chunk) is
+  retried on the next candidate, up to ``retries`` times; the failure counts against the
+  upstream's health (:meth:`UpstreamState.record_failure`), and a timed-out request is
+  cancelled upstream by closing its connection.
+* When every candidate failed, the client gets an OpenAI error body: 504 when they all timed
+  out, the last upstream's 5xx status otherwise, 502 when none could be reached.
 * After the first byte, a failure ends the stream with an SSE error event
   (``data: {"error": ...}``) and ``data: [DONE]``: nothing is dropped silently.
+* Every failure the client sees, and every failed attempt, is logged at warning level with
+  the request id, the upstream and the cause.
 * 4xx answers are the caller's to fix: passed through unchanged, never retried.
+* Whole responses are relayed up to ``max_response_bytes`` (larger: 502 naming the limit).
+* A client that disconnects cancels its request wherever it is (waiting for the upstream,
+  reading a whole response, relaying a stream): the upstream connection is closed, which
+  makes vLLM abort the request.
 * Streams are forwarded chunk by chunk as the upstream sends them (no buffering); the usage
   chunk, when the caller asked for one, is read on the fly to tally cached tokens.
 """
 
 from __future__ import annotations
 
-import json
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
-from kvreuse.gateway.asgi import (
-    RawHeaders,
-    Receive,
-    Send,
-    send_bytes,
-    send_json,
-    until_disconnect,
-)
+from kvreuse.gateway.asgi import RawHeaders, Receive, until_disconnect
+from kvreuse.gateway.exchange import ClientReply, error_body, sse_error_event
 from kvreuse.gateway.metrics import GatewayMetrics, TokenTally
 from kvreuse.gateway.router import Candidate, Plan, Router
 from kvreuse.gateway.telemetry import RequestRecord
-from kvreuse.gateway.upstream_client import UpstreamError, UpstreamPool, UpstreamResponse
+from kvreuse.gateway.upstream_client import (
+    UpstreamError,
+    UpstreamPool,
+    UpstreamResponse,
+    UpstreamTimeout,
+    UpstreamTooLarge,
+)
 from kvreuse.gateway.validation import ParsedRequest
 
 log = logging.getLogger("kvreuse.gateway.proxy")
@@ -98,14 +109,17 @@ def usage_of(content: bytes) -> dict[str, Any] | None:
     return _decode_usage(content)
 
 
-def sse_error(message: str, status: int = 502) -> bytes:
-    body = {"error": {"message": message, "type": "upstream_error", "code": status}}
-    return b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"
+@dataclass(slots=True)
+class _Attempts:
+    """What the failed attempts of one request came to."""
+
+    causes: list[str]
+    timeouts: int = 0
+    last_5xx: int = 0
 
 
 class Forwarder:
-    """Sends planned requests upstream and answers the client's ASGI ``send``; one per
-    gateway."""
+    """Sends planned requests upstream and answers the client; one per gateway."""
 
     def __init__(
         self,
@@ -116,6 +130,8 @@ class Forwarder:
         *,
         policy_name: str,
         retries: int,
+        upstream_timeout_s: float = 60.0,
+        max_response_bytes: int = 64 << 20,
     ) -> None:
         self.pools = pools
         self.router = router
@@ -123,17 +139,24 @@ class Forwarder:
         self.tallies = tallies
         self.policy_name = policy_name
         self.retries = retries
+        self.upstream_timeout_s = upstream_timeout_s
+        self.max_response_bytes = max_response_bytes
         self._names = {name: name.encode("latin-1") for name in pools}
 
-    async def forward(self, receive: Receive, send: Send, path: str, body: bytes,
+    async def forward(self, receive: Receive, reply: ClientReply, path: str, body: bytes,
                       parsed: ParsedRequest, plan: Plan, record: RequestRecord,
                       trace: Mapping[str, str]) -> None:
-        """Answer the client from the first candidate that answers; ``record`` learns which
-        upstream, the decision, the tokens and the status; ``trace`` (validated trace-context
-        headers) goes upstream with the request id."""
-        failures: list[str] = []
-        last_error: tuple[int, bytes, bytes | None] | None = None
-        headers = {"x-request-id": plan.request.request_id, **trace}
+        """Answer the request from the first upstream that can (see the module docstring);
+        ``record`` learns which upstream, the decision, the tokens and the status; ``trace``
+        (validated trace-context headers) goes upstream with the request id."""
+        await until_disconnect(receive, self._forward(reply, path, body, parsed, plan, record,
+                                                      trace))
+
+    async def _forward(self, reply: ClientReply, path: str, body: bytes,
+                       parsed: ParsedRequest, plan: Plan, record: RequestRecord,
+                       trace: Mapping[str, str]) -> None:
+        attempts = _Attempts([])
+        headers = {"x-request-id": reply.request_id, **trace}
         for attempt, candidate in enumerate(self.router.candidates(plan, self.retries + 1)):
             upstream = candidate.upstream
             record.upstream = upstream.name
@@ -143,66 +166,121 @@ class Forwarder:
                 record.retries = attempt
                 self.metrics.retries.labels(upstream.name).inc()
             self.router.committed(plan, candidate)
+            settled = False  # the router was told how this attempt ended
             try:
-                response = await self.pools[upstream.name].request("POST", path, body, headers)
-            except UpstreamError as exc:
-                failures.append(self._failed(plan, candidate, exc.kind, str(exc)))
-                continue
-            if response.status >= 500:
-                content = await self._read_quietly(response)
-                failures.append(self._failed(plan, candidate, "HTTP", str(response.status)))
-                last_error = (response.status, content, response.header_bytes(b"content-type"))
-                continue
-            if parsed.stream and response.status == 200:
-                stream = response.chunks()
                 try:
-                    first = await stream.__anext__()
-                except StopAsyncIteration:
-                    first = b""
+                    response = await self.pools[upstream.name].request(
+                        "POST", path, body, headers,
+                        first_byte_timeout_s=self.upstream_timeout_s)
                 except UpstreamError as exc:
-                    await response.aclose()
-                    failures.append(self._failed(plan, candidate, "stream", f"broke: {exc}"))
+                    settled = True
+                    self._failed(reply, plan, candidate, attempts, exc.kind, str(exc),
+                                 timeout=isinstance(exc, UpstreamTimeout))
                     continue
-                await self._stream(receive, send, plan, candidate, response, first, stream,
-                                   record)
+                if response.status >= 500:
+                    content = await self._read_quietly(response)
+                    settled = True
+                    attempts.last_5xx = response.status
+                    self._failed(reply, plan, candidate, attempts, "HTTP",
+                                 f"{response.status} {_excerpt(content)}")
+                    continue
+                if parsed.stream and response.status == 200:
+                    stream = response.chunks()
+                    try:
+                        first = await stream.__anext__()
+                    except StopAsyncIteration:
+                        first = b""
+                    except UpstreamError as exc:
+                        await response.aclose()
+                        settled = True
+                        self._failed(reply, plan, candidate, attempts, exc.kind,
+                                     f"stream broke before its first chunk: {exc}",
+                                     timeout=isinstance(exc, UpstreamTimeout))
+                        continue
+                    settled = True
+                    await self._stream(reply, plan, candidate, response, first, stream,
+                                       record)
+                    return
+                try:
+                    content = await response.read(self.max_response_bytes)
+                except UpstreamTooLarge as exc:
+                    settled = True
+                    self._too_large(plan, candidate)
+                    await self._answer_failure(reply, record, 502, str(exc), upstream.name)
+                    return
+                except UpstreamError as exc:
+                    settled = True
+                    self._failed(reply, plan, candidate, attempts, "body", f"broke: {exc}")
+                    continue
+                settled = True
+                await self._whole(reply, plan, candidate, response, content, record)
                 return
-            try:
-                content = await response.read()
-            except UpstreamError as exc:
-                failures.append(self._failed(plan, candidate, "body", f"broke: {exc}"))
-                continue
-            await self._whole(send, plan, candidate, response, content, record)
-            return
-        record.error = "; ".join(failures) or "no upstream to try"
-        log.warning("request %s failed on every upstream tried: %s", record.request_id,
-                    record.error)
-        record.sent_first_byte()
-        if last_error is not None:
-            status, content, content_type = last_error
-            record.status = status
-            await send_bytes(send, status, content,
-                             [(b"content-type", content_type)] if content_type else [])
-            return
-        record.status = 502
-        message = "no upstream answered: " + "; ".join(failures) if failures else (
-            "no upstream to try")
-        await send_json(send, 502, {"error": {"message": message, "type": "upstream_error",
-                                              "param": None, "code": 502}})
+            except asyncio.CancelledError:  # the client left (or shutdown): abort quietly
+                if not settled:
+                    self._client_left(plan, candidate)
+                    record.status = CLIENT_LEFT
+                    record.error = "client left before the first byte"
+                raise
+        await self._all_failed(reply, attempts, record)
 
     # ------------------------------------------------------------------ outcomes
 
-    def _failed(self, plan: Plan, candidate: Candidate, kind: str, detail: str) -> str:
+    def _failed(self, reply: ClientReply, plan: Plan, candidate: Candidate,
+                attempts: _Attempts, kind: str, detail: str, *, timeout: bool = False) -> None:
+        """An attempt failed before any byte reached the client: charge the upstream, log."""
         upstream = candidate.upstream
         self.router.first_byte(plan, candidate)
         self.router.finished(plan, candidate)
-        log.warning("upstream %s failed (%s %s)", upstream.name, kind, detail)
-        if upstream.record_failure():
-            log.warning("upstream %s ejected after %d failures", upstream.name,
-                        upstream.failures)
+        attempts.causes.append(f"{upstream.name}: {detail}")
+        if timeout:
+            attempts.timeouts += 1
+        log.warning("request %s: upstream %s failed before the first byte (%s): %s",
+                    reply.request_id, upstream.name, kind, detail)
+        if upstream.record_failure(probe=False):
+            log.warning("upstream %s ejected after %d consecutive failed requests (last: %s)",
+                        upstream.name, upstream.request_failures, kind)
         self.metrics.upstream_errors.labels(upstream.name, kind).inc()
         self.metrics.count_request(upstream.name, self.policy_name, candidate.branch,
                                    "upstream_error", plan.request.identity.model)
-        return f"{upstream.name}: {kind} {detail}"
+
+    def _too_large(self, plan: Plan, candidate: Candidate) -> None:
+        upstream = candidate.upstream
+        self.router.first_byte(plan, candidate)
+        self.router.finished(plan, candidate)
+        self.metrics.upstream_errors.labels(upstream.name, UpstreamTooLarge.kind).inc()
+        self.metrics.count_request(upstream.name, self.policy_name, candidate.branch, "502",
+                                   plan.request.identity.model)
+
+    def _client_left(self, plan: Plan, candidate: Candidate) -> None:
+        self.router.first_byte(plan, candidate)
+        self.router.finished(plan, candidate)
+        self.metrics.count_request(candidate.upstream.name, self.policy_name,
+                                   candidate.branch, str(CLIENT_LEFT),
+                                   plan.request.identity.model)
+
+    async def _all_failed(self, reply: ClientReply, attempts: _Attempts,
+                          record: RequestRecord) -> None:
+        causes = "; ".join(attempts.causes)
+        if not attempts.causes:
+            await self._answer_failure(reply, record, 503, "no upstream to try", "-")
+        elif attempts.timeouts == len(attempts.causes):
+            await self._answer_failure(
+                reply, record, 504, f"no upstream sent a first byte within the upstream "
+                f"timeout ({self.upstream_timeout_s:g} s): {causes}", "-",
+                kind="GatewayTimeout")
+        else:
+            await self._answer_failure(reply, record, attempts.last_5xx or 502,
+                                       f"no upstream answered: {causes}", "-")
+
+    async def _answer_failure(self, reply: ClientReply, record: RequestRecord, status: int,
+                              message: str, upstream: str, kind: str = "upstream_error"
+                              ) -> None:
+        log.warning("request %s: answered %d (upstream %s): %s", reply.request_id, status,
+                    upstream, message)
+        record.status, record.error = status, message
+        record.sent_first_byte()
+        await reply.json(status, error_body(f"{message} (request id {reply.request_id})",
+                                            kind, status))
 
     def _headers(self, candidate: Candidate, content_type: bytes | None) -> RawHeaders:
         headers = [
@@ -237,62 +315,72 @@ class Forwarder:
             tally.requests_with_usage += 1
             self.router.realized(candidate, counted[0], counted[1])
 
-    async def _whole(self, send: Send, plan: Plan, candidate: Candidate,
+    async def _whole(self, reply: ClientReply, plan: Plan, candidate: Candidate,
                      response: UpstreamResponse, content: bytes, record: RequestRecord) -> None:
         self.router.first_byte(plan, candidate)
         usage = usage_of(content) if response.status == 200 else None
         self._done(plan, candidate, response.status, usage, record)
         record.sent_first_byte()
-        await send_bytes(send, response.status, content,
-                         self._headers(candidate, response.header_bytes(b"content-type")))
+        headers = self._headers(candidate, response.header_bytes(b"content-type"))
+        await reply.send({"type": "http.response.start", "status": response.status,
+                          "headers": [(b"content-length", b"%d" % len(content)), *headers]})
+        await reply.send({"type": "http.response.body", "body": content})
 
-    async def _stream(self, receive: Receive, send: Send, plan: Plan, candidate: Candidate,
+    async def _stream(self, reply: ClientReply, plan: Plan, candidate: Candidate,
                       response: UpstreamResponse, first: bytes,
                       rest: AsyncIterator[bytes], record: RequestRecord) -> None:
         """Relay the stream chunk by chunk; the request is done when the upstream's stream
         ends, breaks (an SSE error event ends the client's stream) or the client leaves (the
-        upstream connection is then closed, which makes vLLM abort the request)."""
+        caller cancels this; the upstream connection is then closed, which makes vLLM abort
+        the request)."""
         self.router.first_byte(plan, candidate)
         scanner = UsageScanner()
         upstream = candidate.upstream
         content_type = response.header_bytes(b"content-type") or b"text/event-stream"
-
-        async def relay() -> int:
+        status = CLIENT_LEFT
+        try:
             record.sent_first_byte()
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": self._headers(candidate, content_type)})
-            status = 200
+            await reply.send({"type": "http.response.start", "status": 200,
+                              "headers": self._headers(candidate, content_type)})
             try:
                 scanner.feed(first)
-                await send({"type": "http.response.body", "body": first, "more_body": True})
+                await reply.send({"type": "http.response.body", "body": first,
+                                  "more_body": True})
                 async for chunk in rest:
                     scanner.feed(chunk)
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    await reply.send({"type": "http.response.body", "body": chunk,
+                                      "more_body": True})
             except UpstreamError as exc:
                 status = 502
+                message = f"upstream {upstream.name} failed mid-stream: {exc}"
                 record.error = f"mid-stream: {exc}"
-                log.warning("request %s: upstream %s failed mid-stream: %s", record.request_id,
-                            upstream.name, exc)
-                upstream.record_failure()
+                log.warning("request %s: upstream %s failed after the first byte (%s): %s",
+                            reply.request_id, upstream.name, exc.kind, exc)
+                if upstream.record_failure(probe=False):
+                    log.warning("upstream %s ejected after %d consecutive failed requests",
+                                upstream.name, upstream.request_failures)
                 self.metrics.upstream_errors.labels(upstream.name, "midstream").inc()
-                await send({"type": "http.response.body", "more_body": True, "body": sse_error(
-                    f"upstream {upstream.name} failed mid-stream: {exc}")})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-            return status
-
-        status: int | None = None
-        try:
-            status = await until_disconnect(receive, relay())
+                await reply.send({"type": "http.response.body", "more_body": False,
+                                  "body": sse_error_event(
+                                      f"{message} (request id {reply.request_id})")})
+                return
+            await reply.send({"type": "http.response.body", "body": b"", "more_body": False})
+            status = 200
         except OSError:  # a server that reports the gone client by raising (ASGI spec 2.4)
-            status = None
+            status = CLIENT_LEFT
         finally:
             await response.aclose()
-            self._done(plan, candidate, CLIENT_LEFT if status is None else status,
-                       scanner.usage, record)
+            self._done(plan, candidate, status, scanner.usage, record)
 
     @staticmethod
     async def _read_quietly(response: UpstreamResponse) -> bytes:
         try:
-            return await response.read()
+            return await response.read(1 << 20)
         except UpstreamError:
             return b""
+
+
+def _excerpt(content: bytes, limit: int = 200) -> str:
+    """The start of an upstream's error body, for logs and error messages."""
+    text = content[:limit].decode("utf-8", errors="replace").strip()
+    return text + ("..." if len(content) > limit else "")

@@ -19,7 +19,10 @@ What it does:
   anyway just as a request goes out, that request is sent again once on a new connection - only
   when not one byte of the response came back.
 * **Timeouts**: ``connect_timeout_s`` to open a connection, ``read_timeout_s`` for each wait on
-  the upstream (headers, then every body chunk); both raise :class:`UpstreamTimeout`.
+  the upstream (headers, then every body chunk), and per request ``first_byte_timeout_s``, a
+  deadline for the status line and (read with :meth:`UpstreamResponse.chunks`) the first body
+  chunk; all raise :class:`UpstreamTimeout`, and a request that times out has its connection
+  closed, which is how an HTTP server learns to abort it.
 * **Streaming**: :meth:`UpstreamResponse.chunks` yields the body as it arrives (transfer
   decoding undone, content untouched); reading pauses while a slow consumer has more than
   ``HIGH_WATER_BYTES`` unread, so a slow client cannot make the gateway buffer a stream
@@ -47,10 +50,12 @@ from kvreuse.gateway.http1 import (
     UpstreamProtocolError,
     UpstreamResponse,
     UpstreamTimeout,
+    UpstreamTooLarge,
 )
 
 __all__ = ["HIGH_WATER_BYTES", "IDLE_TIMEOUT_S", "UpstreamConnectError", "UpstreamError",
-           "UpstreamPool", "UpstreamProtocolError", "UpstreamResponse", "UpstreamTimeout"]
+           "UpstreamPool", "UpstreamProtocolError", "UpstreamResponse", "UpstreamTimeout",
+           "UpstreamTooLarge"]
 
 IDLE_TIMEOUT_S = 4.0
 # A request meets a connection the server closed (while idle, or while being handed over) at
@@ -107,10 +112,13 @@ class UpstreamPool:
         headers: Mapping[str, str] | None = None,
         *,
         timeout_s: float | None = None,
+        first_byte_timeout_s: float | None = None,
     ) -> UpstreamResponse:
         """Send one request and wait for the response's status and headers.
 
-        ``timeout_s`` overrides the read timeout of this request. Raises
+        ``timeout_s`` overrides the read timeout of this request; ``first_byte_timeout_s``
+        bounds the time from now to the status line and, for :meth:`UpstreamResponse.chunks`,
+        to the first body chunk (waiting for a free connection included). Raises
         :class:`UpstreamError`. The caller must read or :meth:`~UpstreamResponse.aclose` the
         response, or the connection is not reused.
         """
@@ -119,10 +127,12 @@ class UpstreamPool:
         head = b"%s %s%s HTTP/1.1\r\n%s%scontent-length: %d\r\n\r\n" % (
             method.encode(), self.base_path, path.encode(), self._fixed, extra, len(body))
         timeout = self.read_timeout_s if timeout_s is None else timeout_s
+        deadline = (None if first_byte_timeout_s is None
+                    else self.loop.time() + first_byte_timeout_s)
         conn = await self._acquire()
         for attempt in range(STALE_ATTEMPTS):
             try:
-                return await self._exchange(conn, head, body, timeout)
+                return await self._exchange(conn, head, body, timeout, deadline)
             except StaleConnection:
                 if attempt == STALE_ATTEMPTS - 1:
                     raise
@@ -130,15 +140,19 @@ class UpstreamPool:
         raise AssertionError("unreachable: the loop returns or raises")
 
     async def _exchange(self, conn: Http1Connection, head: bytes, body: bytes,
-                        timeout_s: float) -> UpstreamResponse:
+                        timeout_s: float, deadline: float | None) -> UpstreamResponse:
         try:
             conn.send(head, body)
             while not conn.headers_done:
-                await conn.wait(timeout_s)
+                if deadline is None:
+                    await conn.wait(timeout_s)
+                else:
+                    await conn.wait(min(max(deadline - self.loop.time(), 0.0), timeout_s),
+                                    first_byte=True)
         except BaseException:
             conn.close()
             raise
-        return UpstreamResponse(conn, timeout_s)
+        return UpstreamResponse(conn, timeout_s, deadline)
 
     # ------------------------------------------------------------------ pool
 

@@ -1,8 +1,13 @@
 """Upstream state: health (ejection and re-admission), load, and what their /metrics say.
 
-Health: a failed probe or a failed proxied request counts against an upstream; after
-``eject_after`` consecutive failures it is ejected (no new requests), and after
-``readmit_after`` consecutive successful probes of ``GET /health`` it is re-admitted.
+Health, active and passive. Active: after ``eject_after`` consecutive failed probes of
+``GET /health`` an upstream is ejected (no new requests), and after ``readmit_after``
+consecutive passing probes it is re-admitted. Passive: after ``eject_after`` consecutive failed
+requests (no first byte within the upstream timeout, 5xx, connection refused or broken) it is
+ejected too, *even while its probes pass* (a replica that answers ``/health`` but never a
+generation); such an ejection lasts ``ejection_s``, doubled for each passive ejection in a row
+(at most ``MAX_EJECTION_S``), before passing probes may re-admit it, and it comes back on
+probation: its next failed request ejects it again. A served request ends the streak.
 
 Load, as :class:`~kvreuse.routing.ReplicaLoad` for the policies: ``in_flight`` is every request
 the gateway has open there; ``queued_requests`` and ``queued_prefill_tokens`` count requests sent
@@ -22,6 +27,8 @@ from __future__ import annotations
 
 import json
 import re
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +47,7 @@ ENGINE_METRICS = (
     "vllm:prefix_cache_queries_total",
     "vllm:prefix_cache_hits_total",
 )
+MAX_EJECTION_S = 300.0
 
 
 def parse_prometheus(text: str, names: tuple[str, ...] = ENGINE_METRICS) -> dict[str, float]:
@@ -129,15 +137,23 @@ class EngineSnapshot:
 class UpstreamState:
     """Mutable state of one upstream; owned by the gateway's event loop."""
 
-    def __init__(self, config: UpstreamConfig, *, eject_after: int, readmit_after: int) -> None:
+    def __init__(self, config: UpstreamConfig, *, eject_after: int, readmit_after: int,
+                 ejection_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.name = config.name
         self.eject_after = eject_after
         self.readmit_after = readmit_after
+        self.ejection_s = ejection_s
+        self.clock = clock
         self.healthy = True
-        self.failures = 0  # consecutive
+        self.probe_failures = 0  # consecutive
+        self.request_failures = 0  # consecutive
         self.successes = 0  # consecutive probe successes while ejected
         self.ejections = 0
+        self.passive_ejections = 0  # in a row, since the last served request
+        self.ejected_until = 0.0  # clock time before which probes cannot re-admit
+        self.probed_ok = False  # a probe has passed at least once
         self.in_flight = 0
         self.queued_requests = 0
         self.queued_prefill_tokens = 0
@@ -168,28 +184,48 @@ class UpstreamState:
 
     # ------------------------------------------------------------------ health
 
-    def record_failure(self) -> bool:
-        """A probe or a request failed; returns True when this ejects the upstream."""
-        self.failures += 1
+    @property
+    def failures(self) -> int:
+        """Consecutive failures, probes or requests, whichever streak is longer."""
+        return max(self.probe_failures, self.request_failures)
+
+    def record_failure(self, *, probe: bool) -> bool:
+        """A probe or a proxied request failed; returns True when this ejects the upstream."""
         self.successes = 0
-        if self.healthy and self.failures >= self.eject_after:
-            self.healthy = False
-            self.ejections += 1
-            return True
-        return False
+        if probe:
+            self.probe_failures += 1
+        else:
+            self.request_failures += 1
+        if not self.healthy:
+            return False
+        if self.request_failures >= self.eject_after:
+            self.passive_ejections += 1
+            self.ejected_until = self.clock() + min(
+                self.ejection_s * 2 ** (self.passive_ejections - 1), MAX_EJECTION_S)
+        elif self.probe_failures < self.eject_after:
+            return False
+        self.healthy = False
+        self.ejections += 1
+        return True
 
     def record_success(self, *, probe: bool) -> bool:
         """A probe or a request succeeded; returns True when this re-admits the upstream."""
-        self.failures = 0
+        if not probe:
+            self.request_failures = 0
+            self.passive_ejections = 0
+            return False
+        self.probed_ok = True
+        self.probe_failures = 0
         if self.healthy:
             return False
-        if probe:
-            self.successes += 1
-            if self.successes >= self.readmit_after:
-                self.healthy = True
-                self.successes = 0
-                return True
-        return False
+        self.successes += 1
+        if self.successes < self.readmit_after or self.clock() < self.ejected_until:
+            return False
+        self.healthy = True
+        self.successes = 0
+        if self.request_failures >= self.eject_after:  # on probation: one more failure ejects
+            self.request_failures = self.eject_after - 1
+        return True
 
     # ------------------------------------------------------------------ load
 

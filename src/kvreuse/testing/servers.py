@@ -26,7 +26,9 @@ def free_port() -> int:
 class ServerThread:
     """``with ServerThread(app) as server: httpx.get(server.url + "/health")``."""
 
-    def __init__(self, app: Any, *, startup_timeout_s: float = 20.0) -> None:
+    def __init__(self, app: Any, *, startup_timeout_s: float = 20.0, **options: Any) -> None:
+        """``options`` go to ``uvicorn.Config`` (e.g. the gateway's
+        :func:`kvreuse.gateway.serve.uvicorn_options`)."""
         import uvicorn
 
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -34,7 +36,8 @@ class ServerThread:
         self._sock.bind(("127.0.0.1", 0))
         self.port: int = self._sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
+                                **options)
         self._server = uvicorn.Server(config)
         self._timeout = startup_timeout_s
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"asgi-{self.port}")

@@ -1,0 +1,224 @@
+"""The gateway's client-facing HTTP server: uvicorn, with the limits a server in front of real
+traffic needs and uvicorn does not have.
+
+* **Request heads in time**: a connection that has not sent a complete request head within
+  ``head_timeout_s`` of opening (or of the first byte of its next request) gets a 408 and is
+  closed; so does a request whose body stops arriving for as long. Slow-loris clients cannot
+  hold connections.
+* **Idle keep-alive connections** are closed after ``idle_timeout_s`` (uvicorn's
+  ``timeout_keep_alive``).
+* **A connection limit** (``max_connections``): a client over it gets an immediate
+  ``503`` with an OpenAI error body and ``connection: close``, and its connection is closed
+  once the client has read it (never a reset, never a file-table exhaustion that makes every
+  new client's accept fail).
+* **The open-file limit** is raised to its hard limit at start
+  (:func:`raise_open_file_limit`); the default connection limit is derived from it.
+
+:class:`GuardedHttpProtocol` extends uvicorn's httptools protocol (the gateway needs httptools
+anyway: its upstream client parses with it); :func:`uvicorn_options` gives the keyword options
+of ``uvicorn.run`` / ``uvicorn.Config`` for a gateway configuration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import resource
+import time
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from kvreuse.gateway.config import GatewayConfig
+from kvreuse.gateway.exchange import error_body
+
+log = logging.getLogger("kvreuse.gateway.serve")
+
+LINGER_S = 2.0  # how long a refused connection waits for the client to read its 503
+MAX_DEFAULT_CONNECTIONS = 10_000
+RESERVED_FILES = 128  # for upstream pools' control connections, logs, sockets of ZeroMQ
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionLimits:
+    """What :class:`GuardedHttpProtocol` enforces."""
+
+    max_connections: int
+    head_timeout_s: float
+
+
+def _raw_response(status: int, reason: str, message: str, kind: str) -> bytes:
+    body = json.dumps(error_body(message, kind, status)).encode()
+    return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode() + body
+
+
+class _RateLimitedWarning:
+    """One warning line per ``every_s`` at most, counting what it held back."""
+
+    def __init__(self, every_s: float = 10.0) -> None:
+        self.every_s = every_s
+        self.last = 0.0
+        self.held = 0
+
+    def __call__(self, message: str) -> None:
+        now = time.monotonic()
+        self.held += 1
+        if now - self.last >= self.every_s:
+            log.warning("%s (%d time(s) since the last such line)", message, self.held)
+            self.last, self.held = now, 0
+
+
+_over_limit = _RateLimitedWarning()
+_too_slow = _RateLimitedWarning()
+
+
+class GuardedHttpProtocol(HttpToolsProtocol):
+    """uvicorn's HTTP/1.1 protocol plus a head/body timeout and a connection limit (see the
+    module docstring). Subclassed per server by :func:`protocol_class` to carry its limits."""
+
+    limits: ClassVar[ConnectionLimits] = ConnectionLimits(MAX_DEFAULT_CONNECTIONS, 10.0)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._timer: asyncio.TimerHandle | None = None
+        self._refused = False
+
+    # ------------------------------------------------------------------ connection
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        if len(self.connections) >= self.limits.max_connections:
+            self._refuse(transport)
+            return
+        super().connection_made(transport)
+        self._arm("its request head")
+
+    def _refuse(self, transport: asyncio.Transport) -> None:
+        """Answer 503 at once, half-close, and close when the client has read it (its EOF)
+        or after :data:`LINGER_S`: closing with its request unread would reset the
+        connection and could destroy the answer before the client reads it."""
+        self._refused = True
+        self.transport = transport
+        limit = self.limits.max_connections
+        _over_limit(f"refused a connection: {limit} client connections are open "
+                    "(--max-connections)")
+        transport.write(_raw_response(
+            503, "Service Unavailable",
+            f"the gateway has its maximum of {limit} client connections open; retry later",
+            "ServiceUnavailable"))
+        if transport.can_write_eof():
+            transport.write_eof()
+        self.loop.call_later(LINGER_S, transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return  # read and dropped, so that the close is a clean one
+        super().data_received(data)
+
+    def eof_received(self) -> bool | None:  # type: ignore[override]
+        if self._refused:
+            self.transport.close()
+            return None
+        super().eof_received()
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        if self._refused:
+            return
+        super().connection_lost(exc)
+
+    # ------------------------------------------------------------------ the request's pace
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        cycle = self.cycle
+        if self._timer is None and (cycle is None or cycle.response_complete):
+            self._arm("its request head")  # (not behind a response still being sent)
+
+    def on_headers_complete(self) -> None:
+        self._disarm()
+        super().on_headers_complete()
+        if not self.parser.should_upgrade():
+            self._arm("its request body")
+
+    def on_body(self, body: bytes) -> None:
+        super().on_body(body)
+        if self._timer is not None:  # progress: the body's clock restarts
+            self._disarm()
+            self._arm("its request body")
+
+    def on_message_complete(self) -> None:
+        self._disarm()
+        super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        self._disarm()  # answered before its body was all read (a 413): no 408 after that
+        super().on_response_complete()
+
+    def _arm(self, what: str) -> None:
+        self._timer = self.loop.call_later(self.limits.head_timeout_s, self._too_slow, what)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _too_slow(self, what: str) -> None:
+        self._timer = None
+        if self.transport is None or self.transport.is_closing():
+            return
+        seconds = f"{self.limits.head_timeout_s:g}"
+        _too_slow(f"closed a client connection that did not send {what} within {seconds} s")
+        cycle = self.cycle
+        if cycle is None or cycle.response_complete or not cycle.response_started:
+            if cycle is not None and not cycle.response_complete:
+                cycle.disconnected = True  # the app sees the client gone; its answer is dropped
+            self.transport.write(_raw_response(
+                408, "Request Timeout",
+                f"the request did not arrive in time: no complete {what.split()[-1]} "
+                f"within {seconds} s", "RequestTimeout"))
+        self.transport.close()
+
+
+def protocol_class(limits: ConnectionLimits) -> type[GuardedHttpProtocol]:
+    """A :class:`GuardedHttpProtocol` enforcing ``limits`` (uvicorn takes a class)."""
+    return type("GatewayHttpProtocol", (GuardedHttpProtocol,), {"limits": limits})
+
+
+def raise_open_file_limit() -> int:
+    """Raise this process's open-file soft limit to its hard limit (every client and upstream
+    connection is a file); returns the soft limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as exc:
+            log.warning("could not raise the open-file limit from %d to %d: %s", soft, target,
+                        exc)
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+def connection_limit(config: GatewayConfig, open_files: int) -> int:
+    """``config.max_connections``, or (unset) half the open files left after a reserve, the
+    other half being for upstream connections; at most :data:`MAX_DEFAULT_CONNECTIONS`."""
+    if config.max_connections is not None:
+        if config.max_connections > open_files - RESERVED_FILES:
+            log.warning("--max-connections %d is over what the open-file limit (%d) allows; "
+                        "clients past it will see failed accepts", config.max_connections,
+                        open_files)
+        return config.max_connections
+    return max(16, min(MAX_DEFAULT_CONNECTIONS, (open_files - RESERVED_FILES) // 2))
+
+
+def uvicorn_options(config: GatewayConfig, open_files: int | None = None) -> dict[str, Any]:
+    """``uvicorn.Config`` keyword options enforcing ``config``'s client-side limits."""
+    files = open_files if open_files is not None else resource.getrlimit(
+        resource.RLIMIT_NOFILE)[0]
+    limits = ConnectionLimits(connection_limit(config, files), config.head_timeout_s)
+    return {"http": protocol_class(limits), "timeout_keep_alive": config.idle_timeout_s,
+            "backlog": max(2048, min(limits.max_connections, 65535))}
