@@ -11,6 +11,7 @@ import pytest
 from kvreuse.gateway.app import Gateway
 from kvreuse.gateway.config import GatewayConfig, UpstreamConfig
 from kvreuse.gateway.prompts import TextApproximation
+from kvreuse.gateway.serve import uvicorn_options
 from kvreuse.testing.servers import ServerThread
 from kvreuse.testing.tiny_tokenizer import build_tokenizer_dir
 
@@ -45,7 +46,8 @@ def gateway_factory() -> Iterator[Callable[..., RunningGateway]]:
         tokenizer = settings.pop("prompt_tokenizer", TextApproximation())
         gateway = Gateway(GatewayConfig(upstreams=tuple(configs), **settings),  # type: ignore[arg-type]
                           tokenizer=tokenizer)  # type: ignore[arg-type]
-        handle = RunningGateway(ServerThread(gateway.app).start(), gateway)
+        server = ServerThread(gateway.app, **uvicorn_options(gateway.config))
+        handle = RunningGateway(server.start(), gateway)
         for u in upstreams:
             if isinstance(u, Engine) and u.engine.publisher is not None:
                 publisher = u.engine.publisher

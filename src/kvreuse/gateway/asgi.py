@@ -41,9 +41,9 @@ async def read_body(receive: Receive, limit: int, declared: bytes | None) -> byt
     if message["type"] != "http.request":
         raise ClientGone
     body: bytes = message.get("body", b"")
+    if len(body) > limit:
+        raise RequestError(f"the body is larger than {limit} bytes", "body", 413)
     if not message.get("more_body", False):  # the usual case: one message holds it all
-        if len(body) > limit:
-            raise RequestError(f"the body is larger than {limit} bytes", "body", 413)
         return body
     chunks, size = [body], len(body)
     while True:
@@ -73,8 +73,10 @@ async def send_json(send: Send, status: int, value: Any,
 
 
 async def send_error(send: Send, error: RequestError) -> None:
-    """OpenAI's error shape, as vLLM answers."""
-    await send_json(send, error.status, error.body())
+    """OpenAI's error shape, as vLLM answers. A body refused as too large (413) also closes
+    the connection, so that the rest of it is never read."""
+    await send_json(send, error.status, error.body(),
+                    [(b"connection", b"close")] if error.status == 413 else [])
 
 
 async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T | None:

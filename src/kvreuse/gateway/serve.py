@@ -84,7 +84,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._timer: asyncio.TimerHandle | None = None
-        self._refused = False
+        self._refused = False  # over the connection limit: never served
+        self._draining = False  # answered 408: reading and dropping until the close
 
     # ------------------------------------------------------------------ connection
 
@@ -113,12 +114,12 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self.loop.call_later(LINGER_S, transport.close)
 
     def data_received(self, data: bytes) -> None:
-        if self._refused:
+        if self._refused or self._draining:
             return  # read and dropped, so that the close is a clean one
         super().data_received(data)
 
     def eof_received(self) -> bool | None:  # type: ignore[override]
-        if self._refused:
+        if self._refused or self._draining:
             self.transport.close()
             return None
         super().eof_received()
@@ -173,14 +174,22 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         seconds = f"{self.limits.head_timeout_s:g}"
         _too_slow(f"closed a client connection that did not send {what} within {seconds} s")
         cycle = self.cycle
-        if cycle is None or cycle.response_complete or not cycle.response_started:
-            if cycle is not None and not cycle.response_complete:
-                cycle.disconnected = True  # the app sees the client gone; its answer is dropped
-            self.transport.write(_raw_response(
-                408, "Request Timeout",
-                f"the request did not arrive in time: no complete {what.split()[-1]} "
-                f"within {seconds} s", "RequestTimeout"))
-        self.transport.close()
+        if cycle is not None and not cycle.response_complete and cycle.response_started:
+            self.transport.close()  # an answer is under way: nothing else can be said
+            return
+        if cycle is not None and not cycle.response_complete:
+            cycle.disconnected = True  # the app sees the client gone; its answer is dropped
+            cycle.message_event.set()
+        # As for a refused connection: answer, half-close, drop what still comes, close when
+        # the client has read it, so that no reset destroys the answer.
+        self._draining = True
+        self.transport.write(_raw_response(
+            408, "Request Timeout",
+            f"the request did not arrive in time: no complete {what.split()[-1]} within "
+            f"{seconds} s", "RequestTimeout"))
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(LINGER_S, self.transport.close)
 
 
 def protocol_class(limits: ConnectionLimits) -> type[GuardedHttpProtocol]:

@@ -250,6 +250,16 @@ class Fleet:
             wait_http(proc)
         return proc
 
+    def start_misbehaving(self, name: str, mode: str, *extra: str) -> Process:
+        """A :mod:`kvreuse.testing.misbehaving` upstream in ``mode`` (``extra``: its other
+        flags, e.g. ``--bytes``)."""
+        port = free_port()
+        proc = self.spawn(name, [self.python, "-m", "kvreuse.testing.misbehaving", "--port",
+                                 str(port), "--mode", mode, *extra],
+                          url=f"http://127.0.0.1:{port}", port=port)
+        wait_http(proc)
+        return proc
+
     # ------------------------------------------------------------------ peers and redis
 
     def peer_argv(self, kind: str, engines: Sequence[Process], port: int,

@@ -1,0 +1,178 @@
+"""A deliberately misbehaving OpenAI upstream, for the gateway's failure tests and the soak.
+
+``python -m kvreuse.testing.misbehaving --port P --mode MODE`` serves ``/health`` (200),
+``/v1/models`` and ``/metrics`` like an engine, and answers the generate endpoints
+(``/v1/completions``, ``/v1/chat/completions``) the way ``MODE`` says:
+
+* ``hang``: reads the request and never answers (its ``/health`` keeps passing: the replica
+  whose probes say healthy while it serves nothing);
+* ``huge``: a whole JSON completion of ``--bytes`` bytes (a stream asks get it too), framed by
+  ``content-length`` or, with ``--chunked``, chunked;
+* ``slow``: answers like ``huge`` (at its size) after ``--delay`` seconds;
+* ``error``: ``500`` with a JSON error body;
+* ``close``: closes the connection without a byte;
+* ``midstream``: a stream that sends one SSE event and then closes the connection;
+* ``silent-stream``: the headers of an SSE stream, then nothing, ever.
+
+Plain asyncio streams (no framework), so each misbehaviour is exactly what it says. Every
+generate request is counted; ``GET /stats`` answers ``{"requests": N, "open": M, "request_ids":
+[...]}`` (M: requests whose connection is still open; the ``x-request-id`` headers received,
+the last 100), so a test can see what reached it and what it was told to abort. Binds
+127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+from collections.abc import Sequence
+
+MODES = ("hang", "huge", "slow", "error", "close", "midstream", "silent-stream")
+GENERATE = (b"/v1/completions", b"/v1/chat/completions")
+
+
+class Misbehaving:
+    """The server's state and request handling."""
+
+    def __init__(self, mode: str, *, size: int = 2 << 20, delay_s: float = 5.0,
+                 chunked: bool = False, model: str = "sim") -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        self.mode = mode
+        self.size = size
+        self.delay_s = delay_s
+        self.chunked = chunked
+        self.model = model
+        self.requests = 0
+        self.open = 0
+        self.request_ids: list[str] = []
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                lines = head.split(b"\r\n")
+                method, path = lines[0].split(b" ")[:2]
+                length = 0
+                for line in lines[1:]:
+                    name, _, value = line.partition(b":")
+                    name = name.strip().lower()
+                    if name == b"content-length":
+                        length = int(value.strip())
+                    elif name == b"x-request-id" and method == b"POST":
+                        self.request_ids = [*self.request_ids[-99:],
+                                            value.strip().decode("latin-1")]
+                body = await reader.readexactly(length) if length else b""
+                if method == b"POST" and path in GENERATE:
+                    if not await self._generate(reader, writer, body):
+                        return
+                else:
+                    self._answer(writer, 200, self._control(path))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, ValueError):
+            pass
+        finally:
+            writer.close()
+
+    def _control(self, path: bytes) -> bytes:
+        if path == b"/v1/models":
+            return json.dumps({"object": "list", "data": [
+                {"id": self.model, "object": "model", "owned_by": "misbehaving"}]}).encode()
+        if path == b"/stats":
+            return json.dumps({"requests": self.requests, "open": self.open,
+                               "request_ids": self.request_ids}).encode()
+        if path == b"/metrics":
+            return b"# nothing to report\n"
+        return b"{}"
+
+    @staticmethod
+    def _answer(writer: asyncio.StreamWriter, status: int, body: bytes,
+                content_type: bytes = b"application/json") -> None:
+        writer.write(b"HTTP/1.1 %d X\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n"
+                     % (status, content_type, len(body)) + body)
+
+    async def _generate(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                        body: bytes) -> bool:
+        """Misbehave on one generate request; False when the connection is done."""
+        self.requests += 1
+        self.open += 1
+        try:
+            if self.mode in ("hang", "silent-stream"):
+                if self.mode == "silent-stream":
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                                 b"transfer-encoding: chunked\r\n\r\n")
+                await reader.read()  # until the client closes: the only way this ends
+                return False
+            if self.mode == "close":
+                return False
+            if self.mode == "error":
+                self._answer(writer, 500, json.dumps({"error": {
+                    "message": "misbehaving upstream: deliberate 500", "type": "InternalError",
+                    "param": None, "code": 500}}).encode())
+                return True
+            if self.mode == "midstream":
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                             b"transfer-encoding: chunked\r\n\r\n")
+                event = b'data: {"choices": [{"index": 0, "text": "partial"}]}\n\n'
+                writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+                await writer.drain()
+                return False
+            if self.mode == "slow":
+                await asyncio.sleep(self.delay_s)
+            await self._huge(writer)
+            return True
+        finally:
+            self.open -= 1
+
+    async def _huge(self, writer: asyncio.StreamWriter) -> None:
+        envelope = {"id": "cmpl-huge", "object": "text_completion", "model": self.model,
+                    "choices": [{"index": 0, "text": "", "finish_reason": "length"}]}
+        shell = json.dumps(envelope).encode()
+        filler = max(self.size - len(shell), 0)
+        before, after = shell.split(b'"text": ""')
+        pieces = [before + b'"text": "', b"x" * filler, b'"' + after]
+        if not self.chunked:
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n" % sum(len(p) for p in pieces))
+            for piece in pieces:
+                writer.write(piece)
+                await writer.drain()
+            return
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                     b"transfer-encoding: chunked\r\n\r\n")
+        for piece in pieces:
+            for start in range(0, len(piece), 256 << 10):
+                part = piece[start : start + (256 << 10)]
+                writer.write(b"%x\r\n%s\r\n" % (len(part), part))
+                await writer.drain()
+        writer.write(b"0\r\n\r\n")
+
+
+async def serve(server: Misbehaving, port: int) -> None:
+    listener = await asyncio.start_server(server.handle, "127.0.0.1", port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    async with listener:
+        await stop.wait()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--mode", choices=MODES, required=True)
+    parser.add_argument("--bytes", type=int, default=2 << 20, help="size of huge answers")
+    parser.add_argument("--delay", type=float, default=5.0, help="seconds before slow answers")
+    parser.add_argument("--chunked", action="store_true", help="chunked, not content-length")
+    parser.add_argument("--model", default="sim")
+    args = parser.parse_args(argv)
+    asyncio.run(serve(Misbehaving(args.mode, size=args.bytes, delay_s=args.delay,
+                                  chunked=args.chunked, model=args.model), args.port))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
