@@ -7,12 +7,18 @@ in front of ``--replicas`` ``kvreuse engine`` processes with small caches (evict
 time, so the gateway's index must follow removals). Faults:
 
 * at 40 % of the run one engine is SIGKILLed, and restarted at 50 % on the same port;
+* from 15 % to 25 % of the run another engine is frozen (SIGSTOP, then SIGCONT): its requests
+  must fail over after ``--upstream-timeout`` and its probes eject it until it thaws;
+* all along, a hung upstream (:mod:`kvreuse.testing.misbehaving` ``--mode hang``: its
+  ``/health`` answers, generations never do) sits beside the engines: the gateway must stop
+  sending it traffic (passive ejection) and fail over what it sent;
 * all along, a rogue publisher connected to one engine's KV-event endpoint sends malformed
   frames (wrong frame counts, bad sequence numbers, undecodable and ill-typed payloads), frames
   nested 100,000 deep, and batches numbered far ahead of the stream (2^62, clearing the index).
 
 Printed figures and pass/fail:
 
+* requests without any answer (no status: a dropped connection; target 0);
 * requests lost before their first byte (target 0; failures after the first byte, when the
   engine dies mid-stream, are counted apart: they end with an SSE error event);
 * cross-tenant hits: requests whose ``cached_tokens`` exceed the longest prefix their own tenant
@@ -36,6 +42,7 @@ import json
 import os
 import random
 import resource
+import signal
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -162,6 +169,7 @@ class RoguePublisher:
 class Tally:
     sent: int = 0
     ok: int = 0
+    unanswered: int = 0
     lost_before_first_byte: int = 0
     failed_after_first_byte: int = 0
     cross_tenant_hits: int = 0
@@ -172,6 +180,8 @@ class Tally:
 
     def add(self, result: Result, own_prefix_bound: int) -> None:
         self.sent += 1
+        if result.status == 0:
+            self.unanswered += 1
         if result.ttft_s is None or result.status != 200:
             self.lost_before_first_byte += 1
             key = (result.error or f"HTTP {result.status}")[:80]
@@ -260,6 +270,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--cache-tokens", type=int, default=16_384)
     parser.add_argument("--policy", default="exact")
     parser.add_argument("--malformed-per-s", type=float, default=4.0)
+    parser.add_argument("--upstream-timeout", type=float, default=2.0,
+                        help="the gateway's --upstream-timeout (the hung and frozen upstreams "
+                        "cost their requests this much before they fail over)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--workdir", type=Path)
     args = parser.parse_args(argv)
@@ -273,6 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with Fleet(args.workdir) as fleet:
         print(f"# logs in {fleet.workdir}", flush=True)
         engines = fleet.start_engines(args.replicas, spec)
+        hung = fleet.start_misbehaving("hung", "hang", "--model", MODEL)
         tenants_file = fleet.workdir / "tenants.toml"
         tenants_file.write_text('secret = "soak-secret-0123456789abcdef"\n[keys]\n' + "".join(
             f'"sk-t{i}" = "tenant{i}"\n' for i in range(args.tenants)))
@@ -280,9 +294,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             "gateway", engines, policy=args.policy, events=True,
             extra_args=["--tenants", str(tenants_file), "--health-interval", "0.5",
                         "--eject-after", "2", "--readmit-after", "2",
-                        "--metrics-interval", "1"])
+                        "--metrics-interval", "1", "--upstream", f"{hung.url},name=hung",
+                        "--upstream-timeout", str(args.upstream_timeout)])
         time.sleep(0.5)  # engines' PUB sockets connect to the gateway's SUB sockets
         victim, rogue_target = engines[2 % len(engines)], engines[1 % len(engines)]
+        frozen = engines[3 % len(engines)]
         rogue = RoguePublisher(rogue_target.extra["events"], random.Random(3))
         loop_state = {"next_rogue": 0.0, "next_sample": 0.0}
 
@@ -300,6 +316,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         def tick(elapsed: float) -> None:
             loop = asyncio.get_running_loop()
+            if elapsed >= 0.15 * seconds and "stopped" not in state:
+                state["stopped"] = elapsed
+                frozen.popen.send_signal(signal.SIGSTOP)
+                print(f"# {elapsed:6.1f} s: froze {frozen.name} (SIGSTOP)", flush=True)
+            if elapsed >= 0.25 * seconds and "continued" not in state:
+                state["continued"] = elapsed
+                frozen.popen.send_signal(signal.SIGCONT)
+                print(f"# {elapsed:6.1f} s: thawed {frozen.name} (SIGCONT)", flush=True)
             while args.malformed_per_s > 0 and loop_state["next_rogue"] <= elapsed:
                 rogue.send_one()
                 loop_state["next_rogue"] += 1 / args.malformed_per_s
@@ -332,7 +356,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                headers=lambda call: {"authorization": f"Bearer sk-{call.tenant}"},
                                on_tick=tick))
         wall = time.perf_counter() - started
+        if "stopped" in state and "continued" not in state:
+            frozen.popen.send_signal(signal.SIGCONT)
         sample()
+        hung_stats = httpx.get(hung.url + "/stats", timeout=5).json()
         cpu = {"gateway": cpu_seconds(gateway.pid),
                "engines": sum(cpu_seconds(p.pid) for p in fleet.processes
                               if p.name.startswith("engine") and p.alive()),
@@ -350,7 +377,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     growth = (end_rss - warm_rss) / warm_rss if warm_rss else float("nan")
     index_max = max(samples["index_max"], default=0.0)
     figures = {
-        "seconds": wall, "sent": tally.sent, "ok": tally.ok,
+        "seconds": wall, "sent": tally.sent, "ok": tally.ok, "unanswered": tally.unanswered,
+        "hung_upstream_requests": hung_stats["requests"],
+        "hung_upstream_still_open": hung_stats["open"],
         "achieved_rate": tally.sent / wall,
         "lost_before_first_byte": tally.lost_before_first_byte,
         "failed_after_first_byte": tally.failed_after_first_byte,
@@ -371,6 +400,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "errors": tally.errors, "cross_tenant_examples": tally.leaks,
     }
     checks = [
+        ("requests without an answer", tally.unanswered == 0,
+         f"{tally.unanswered} of {tally.sent}"),
         ("requests lost before first byte", tally.lost_before_first_byte == 0,
          f"{tally.lost_before_first_byte} of {tally.sent}"),
         ("cross-tenant hits", tally.cross_tenant_hits == 0 and tally.without_usage == 0,
@@ -393,6 +424,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     for name, ok, detail in checks:
         print(f"[{'PASS' if ok else 'FAIL'}] {name}: {detail}")
+    print(f"# the hung upstream was sent {hung_stats['requests']} requests (each failed over "
+          f"after {args.upstream_timeout:g} s); {hung_stats['open']} still open at the end")
     print(f"# failed after first byte (engine killed mid-stream): "
           f"{tally.failed_after_first_byte}; TTFT p50 {figures['ttft_p50_ms']:.1f} ms, p99 "
           f"{figures['ttft_p99_ms']:.1f} ms; KV events received "

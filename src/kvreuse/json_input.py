@@ -42,12 +42,15 @@ def parse_json(
     *,
     max_depth: int = MAX_DEPTH,
     max_int_digits: int = MAX_INT_DIGITS,
+    allow_non_finite: bool = False,
 ) -> Any:
     """The value ``data`` holds. Raises :class:`InputFormatError` (``where`` names the source:
     a file, ``file:line``, ``body``) for bytes that are not UTF-8, text that is not JSON (with
     line and column), nesting deeper than ``max_depth``, an integer longer than
     ``max_int_digits``, a non-finite number (``NaN``, ``Infinity``, ``1e999``) and a string or
-    key holding a lone surrogate (with its field path). O(len(data))."""
+    key holding a lone surrogate (with its field path). ``allow_non_finite`` lets ``NaN``,
+    ``Infinity`` and overflowing floats through as Python's json reads them (the gateway
+    forwards what vLLM accepts). O(len(data))."""
     if isinstance(data, bytes | bytearray):
         try:
             text = bytes(data).decode("utf-8")
@@ -78,7 +81,11 @@ def parse_json(
         raise _NumberError(f"{name} is not a JSON number")
 
     try:
-        value = json.loads(text, parse_int=integer, parse_float=real, parse_constant=constant)
+        if allow_non_finite:
+            value = json.loads(text, parse_int=integer)
+        else:
+            value = json.loads(text, parse_int=integer, parse_float=real,
+                               parse_constant=constant)
     except json.JSONDecodeError as exc:
         raise InputFormatError(
             f"not valid JSON (line {exc.lineno}, column {exc.colno}): {exc.msg}", where

@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 
 from kvreuse.errors import InputFormatError
+from kvreuse.json_input import parse_json
 
 MAX_CACHE_SALT_CHARS = 128
 FORBIDDEN_SALT_CHARS = frozenset("@/\\\0")
@@ -22,6 +23,7 @@ ENDPOINT_KINDS = {"/v1/completions": "completion", "/v1/chat/completions": "chat
 # about ten levels), and everything that walks a body recursively (the encoders, the chat
 # template) would otherwise hit Python's recursion limit and fail as a server error.
 MAX_JSON_DEPTH = 128
+MAX_JSON_INT_DIGITS = 100  # vLLM's integers are 64-bit (20 digits)
 
 
 class RequestError(InputFormatError):
@@ -84,10 +86,10 @@ def decode_body(raw: bytes) -> DecodedBody:
     """The request body as a JSON object, or a :class:`RequestError` (400) naming the problem.
 
     msgspec first (about 10x faster than ``json.loads`` on a short completion body); what it
-    refuses goes through :func:`parse_json_body`, which keeps the stdlib's acceptance (NaN,
-    Infinity, integers of any length up to Python's 4,300 digits) and its error messages, but
-    refuses what no engine can use: lone UTF-16 surrogates, integers past Python's limit and
-    nesting deeper than :data:`MAX_JSON_DEPTH` (all named in the 400)."""
+    refuses goes through :func:`parse_json_body`, which keeps the stdlib's acceptance of NaN
+    and Infinity but refuses what no engine can use: lone UTF-16 surrogates, integers of more
+    than :data:`MAX_JSON_INT_DIGITS` digits and nesting deeper than :data:`MAX_JSON_DEPTH`
+    (each named in the 400, with its field)."""
     try:
         body = msgspec.json.decode(raw)
     except (msgspec.DecodeError, RecursionError):
@@ -100,66 +102,17 @@ def decode_body(raw: bytes) -> DecodedBody:
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
-    """The body as a JSON object, or a :class:`RequestError` saying what is wrong (see
-    :func:`decode_body`, the fast path in front of this)."""
+    """The body as a JSON object, or a :class:`RequestError` naming the problem and its field
+    (see :func:`decode_body`, the fast path in front of this, and
+    :func:`kvreuse.json_input.parse_json`, which reads it)."""
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise RequestError(f"the body is not valid JSON: {exc}", "body") from None
-    except RecursionError:
-        raise _too_deep() from None
-    except ValueError as exc:  # int() past sys.get_int_max_str_digits
-        raise RequestError(f"the body holds a number too long to read: {exc}", "body") from None
+        body = parse_json(raw, "body", max_depth=MAX_JSON_DEPTH,
+                          max_int_digits=MAX_JSON_INT_DIGITS, allow_non_finite=True)
+    except InputFormatError as exc:
+        raise RequestError(str(exc), "body") from None
     if not isinstance(body, dict):
         raise RequestError("the body must be a JSON object", "body")
-    if _depth_exceeds(body, MAX_JSON_DEPTH):
-        raise _too_deep()
-    where = _lone_surrogate(body)
-    if where is not None:
-        raise RequestError(
-            f"the body holds invalid Unicode: a lone UTF-16 surrogate escape (\\ud800-\\udfff "
-            f"without its pair) in {where}", "body")
     return body
-
-
-def _too_deep() -> RequestError:
-    return RequestError(f"the body nests JSON deeper than {MAX_JSON_DEPTH} levels", "body")
-
-
-def _depth_exceeds(value: object, limit: int) -> bool:
-    """Whether arrays and objects nest deeper than ``limit``. Iterative, O(containers)."""
-    stack: list[tuple[dict[str, Any] | list[Any], int]] = []
-    if isinstance(value, dict | list):
-        stack.append((value, 1))
-    while stack:
-        item, depth = stack.pop()
-        for child in item.values() if isinstance(item, dict) else item:
-            if isinstance(child, dict | list):
-                if depth + 1 > limit:
-                    return True
-                stack.append((child, depth + 1))
-    return False
-
-
-def _lone_surrogate(value: object) -> str | None:
-    """A path like ``messages[0].content`` to the first string (or key) holding a lone
-    surrogate, or None. Iterative, O(characters)."""
-    stack: list[tuple[object, str]] = [(value, "body")]
-    while stack:
-        item, path = stack.pop()
-        if isinstance(item, str):
-            if not item.isascii():
-                try:
-                    item.encode("utf-8")
-                except UnicodeEncodeError:
-                    return path
-        elif isinstance(item, dict):
-            for key, child in item.items():
-                stack.append((key, f"a key of {path}"))
-                stack.append((child, key if path == "body" else f"{path}.{key}"))
-        elif isinstance(item, list):
-            stack.extend((child, f"{path}[{index}]") for index, child in enumerate(item))
-    return None
 
 
 def check_cache_salt(value: object) -> str | None:
