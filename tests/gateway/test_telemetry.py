@@ -159,14 +159,15 @@ def test_refusals_get_an_access_line_and_a_warning(
 def test_json_line_survives_a_lone_surrogate_in_the_model(
     engines: list[Engine], gateway_factory: Factory, access_lines: list[str]
 ) -> None:
-    """A model sent as the JSON escape \\ud800 (not encodable as UTF-8) still gets a valid
-    JSON access line holding it escaped."""
+    """A model sent as the JSON escape \\ud800 (not encodable as UTF-8) is refused with a
+    400 naming the lone surrogate, and its access line is still one valid JSON line."""
     gateway = gateway_factory(engines[:1], policy="round_robin", access_log="json")
     body = b'{"model": "m\\ud800", "prompt": "hello", "max_tokens": 1}'
     response = httpx.post(gateway.url + "/v1/completions", content=body,
                           headers={"content-type": "application/json"}, timeout=10)
-    assert response.status_code < 500
-    assert json.loads(lines(access_lines, 1)[0])["model"] == "m\ud800"
+    assert response.status_code == 400 and "surrogate" in response.json()["error"]["message"]
+    line = json.loads(lines(access_lines, 1)[0])
+    assert line["status"] == 400 and "surrogate" in line["error"]
 
 
 def test_a_flood_of_refusals_is_logged_a_few_lines_a_second(

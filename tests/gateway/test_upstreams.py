@@ -47,6 +47,13 @@ def test_ejection_after_repeated_failed_probes_and_readmission_by_probes() -> No
     assert upstream.ejections == 1
 
 
+def test_a_failed_probe_and_a_failed_request_add_up() -> None:
+    """Both streaks count toward eject_after (a dead upstream: its probe and a request)."""
+    upstream = state()
+    assert not upstream.record_failure(probe=True)
+    assert upstream.record_failure(probe=False) and not upstream.healthy
+
+
 def test_failed_requests_eject_although_probes_pass() -> None:
     """Passing probes do not end a streak of failed requests: it ejects (passive health)."""
     upstream = state()

@@ -36,7 +36,7 @@ from kvreuse.gateway.exchange import error_body
 
 log = logging.getLogger("kvreuse.gateway.serve")
 
-LINGER_S = 2.0  # how long a refused connection waits for the client to read its 503
+LINGER_S = 1.0  # how long a refused connection waits for the client to read its 503
 MAX_DEFAULT_CONNECTIONS = 10_000
 RESERVED_FILES = 128  # for upstream pools' control connections, logs, sockets of ZeroMQ
 

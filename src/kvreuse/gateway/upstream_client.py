@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import ssl
 import time
 from collections.abc import Mapping
@@ -176,7 +177,8 @@ class UpstreamPool:
                 handed = await waiter
             except BaseException:
                 if not waiter.done() or waiter.cancelled():
-                    self._waiters.remove(waiter)
+                    with contextlib.suppress(ValueError):  # (already passed over)
+                        self._waiters.remove(waiter)
                 elif (handed_over := waiter.result()) is not None:
                     self.connection_reusable(handed_over)
                 else:
@@ -191,15 +193,29 @@ class UpstreamPool:
     async def _connect(self, *, reserved: bool = False) -> Http1Connection:
         if not reserved:
             self._open += 1
+        made: list[Http1Connection] = []
+
+        def protocol() -> Http1Connection:
+            made.append(Http1Connection(self))
+            return made[-1]
+
         try:
             _, conn = await asyncio.wait_for(
                 self.loop.create_connection(
-                    lambda: Http1Connection(self), self.host, self.port, ssl=self.ssl,
+                    protocol, self.host, self.port, ssl=self.ssl,
                     server_hostname=self.host if self.ssl else None),
                 self.connect_timeout_s)
         except BaseException as exc:
-            self._open -= 1
-            self._slot_freed()
+            # Cancelled just as the connection was made: the connection may already have
+            # closed and freed its slot (asyncio closes it while cancelling); else close it
+            # here without it freeing the slot a second time, or the count goes wrong.
+            freed = any(orphan.slot_freed for orphan in made)
+            for orphan in made:
+                orphan.slot_freed = True
+                orphan.close()
+            if not freed:
+                self._open -= 1
+                self._slot_freed()
             if isinstance(exc, asyncio.TimeoutError):
                 raise UpstreamTimeout(f"connecting to {self.url} took longer than "
                                       f"{self.connect_timeout_s:g} s") from None

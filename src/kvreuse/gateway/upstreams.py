@@ -1,13 +1,14 @@
 """Upstream state: health (ejection and re-admission), load, and what their /metrics say.
 
-Health, active and passive. Active: after ``eject_after`` consecutive failed probes of
-``GET /health`` an upstream is ejected (no new requests), and after ``readmit_after``
-consecutive passing probes it is re-admitted. Passive: after ``eject_after`` consecutive failed
-requests (no first byte within the upstream timeout, 5xx, connection refused or broken) it is
-ejected too, *even while its probes pass* (a replica that answers ``/health`` but never a
-generation); such an ejection lasts ``ejection_s``, doubled for each passive ejection in a row
-(at most ``MAX_EJECTION_S``), before passing probes may re-admit it, and it comes back on
-probation: its next failed request ejects it again. A served request ends the streak.
+Health, active and passive. Failed probes of ``GET /health`` and failed proxied requests (no
+first byte within the upstream timeout, 5xx, connection refused or broken) are counted in two
+streaks: a passing probe ends the probe streak, only a served request ends the request streak.
+When the two add up to ``eject_after`` the upstream is ejected (no new requests); after
+``readmit_after`` consecutive passing probes it is re-admitted. When requests failed, the
+ejection holds *even while probes pass* (a replica that answers ``/health`` but never a
+generation, a frozen process): for ``ejection_s``, doubled for each such ejection in a row (at
+most ``MAX_EJECTION_S``); then passing probes re-admit it on probation, where its next failed
+request ejects it again.
 
 Load, as :class:`~kvreuse.routing.ReplicaLoad` for the policies: ``in_flight`` is every request
 the gateway has open there; ``queued_requests`` and ``queued_prefill_tokens`` count requests sent
@@ -186,8 +187,9 @@ class UpstreamState:
 
     @property
     def failures(self) -> int:
-        """Consecutive failures, probes or requests, whichever streak is longer."""
-        return max(self.probe_failures, self.request_failures)
+        """The two failure streaks together (the upstream is ejected when they reach
+        ``eject_after``)."""
+        return self.probe_failures + self.request_failures
 
     def record_failure(self, *, probe: bool) -> bool:
         """A probe or a proxied request failed; returns True when this ejects the upstream."""
@@ -196,14 +198,12 @@ class UpstreamState:
             self.probe_failures += 1
         else:
             self.request_failures += 1
-        if not self.healthy:
+        if not self.healthy or self.probe_failures + self.request_failures < self.eject_after:
             return False
-        if self.request_failures >= self.eject_after:
+        if self.request_failures:  # requests failed: passing probes alone do not clear it
             self.passive_ejections += 1
             self.ejected_until = self.clock() + min(
                 self.ejection_s * 2 ** (self.passive_ejections - 1), MAX_EJECTION_S)
-        elif self.probe_failures < self.eject_after:
-            return False
         self.healthy = False
         self.ejections += 1
         return True
@@ -223,7 +223,7 @@ class UpstreamState:
             return False
         self.healthy = True
         self.successes = 0
-        if self.request_failures >= self.eject_after:  # on probation: one more failure ejects
+        if self.request_failures:  # on probation: one more failed request ejects again
             self.request_failures = self.eject_after - 1
         return True
 
