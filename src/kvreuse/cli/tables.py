@@ -23,7 +23,6 @@ PIPE_WIDTH = 120
 """Width for output that is not a terminal and has no ``COLUMNS``: logs and CI read wide."""
 
 
-
 def console_width(file: TextIO | None = None) -> int | None:
     """``COLUMNS`` when set to a positive integer; else the terminal's width (``None``: rich
     asks the terminal); else :data:`PIPE_WIDTH` for a pipe or a file."""
