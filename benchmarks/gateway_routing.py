@@ -7,8 +7,9 @@ tokenize (memoized at special-token boundaries), build the policy's views, ``pol
 Each run sends turn after turn of one conversation: every request adds one new user message
 (fresh text, so the memo misses exactly there) to a history of ~8k tokens. Printed side by side,
 in the same run: the memoized tokenizer and the same tokenizer encoding the whole rendered text
-each time (the peer), for several policies, on 4 upstreams. No network: the gateway's router
-object is called directly, exactly as its HTTP handler calls it.
+each time (the peer), for several policies, on 4 upstreams of which 3 serve the chat's model
+(the decision includes picking them). No network: the gateway's router object is called
+directly, exactly as its HTTP handler calls it.
 
     .venv/bin/python benchmarks/gateway_routing.py [--turns 200] [--tokens 8192]
 """
@@ -28,7 +29,6 @@ from kvreuse.gateway.prompts import HFPromptTokenizer
 from kvreuse.gateway.router import Router
 from kvreuse.gateway.upstreams import UpstreamState
 from kvreuse.gateway.validation import parse_request
-from kvreuse.identity import CacheIdentity
 from kvreuse.index import BlockIndex
 from kvreuse.index.events import KVCacheEvent
 from kvreuse.routing import build_policy
@@ -36,6 +36,8 @@ from kvreuse.testing.tiny_tokenizer import build_tokenizer_dir, corpus_words
 from kvreuse.tokens import num_tokens
 
 POLICIES = ("round_robin", "prefix_hash", "cache_aware", "exact")
+MODELS = (("m",), ("m",), ("m", "other"), ("other",))
+"""Served models of the 4 upstreams: the chat's model "m" is routed among the first three."""
 
 
 def conversation(tokenizer: HFPromptTokenizer, target_tokens: int, rng: random.Random
@@ -52,7 +54,7 @@ def make_router(policy_name: str, tokenizer: HFPromptTokenizer) -> Router:
     upstreams = [
         UpstreamState(UpstreamConfig(f"http://127.0.0.1:{9000 + i}", name=f"r{i}",
                                      events="tcp://127.0.0.1:1" if policy_name == "exact"
-                                     else None),
+                                     else None, models=MODELS[i]),
                       eject_after=3, readmit_after=2)
         for i in range(4)
     ]
@@ -87,7 +89,7 @@ def run(policy_name: str, tokenizer: HFPromptTokenizer, messages: list[dict[str,
         started = time.perf_counter()
         tokens = router.tokens_for(parsed)
         tokenized = time.perf_counter()
-        plan = router.plan(parsed, f"req-{turn}", CacheIdentity())
+        plan = router.plan(parsed, f"req-{turn}", router.identity(parsed.model, None))
         finished = time.perf_counter()
         assert plan is not None
         # plan() tokenizes again (memo hits only); the decision is plan()'s own time.
@@ -117,7 +119,7 @@ def main() -> int:
         rng = random.Random(42)
         messages = conversation(memoized, args.tokens, rng)
         size = num_tokens(memoized.chat(messages))
-        print(f"chat: {len(messages)} messages, {size} tokens; 4 upstreams; "
+        print(f"chat: {len(messages)} messages, {size} tokens; 4 upstreams, 3 serving it; "
               f"{args.turns} decisions per row")
         print(f"{'policy':<14}{'memoized p50':>14}{'p99':>10}{'whole-text p50':>16}{'p99':>10}"
               f"{'speed-up':>10}")

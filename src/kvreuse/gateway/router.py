@@ -172,10 +172,6 @@ class Router:
         return sorted(model for model, ups in self._by_model.items()
                       if allowed is None or any(u.name in allowed for u in ups))
 
-    def model_label(self, model: str) -> str:
-        """``model`` when a known upstream serves it, else "" (bounded metric labels). O(1)."""
-        return model if model in self._by_model else ""
-
     def serving(self, model: str, allowed: Sequence[str] | None = None
                 ) -> tuple[UpstreamState, ...]:
         """The upstreams (of ``allowed``) that serve ``model``, healthy or not; upstreams of
