@@ -399,3 +399,48 @@ def test_a_model_added_to_an_upstream_gets_its_cached_contents() -> None:
     router.models_changed(upstream, before)
     assert predicted("b") == truth and predicted("c") == truth
     assert predicted("a") == [0, 0, 0, 0]
+
+
+def test_lora_adapters_are_models_of_their_own_in_the_event_index() -> None:
+    """A LoRA adapter listed with a parent is its own namespace: blocks stored for the base
+    model predict nothing for the adapter (vLLM hashes the LoRA in) and the other way round,
+    both in the policy's mirror and in the gateway's own prediction."""
+    from kvreuse.gateway.kv_events import EventBatch
+    from kvreuse.gateway.prompts import TextApproximation
+    from kvreuse.gateway.router import Router
+    from kvreuse.gateway.upstreams import UpstreamState
+    from kvreuse.index.events import BlockStored
+    from kvreuse.index.hashing import BlockHash
+    from kvreuse.routing import build_policy
+    from kvreuse.tokens import pack
+
+    def h(value: int) -> BlockHash:
+        return BlockHash(value.to_bytes(8, "big"))
+
+    upstream = UpstreamState(UpstreamConfig("http://h:1", name="u", events="tcp://h:2"),
+                             eject_after=3, readmit_after=2)
+    policy = build_policy("exact", block_size=2)
+    router = Router(policy, [upstream], TextApproximation())
+    assert upstream.learned(({"id": "base", "parent": None},
+                             {"id": "lora-x", "parent": "base"}))
+    router.models_changed(upstream, None)
+    assert upstream.adapters == {"lora-x"}
+    base_prompt, lora_prompt = [1, 2, 3, 4, 0], [5, 6, 7, 8, 0]
+    router.apply_batch("u", EventBatch(0, 0.0, (
+        BlockStored((h(1), h(2)), None, (1, 2, 3, 4), 2),
+        BlockStored((h(3), h(4)), None, (5, 6, 7, 8), 2, lora_name="lora-x"))))
+    fleet = FleetView((upstream.load(),))
+
+    def predicted(model: str, prompt: list[int]) -> tuple[int, int]:
+        """(the policy's mirror, the gateway's own exact prediction) for ``upstream``."""
+        identity = router.identity(model, None)
+        plan = router.plan(parse_request("completion", {"model": model, "prompt": prompt}),
+                           "r", identity)
+        assert plan is not None
+        view = RequestView("r", pack(prompt), len(prompt), identity)
+        return policy.predict(view, fleet)["u"], plan.first.predicted_cached_tokens
+
+    assert predicted("base", base_prompt) == (4, 4)
+    assert predicted("lora-x", base_prompt) == (0, 0)
+    assert predicted("lora-x", lora_prompt) == (4, 4)
+    assert predicted("base", lora_prompt) == (0, 0)

@@ -21,7 +21,9 @@ one namespace per model. A KV event names no model: an engine that publishes eve
 model, whatever names it is served under (vLLM's ``--served-model-name a b`` share one cache),
 so each upstream's :class:`EventIndex` stays model-free and its events reach the policy once per
 model the upstream serves; when that set changes the policy forgets the upstream and is told
-its current contents again under the new names.
+its current contents again under the new names. LoRA adapters (``/v1/models`` entries with a
+``parent``) are models of their own: requests name the adapter, events carry it as
+``lora_name``, and each is filed under the other's name.
 """
 
 from __future__ import annotations
@@ -137,7 +139,7 @@ class Router:
         self._unknown: tuple[UpstreamState, ...] = ()
         self._identities: dict[tuple[str, str | None], CacheIdentity] = {}
         self._modeled: dict[tuple[CacheIdentity, str], CacheIdentity] = {}
-        self._model_free: dict[CacheIdentity, CacheIdentity] = {}
+        self._model_free: dict[tuple[CacheIdentity, bool], CacheIdentity] = {}
         self._rebuild_models()
 
     # ------------------------------------------------------------------ models
@@ -267,7 +269,8 @@ class Router:
         index = self.indexes.get(name)
         if index is None:
             return 0
-        return index.match(request.tokens, self._without_model(request.identity))
+        upstream = self.upstreams[name]
+        return index.match(request.tokens, self._event_identity(request.identity, upstream))
 
     def _candidate(self, upstream: UpstreamState, request: RequestView,
                    decision: RoutingDecision) -> Candidate:
@@ -277,7 +280,7 @@ class Router:
         index = self.indexes.get(decision.replica)
         if index is None:
             return Candidate(upstream, decision.branch, decision.predicted_cached_tokens)
-        exact = index.match(request.tokens, self._without_model(request.identity))
+        exact = index.match(request.tokens, self._event_identity(request.identity, upstream))
         epoch = self.epochs[decision.replica]
         if self.health[decision.replica].suspect:
             return Candidate(upstream, decision.branch, decision.predicted_cached_tokens, exact,
@@ -337,24 +340,33 @@ class Router:
         if self._healable is not None:
             self._healable.suspects = frozenset(self.suspects())
 
-    def _without_model(self, identity: CacheIdentity) -> CacheIdentity:
-        """The namespace of an event index (which names no model, see the module docstring)."""
-        if not identity.model:
+    def _event_identity(self, identity: CacheIdentity, upstream: UpstreamState
+                        ) -> CacheIdentity:
+        """A request's namespace in ``upstream``'s event index, which names no model (see the
+        module docstring): the model is dropped, and a LoRA adapter's name becomes the
+        ``adapter`` its events carry. O(1)."""
+        model = identity.model
+        if not model:
             return identity
-        bare = self._model_free.get(identity)
+        key = (identity, model in upstream.adapters)
+        bare = self._model_free.get(key)
         if bare is None:
             if len(self._model_free) >= MAX_IDENTITIES:
                 self._model_free.clear()
-            bare = self._model_free[identity] = dataclasses.replace(identity, model="")
+            bare = self._model_free[key] = dataclasses.replace(
+                identity, model="", adapter=model if key[1] else identity.adapter)
         return bare
 
     def _with_model(self, identity: CacheIdentity, model: str) -> CacheIdentity:
+        """An event index's namespace as requests for ``model`` name it (the adapter, if
+        any, is the model itself). O(1)."""
         key = (identity, model)
         modeled = self._modeled.get(key)
         if modeled is None:
             if len(self._modeled) >= MAX_IDENTITIES:
                 self._modeled.clear()
-            modeled = self._modeled[key] = dataclasses.replace(identity, model=model)
+            modeled = self._modeled[key] = dataclasses.replace(identity, model=model,
+                                                               adapter=None)
         return modeled
 
     def committed(self, plan: Plan, candidate: Candidate) -> None:
@@ -392,15 +404,21 @@ class Router:
         stats.trimmed_blocks = index.trimmed_blocks
 
     def _tell_policy(self, upstream: UpstreamState, event: KvEvent) -> None:
-        """One event of ``upstream``'s index, once per model it serves (see the module
-        docstring); as is while its models are unknown."""
+        """One event of ``upstream``'s index, once per base model it serves (see the module
+        docstring), or under its LoRA adapter's name; as is while its models are unknown."""
         models = upstream.models
         if isinstance(event, KvCleared) or not models:
             self.policy.on_kv_event(event)
             return
+        adapter = event.identity.adapter
+        if adapter is not None:
+            identity = self._with_model(event.identity, adapter)
+            self.policy.on_kv_event(dataclasses.replace(event, identity=identity))
+            return
         for model in models:
-            self.policy.on_kv_event(
-                dataclasses.replace(event, identity=self._with_model(event.identity, model)))
+            if model not in upstream.adapters:
+                self.policy.on_kv_event(
+                    dataclasses.replace(event, identity=self._with_model(event.identity, model)))
 
     def mark_cold(self, upstream: str, reason: str) -> None:
         """Forget what ``upstream`` holds: its events can no longer be trusted to be complete."""

@@ -168,6 +168,7 @@ class UpstreamState:
         self.model_cards: tuple[dict[str, Any], ...] = tuple(
             declared_card(name) for name in config.models)
         self.models_problem: str | None = None  # why the last /v1/models could not be read
+        self.adapters: frozenset[str] = frozenset()  # served names that are LoRA adapters
 
     # ------------------------------------------------------------------ models
 
@@ -179,8 +180,11 @@ class UpstreamState:
         """A /v1/models answer was read; returns True when the served set changed."""
         self.models_problem = None
         names = frozenset(card["id"] for card in cards)
-        changed = names != self.models
-        self.models, self.model_cards = names, cards
+        # vLLM lists a LoRA adapter with its base model as "parent" (null for base models).
+        adapters = frozenset(card["id"] for card in cards if isinstance(card.get("parent"), str)
+                             and card["parent"] != card["id"])
+        changed = names != self.models or adapters != self.adapters
+        self.models, self.model_cards, self.adapters = names, cards, adapters
         return changed
 
     # ------------------------------------------------------------------ health
