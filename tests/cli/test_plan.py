@@ -100,8 +100,8 @@ def test_bad_slo_is_refused(trace: Path, capsys: pytest.CaptureFixture[str]) -> 
 
 @pytest.mark.ray
 def test_ray_gives_the_serial_results(trace: Path, tmp_path: Path) -> None:
-    """--ray on a local Ray instance (2 workers) produces the serial run's cells."""
-    pytest.importorskip("ray")
+    """--ray on a local Ray instance (2 workers) produces the serial run's cells (Ray comes
+    with the test install, `.[all,dev]`: no skip when it is missing)."""
     serial = plan(trace, tmp_path / "s.json", "--serial", "--no-cache")
     on_ray = plan(trace, tmp_path / "r.json", "--ray", "--workers", "2", "--no-cache")
     assert on_ray["cells"] == serial["cells"] and on_ray["winner"] == serial["winner"]
