@@ -69,10 +69,25 @@ def test_speed_and_duration_shape_the_schedule(tmp_path: Path) -> None:
     lines = synthetic_mooncake(requests=50, requests_per_second=5.0)
     records = parse_trace_lines(lines)
     base = {"tokenizer": None, "block_size": 512, "vocab_size": 8192, "first_token": 100,
-            "model": "m", "max_tokens": 16, "duration": None}
+            "model": "m", "max_tokens": 16, "duration": None, "max_prompt_tokens": 131_072,
+            "trace": "t.jsonl"}
     normal = build_calls(records, argparse.Namespace(speed=1.0, **base))
     fast = build_calls(records, argparse.Namespace(speed=2.0, **base))
     assert [c.at_s / 2 for c in normal] == pytest.approx([c.at_s for c in fast])
     cut = build_calls(records, argparse.Namespace(speed=1.0, **{**base, "duration": 3.0}))
     assert 0 < len(cut) < len(normal) and all(c.at_s <= 3.0 for c in cut)
     assert cut == normal[: len(cut)]
+
+
+def test_replay_refuses_prompts_over_the_limit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A trace line claiming a huge prompt is refused by line and field before anything is
+    built or sent."""
+    trace = tmp_path / "t.jsonl"
+    ids = list(range(400))
+    trace.write_text(json.dumps({"timestamp": 0, "input_length": 400 * 512,
+                                 "output_length": 1, "hash_ids": ids}) + "\n")
+    assert main(["replay", "--trace", str(trace), "--target", "http://127.0.0.1:9"]) == 1
+    err = capsys.readouterr().err
+    assert "t.jsonl:1" in err and "'input_length'" in err and "--max-prompt-tokens" in err

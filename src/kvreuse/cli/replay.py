@@ -57,6 +57,8 @@ def register(subparsers: Any) -> None:
                         help="token-id prompts: ids drawn from here up (100, past specials)")
     parser.add_argument("--max-tokens", type=positive_int, default=256,
                         help="cap on each answer's length (256)")
+    parser.add_argument("--max-prompt-tokens", type=positive_int, default=131_072,
+                        help="refuse a trace whose prompts are longer (131072)")
     parser.add_argument("--engine-metrics", help="comma-separated engine URLs whose /metrics "
                                                  "give the token hit rate")
     parser.add_argument("--timeout", type=positive_float, default=120.0,
@@ -85,6 +87,11 @@ def build_calls(records: Sequence[TraceRecord], args: argparse.Namespace) -> lis
     origin = records[0].timestamp_ms
     calls = []
     for record in records:
+        if record.input_length > args.max_prompt_tokens:
+            raise ConfigError(
+                f"{args.trace}:{record.line}: field 'input_length' is {record.input_length:,} "
+                f"tokens, over --max-prompt-tokens {args.max_prompt_tokens:,}"
+            )
         at_s = (record.timestamp_ms - origin) / 1000.0 / args.speed
         if args.duration is not None and at_s > args.duration:
             break
