@@ -445,3 +445,20 @@ def test_lora_adapters_are_models_of_their_own_in_the_event_index() -> None:
     assert predicted("lora-x", base_prompt) == (0, 0)
     assert predicted("lora-x", lora_prompt) == (4, 4)
     assert predicted("base", lora_prompt) == (0, 0)
+
+
+def test_retries_stay_among_the_upstreams_serving_the_model(gateway_factory: Factory) -> None:
+    """A request whose first upstream is dead is retried only on another upstream serving its
+    model (the model-b replica, first in the retry order by name, would have answered 404)."""
+    a = start_engine("a", model="model-a", events=False)
+    b = start_engine("0b", model="model-b", events=False)
+    dead = UpstreamConfig(f"http://127.0.0.1:{free_port()}", name="dead", models=("model-a",))
+    gateway = gateway_factory([dead, b, a], policy="round_robin", eject_after=100,
+                              health_interval_s=60.0, retries=2)
+    for i in range(4):
+        response = complete(gateway.url, "model-a", f"retry {i}")
+        assert response.status_code == 200, response.text
+        assert response.headers["x-kvreuse-upstream"] == "a"
+    assert sample(gateway.url, "kvreuse_gateway_retries_total", upstream="a") == 2.0
+    a.server.stop()
+    b.server.stop()
