@@ -234,6 +234,16 @@ def summed(metrics: dict[str, float], prefix: str) -> float:
 def verify_exact(url: str, traffic: Traffic, count: int = 40) -> list[tuple[int, int, str]]:
     """(predicted, realized, upstream) cached tokens of ``count`` requests sent one at a time
     (each after the previous one's KV events have had time to arrive) on the hot documents."""
+    # The gateway may still be working through KV events queued under the load: wait until
+    # the count received stands still for a second (at most a minute).
+    deadline = time.monotonic() + 60
+    seen = -1.0
+    while time.monotonic() < deadline:
+        now = summed(gateway_metrics(url), "kvreuse_gateway_kv_events_received_total")
+        if now == seen:
+            break
+        seen = now
+        time.sleep(1.0)
     preamble = list(range(100, 100 + traffic.preamble_tokens))
     pairs = []
     question = 90_000_000

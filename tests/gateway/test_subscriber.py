@@ -255,3 +255,40 @@ def test_a_flood_of_bad_frames_is_counted_each_and_logged_a_few_times(
     lines = [r for r in caplog.records if r.name == "kvreuse.gateway.events"]
     assert dropped == {"not_msgpack": 1000} and delivered == 1
     assert 1 <= len(lines) <= 10
+
+
+def test_a_killed_publishers_queued_backlog_cannot_take_the_stream_back() -> None:
+    """After a restart (batch 0), the old numbering's batches still queued interleave with the
+    new ones: they are dropped as retired, and the new numbering goes on undisturbed."""
+    tracker = SequenceTracker(window=100_000)
+    tracker.advance(1245)
+    assert tracker.check(0).restarted
+    tracker.advance(0)
+    restarts = 0
+    for new, old in zip(range(1, 600), range(1246, 1846), strict=False):
+        verdict = tracker.check(old)
+        assert not verdict.apply and verdict.drop == "retired_publisher"
+        verdict = tracker.check(new)
+        assert verdict.apply and verdict.missing_from is None
+        restarts += verdict.restarted
+        tracker.advance(new)
+    assert restarts == 0 and tracker.last_seq == 599
+
+
+def test_a_forged_batch_zero_loses_to_the_live_numbering() -> None:
+    """A forged batch 0 retires the real numbering, but only for RETIRED_PATIENCE batches in
+    a row with nothing of the 'new' numbering: then the real one is adopted back."""
+    from kvreuse.gateway.subscriber import RETIRED_PATIENCE
+
+    tracker = SequenceTracker()
+    tracker.advance(500)
+    assert tracker.check(0).restarted  # forged
+    tracker.advance(0)
+    seq = 501
+    for _ in range(RETIRED_PATIENCE - 1):
+        assert tracker.check(seq).drop == "retired_publisher"
+        seq += 1
+    verdict = tracker.check(seq)
+    assert verdict.apply and verdict.restarted
+    tracker.advance(seq)
+    assert tracker.check(seq + 1).apply and not tracker.check(seq + 1).restarted

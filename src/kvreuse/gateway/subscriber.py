@@ -49,6 +49,11 @@ RIVAL_RUN = 3
 """Consecutive batches of another numbering (out of the window, or behind) after which that
 numbering is adopted, with a cold reset: the publisher restarted without us seeing its batch 0,
 or the gateway lost more than a window of batches, or the first number it adopted was forged."""
+RETIRED_PATIENCE = 256
+"""After a renumbering, batches continuing the numbering left behind (a killed engine's backlog
+still queued in the socket) are dropped; this many in a row with no batch of the new numbering
+between them mean the old numbering is the one alive (the renumbering was forged, or the new
+publisher stopped), and it is adopted back."""
 LOG_EVERY_S = 10.0
 POLL_MS = 250
 
@@ -118,6 +123,8 @@ class SequenceTracker:
         self.last_seq: int | None = None
         self._rival_next: int | None = None
         self._rival_run = 0
+        self._retired_next: int | None = None  # the next number of the numbering left behind
+        self._retired_run = 0
 
     def check(self, seq: int) -> Verdict:
         """Called for each live batch before it is applied. O(1)."""
@@ -125,18 +132,31 @@ class SequenceTracker:
         if seq < 0:
             return Verdict(apply=False, drop="negative_seq")
         if last is None or seq == last + 1:
+            self._retired_run = 0
             return Verdict(apply=True)
+        if seq == self._retired_next:
+            self._retired_next, self._retired_run = seq + 1, self._retired_run + 1
+            if self._retired_run < RETIRED_PATIENCE:
+                return Verdict(apply=False, drop="retired_publisher")
+            return self._renumbered(last)
         if seq == 0:
             # A publisher numbering from 0 again is a restarted engine: its cache is empty.
-            return Verdict(apply=True, restarted=True)
+            return self._renumbered(last)
         if last < seq <= last + self.window:
             return Verdict(apply=True, missing_from=last + 1)
         run = self._rival_run + 1 if seq == self._rival_next else 1
         self._rival_next, self._rival_run = seq + 1, run
         if run >= RIVAL_RUN:
             self._rival_next, self._rival_run = None, 0
-            return Verdict(apply=True, restarted=True)
+            return self._renumbered(last)
         return Verdict(apply=False, drop="seq_far_ahead" if seq > last else "duplicate_batch")
+
+    def _renumbered(self, last: int | None) -> Verdict:
+        """Adopt the batch's numbering (the caller forgets the index); the numbering left
+        behind is retired, so what is still queued of it cannot take the stream back."""
+        self._retired_next = None if last is None else last + 1
+        self._retired_run = 0
+        return Verdict(apply=True, restarted=True)
 
     def advance(self, seq: int) -> None:
         """Called after a batch (live or replayed) was applied."""
@@ -233,9 +253,13 @@ class EventSubscriber:
                 try:
                     if self._resync_wanted:
                         await self._resync()
-                    if not await sub.poll(POLL_MS):
-                        continue
-                    frames = await sub.recv_multipart()
+                    try:  # a backlog is read without a poll per message
+                        frames = await sub.recv_multipart(flags=zmq.NOBLOCK)
+                    except zmq.Again:
+                        # Wait with a timeout, so the loop turns (heartbeat, resync requests).
+                        if not await sub.poll(POLL_MS):
+                            continue
+                        frames = await sub.recv_multipart()
                 except (asyncio.CancelledError, zmq.ContextTerminated):
                     break
                 except zmq.ZMQError as exc:
