@@ -60,7 +60,7 @@ class ClientReply:
     """The answer to one request: :meth:`send` is the ASGI send with the request id added;
     :attr:`started` and :attr:`complete` say how far it got."""
 
-    __slots__ = ("_id_header", "_send", "complete", "event_stream", "request_id", "started",
+    __slots__ = ("_headers", "_id_header", "_send", "complete", "request_id", "started",
                  "status")
 
     def __init__(self, send: Send, request_id: str) -> None:
@@ -69,8 +69,8 @@ class ClientReply:
         self._id_header = (REQUEST_ID_HEADER, request_id.encode("ascii"))
         self.started = False
         self.complete = False
-        self.event_stream = False
         self.status = 0
+        self._headers: list[tuple[bytes, bytes]] = []
 
     async def send(self, message: Message) -> None:
         if message["type"] == "http.response.start":
@@ -79,11 +79,16 @@ class ClientReply:
             message["headers"] = headers
             self.started = True
             self.status = message["status"]
-            self.event_stream = any(name == b"content-type" and b"event-stream" in value
-                                    for name, value in headers)
+            self._headers = headers
         elif not message.get("more_body", False):
             self.complete = True
         await self._send(message)
+
+    @property
+    def event_stream(self) -> bool:
+        """Whether the answer under way is an SSE stream (its content type says so)."""
+        return any(name == b"content-type" and b"event-stream" in value
+                   for name, value in self._headers)
 
     async def json(self, status: int, value: Any,
                    headers: Iterable[tuple[bytes, bytes]] = ()) -> None:
