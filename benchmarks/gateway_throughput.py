@@ -21,9 +21,10 @@ time per output token: what is measured is HTTP and the gateway, not a simulated
     the sender never waits for answers (no coordinated omission) and each latency is timed from
     the moment its request is handed to the socket (how late the sender was against the
     schedule is printed apart). Added latency = gateway percentile - direct percentile.
-(d) **access log cost**: the same open loop, tick by tick, to that gateway (``--access-log
-    off``) and to a second one in front of the same engines with ``--access-log json`` (lines
-    into its log file); latency percentiles and CPU microseconds per request of each
+(d) **access log cost**: the same open loop, tick by tick, to that gateway and a fresh one
+    (both ``--access-log off``: how far two identical processes differ) and to a third in front
+    of the same engines with ``--access-log json`` (lines into its log file); latency
+    percentiles and CPU microseconds per request of each, and the in-process cost of one line
     (``--access-log-seconds``, 0 skips it).
 (e) **trace recorder cost** (``--record``, issue 16: under 50 us per request on the request
     path): in this process, CPU microseconds per :meth:`TraceRecorder.submit` (the request
@@ -323,43 +324,51 @@ CLIENTS = ("httpx, one client", "httpx, one per upstream", "UpstreamPool")
 
 def access_log_overhead(fleet: Fleet, engines: list[Process], gateway: Process,
                         bodies: list[bytes], args: argparse.Namespace) -> None:
-    """The same open loop at ``--rate`` req/s sent, tick by tick, to the gateway of (a)-(b)
-    (access log off) and to a second gateway in front of the same engines writing a JSON
-    access line per request to its log file; latencies and CPU per request of each."""
-    logged = fleet.start_gateway(
-        "gateway-access-log", engines, policy=args.policy,
-        extra_args=["--metrics-interval", "0", "--health-interval", "2", "--access-log",
-                    "json"])
-    closed_loop("warmup", logged.url, bodies, args.connections, 1.0, fleet.workdir,
-                shutil.which("wrk") is not None and not args.no_wrk)
+    """The same open loop at ``--rate`` req/s sent, tick by tick, to three gateways in front
+    of the same engines: the one of (a)-(b) and a fresh one, both with the access log off
+    (how far two identical processes differ: the noise floor), and a fresh one writing a
+    JSON access line per request to its log file; latencies and CPU per request of each."""
+    use_wrk = shutil.which("wrk") is not None and not args.no_wrk
+    fresh = {}
+    for name, extra in (("gateway-log-off-2", []), ("gateway-log-json", ["--access-log", "json"])):
+        fresh[name] = fleet.start_gateway(
+            name, engines, policy=args.policy,
+            extra_args=["--metrics-interval", "0", "--health-interval", "2", *extra])
+        closed_loop("warmup", fresh[name].url, bodies, args.connections, 1.0, fleet.workdir,
+                    use_wrk)
+    logged = fresh["gateway-log-json"]
+    process_of = {"log off": gateway, "log off, 2nd": fresh["gateway-log-off-2"],
+                  "log json": logged}
+
     def access_lines() -> int:
         return sum(1 for line in logged.log_path.read_text(errors="replace").splitlines()
                    if line.startswith('{"time"'))
 
     lines_before = access_lines()
-    cpu_before = {p.name: cpu_seconds(p.pid) for p in (gateway, logged)}
-    lat = run_async(_open_loop({"log off": [gateway.url], "log json": [logged.url]}, bodies,
+    cpu_before = {name: cpu_seconds(p.pid) for name, p in process_of.items()}
+    lat = run_async(_open_loop({name: [p.url] for name, p in process_of.items()}, bodies,
                                args.rate, args.access_log_seconds, warmup_s=1.0))
-    cpu = {p.name: cpu_seconds(p.pid) - cpu_before[p.name] for p in (gateway, logged)}
-    lines = access_lines() - lines_before
-    print(f"\n(d) access log: {args.rate:g} req/s to a gateway with --access-log off and "
-          f"{args.rate:g} req/s to one with --access-log json, interleaved, "
-          f"{args.access_log_seconds:g} s ({lines} access lines written)")
     by = {entry.target: entry for entry in lat}
-    for entry in lat:
-        if entry.target == "sender lateness":
-            continue
-        process = gateway if entry.target == "log off" else logged
-        per_request = cpu[process.name] / max(entry.sent, 1) * 1e6
-        print(f"    {entry.target:10s} p50 {entry.p50_ms:6.2f} ms  p90 {entry.p90_ms:6.2f} ms  "
-              f"p99 {entry.p99_ms:6.2f} ms  CPU {per_request:4.0f} us/request  "
+    cpu_us = {name: (cpu_seconds(p.pid) - cpu_before[name]) / max(by[name].sent, 1) * 1e6
+              for name, p in process_of.items()}
+    lines = access_lines() - lines_before
+    print(f"\n(d) access log: {args.rate:g} req/s to each of two gateways with --access-log "
+          f"off and one with --access-log json, interleaved, {args.access_log_seconds:g} s "
+          f"({lines} access lines written, the loop's 1 s warm-up included)")
+    for name in process_of:
+        entry = by[name]
+        print(f"    {name:12s} p50 {entry.p50_ms:6.2f} ms  p90 {entry.p90_ms:6.2f} ms  "
+              f"p99 {entry.p99_ms:6.2f} ms  CPU {cpu_us[name]:4.0f} us/request  "
               f"({entry.sent} sent, {entry.errors} errors)")
-    off, on = by["log off"], by["log json"]
-    off_cpu = cpu[gateway.name] / max(off.sent, 1) * 1e6
-    on_cpu = cpu[logged.name] / max(on.sent, 1) * 1e6
-    print(f"    access log json - off: p50 {on.p50_ms - off.p50_ms:+.2f} ms, "
-          f"p99 {on.p99_ms - off.p99_ms:+.2f} ms, CPU {on_cpu - off_cpu:+.0f} us/request")
-    fleet.forget(logged)
+    off, off2, on = by["log off"], by["log off, 2nd"], by["log json"]
+    print(f"    noise floor, off - off (2nd): p50 {off.p50_ms - off2.p50_ms:+.2f} ms, "
+          f"p99 {off.p99_ms - off2.p99_ms:+.2f} ms, "
+          f"CPU {cpu_us['log off'] - cpu_us['log off, 2nd']:+.0f} us/request")
+    print(f"    json - off (2nd, started alike): p50 {on.p50_ms - off2.p50_ms:+.2f} ms, "
+          f"p99 {on.p99_ms - off2.p99_ms:+.2f} ms, "
+          f"CPU {cpu_us['log json'] - cpu_us['log off, 2nd']:+.0f} us/request")
+    for process in fresh.values():
+        fleet.forget(process)
     for mode in ("json", "text"):
         print(f"    in-process, one {mode} line formatted and written to a file: "
               f"{line_cost_us(mode, fleet.workdir):.1f} us")
