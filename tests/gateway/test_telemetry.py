@@ -7,7 +7,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -26,24 +26,25 @@ TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 KEY = "sk-clé-ключ-ü"  # non-ASCII: sent as UTF-8 it must match; as latin-1 it must not
 
 
-class Lines(logging.Handler):
+class Lines:
+    """A stream that keeps the lines written to it (the gateway's server thread writes)."""
+
     def __init__(self) -> None:
-        super().__init__()
         self.lines: list[str] = []
 
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
+    def write(self, text: str) -> int:
+        self.lines.extend(text.splitlines())
+        return len(text)
+
+    def flush(self) -> None:
+        pass
 
 
-@pytest.fixture
-def access_lines() -> Iterator[list[str]]:
-    """The lines the ``kvreuse.access`` logger writes during the test."""
-    logger = logging.getLogger("kvreuse.access")
-    handler = Lines()
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    yield handler.lines
-    logger.removeHandler(handler)
+def capture(gateway: RunningGateway) -> list[str]:
+    """The access lines ``gateway`` writes from now on."""
+    sink = Lines()
+    gateway.gateway.access_log.stream = sink  # type: ignore[assignment]
+    return sink.lines
 
 
 def eventually(check: Callable[[], bool], timeout_s: float = 10.0) -> None:
@@ -89,12 +90,13 @@ def samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
 
 
 def test_json_access_line_has_every_field_and_never_the_salt(
-    engines: list[Engine], tmp_path: Path, gateway_factory: Factory, access_lines: list[str]
+    engines: list[Engine], tmp_path: Path, gateway_factory: Factory
 ) -> None:
     """One JSON line per request: id, model, tenant, upstream, decision, predicted and realized
     cached tokens, status, TTFT <= total; neither the tenant's salt nor its key appears."""
     gateway = gateway_factory(engines[:1], policy="exact", policy_options={"block_size": 4},
                               tenants=str(write_tenants(tmp_path)), access_log="json")
+    access_lines = capture(gateway)
     prompt = uuid.uuid4().hex + " the same long prefix for both requests " * 4
     assert post(gateway, prompt, headers=bearer(KEY)).status_code == 200
     gateway.events_settled()
@@ -115,10 +117,11 @@ def test_json_access_line_has_every_field_and_never_the_salt(
 
 
 def test_text_access_line_quotes_what_the_caller_chose(
-    engines: list[Engine], gateway_factory: Factory, access_lines: list[str]
+    engines: list[Engine], gateway_factory: Factory
 ) -> None:
     """A model name with spaces, '=', quotes and a newline stays inside one quoted value."""
     gateway = gateway_factory(engines[:1], policy="round_robin", access_log="text")
+    access_lines = capture(gateway)
     hostile = 'x" status=200 upstream=evil\nforged=1'
     assert post(gateway, "hello", model=hostile).status_code == 404  # no upstream serves it
     assert post(gateway, "hello").status_code == 200
@@ -143,12 +146,13 @@ def logfmt(line: str) -> dict[str, str]:
 
 
 def test_refusals_get_an_access_line_and_a_warning(
-    engines: list[Engine], tmp_path: Path, gateway_factory: Factory, access_lines: list[str],
+    engines: list[Engine], tmp_path: Path, gateway_factory: Factory,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A 401 is logged as a warning and as an access line with no upstream."""
     gateway = gateway_factory(engines[:1], tenants=str(write_tenants(tmp_path)),
                               access_log="json")
+    access_lines = capture(gateway)
     with caplog.at_level(logging.WARNING, logger="kvreuse.gateway"):
         assert post(gateway, "hello", headers=bearer("nope")).status_code == 401
     line = json.loads(lines(access_lines, 1)[0])
@@ -157,11 +161,12 @@ def test_refusals_get_an_access_line_and_a_warning(
 
 
 def test_json_line_survives_a_lone_surrogate_in_the_model(
-    engines: list[Engine], gateway_factory: Factory, access_lines: list[str]
+    engines: list[Engine], gateway_factory: Factory
 ) -> None:
     """A model sent as the JSON escape \\ud800 (not encodable as UTF-8) is refused with a
     400 naming the lone surrogate, and its access line is still one valid JSON line."""
     gateway = gateway_factory(engines[:1], policy="round_robin", access_log="json")
+    access_lines = capture(gateway)
     body = b'{"model": "m\\ud800", "prompt": "hello", "max_tokens": 1}'
     response = httpx.post(gateway.url + "/v1/completions", content=body,
                           headers={"content-type": "application/json"}, timeout=10)
@@ -186,10 +191,10 @@ def test_a_flood_of_refusals_is_logged_a_few_lines_a_second(
     assert 1 <= len(refusals) < 100
 
 
-def test_access_log_off_writes_nothing(engines: list[Engine], gateway_factory: Factory,
-                                       access_lines: list[str]) -> None:
+def test_access_log_off_writes_nothing(engines: list[Engine], gateway_factory: Factory) -> None:
     """The default (off) writes no access line."""
     gateway = gateway_factory(engines[:1])
+    access_lines = capture(gateway)
     assert post(gateway, "hello").status_code == 200
     histogram = gateway.gateway.metrics.duration_seconds
     eventually(lambda: any(s.name.endswith("_count") and s.value == 1
@@ -310,9 +315,10 @@ def test_invalid_traceparent_is_dropped_with_its_tracestate(
     """An invalid traceparent is not forwarded, nor the tracestate that came with it."""
     gateway = gateway_factory(engines[:1], policy="round_robin")
     headers = [(b"traceparent", traceparent.encode("latin-1")), (b"tracestate", b"a=b")]
-    assert post(gateway, "hello", headers=headers).status_code == 200
+    response = post(gateway, "hello", headers=headers)
+    assert response.status_code == 200, response.text
     received = engines[0].engine.received_headers[-1]
-    assert "traceparent" not in received and "tracestate" not in received
+    assert "traceparent" not in received and "tracestate" not in received, received
 
 
 def test_tracestate_is_bounded() -> None:

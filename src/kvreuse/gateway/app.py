@@ -218,6 +218,8 @@ class Gateway:
                 self._tasks.append(loop.create_task(self._scrape_loop(upstream)))
         if self.announce is not None:
             self._tasks.append(loop.create_task(self._announce(self.announce)))
+        if self.access_log.mode != "off":
+            self._tasks.append(loop.create_task(self.access_log.run()))
         if self.subscribers:
             self._tasks.append(loop.create_task(self._watchdog()))
         try:
@@ -229,6 +231,7 @@ class Gateway:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            self.access_log.flush()
             for pool in (*self._pools.values(), *self._control.values()):
                 await pool.aclose()
             if self.recorder is not None:
