@@ -157,7 +157,8 @@ def test_refusals_get_an_access_line_and_a_warning(
         assert post(gateway, "hello", headers=bearer("nope")).status_code == 401
     line = json.loads(lines(access_lines, 1)[0])
     assert line["status"] == 401 and line["upstream"] is None and "API key" in line["error"]
-    assert any("refused /v1/completions with 401" in r.getMessage() for r in caplog.records)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("refused /v1/completions with 401" in m for m in messages), messages
 
 
 def test_json_line_survives_a_lone_surrogate_in_the_model(
@@ -368,3 +369,28 @@ def test_two_authorization_headers_are_refused(engines: list[Engine], tmp_path: 
     response = post(gateway, "hello", headers=twice)
     assert response.status_code == 400 and response.json()["error"]["param"] == "authorization"
     assert httpx.get(gateway.url + "/v1/models", headers=twice).status_code == 400
+
+
+def test_request_id_and_trace_context_travel_together(
+    engines: list[Engine], gateway_factory: Factory
+) -> None:
+    """The caller's x-request-id reaches the engine beside its traceparent, comes back on the
+    answer and names the access line; an unsafe one (a space, 200 characters) is replaced
+    by a generated id everywhere."""
+    gateway = gateway_factory(engines[:1], policy="round_robin", access_log="json")
+    access_lines = capture(gateway)
+    response = post(gateway, "hello", headers={"x-request-id": "client-abc-123",
+                                               "traceparent": TRACEPARENT})
+    assert response.status_code == 200 and response.headers["x-request-id"] == "client-abc-123"
+    received = engines[0].engine.received_headers[-1]
+    assert received["x-request-id"] == "client-abc-123"
+    assert received["traceparent"] == TRACEPARENT
+    assert json.loads(lines(access_lines, 1)[0])["request_id"] == "client-abc-123"
+    generated = []
+    for unsafe in ("two words", "x" * 200):
+        response = post(gateway, "hello", headers={"x-request-id": unsafe})
+        generated.append(response.headers["x-request-id"])
+        assert generated[-1].startswith("gw-")
+        assert engines[0].engine.received_headers[-1]["x-request-id"] == generated[-1]
+    logged = [json.loads(line)["request_id"] for line in lines(access_lines, 3)]
+    assert logged[1:] == generated
