@@ -469,8 +469,9 @@ class Gateway:
                 traceparent = value
             elif name == b"tracestate":
                 tracestate = value
-        reply = ClientReply(send, request_id_of(scope["headers"]))
-        record = RequestRecord(reply.request_id, path, time.perf_counter())
+        request_id = request_id_of(scope["headers"])
+        record = RequestRecord(request_id, path, time.perf_counter())
+        reply = ClientReply(send, request_id, record)
         try:
             await self._serve(scope, receive, reply, path, kind, record, session_id, declared,
                               trace_headers(traceparent, tracestate))
@@ -550,7 +551,6 @@ class Gateway:
                 self._refusals.warning("no upstream serving %r admitted for %s (request %s)",
                                        parsed.model, path, record.request_id)
                 record.status, record.error = 503, "no upstream admitted"
-                record.sent_first_byte()
                 await reply.json(503, no_upstream(parsed.model))
                 return
             self.metrics.decision_seconds.observe(plan.decision_s)
@@ -561,7 +561,6 @@ class Gateway:
             return
         self._refused(error, path, record.model)
         record.status, record.error = error.status, str(error)
-        record.sent_first_byte()
         # A body refused as too large also closes the connection: the rest is never read.
         await reply.json(error.status, error.body(),
                          [(b"connection", b"close")] if error.status == 413 else [])

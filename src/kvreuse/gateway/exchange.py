@@ -5,7 +5,8 @@
 prefix + a counter). It is sent upstream in ``x-request-id`` (vLLM takes it as its request id),
 returned to the client in ``x-request-id`` on every answer, errors included, and it names the
 request in every log line about it. This module is the one place that reads, makes and writes
-it; whatever else should travel with a request (trace context, an access log) belongs here too.
+it. What else travels with a request, its trace context and its access-log record, is
+:mod:`kvreuse.gateway.telemetry`'s; the reply marks the record's first byte as it sends it.
 
 **Reply.** :class:`ClientReply` wraps the ASGI ``send`` of one request: it adds the id header
 and remembers how far the answer got, so that whatever goes wrong, the gateway can still give
@@ -24,6 +25,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from kvreuse.gateway.asgi import Message, Send
+from kvreuse.gateway.telemetry import RequestRecord
 
 REQUEST_ID_HEADER = b"x-request-id"
 _SANE_ID = re.compile(rb"[\x21-\x7e]{1,128}")
@@ -58,13 +60,16 @@ def sse_error_event(message: str, kind: str = "upstream_error", status: int = 50
 
 class ClientReply:
     """The answer to one request: :meth:`send` is the ASGI send with the request id added;
-    :attr:`started` and :attr:`complete` say how far it got."""
+    :attr:`started` and :attr:`complete` say how far it got. ``record``, when given, learns
+    when the answer's first byte goes out (its TTFT), whichever path answers."""
 
-    __slots__ = ("_headers", "_id_header", "_send", "complete", "request_id", "started",
-                 "status")
+    __slots__ = ("_headers", "_id_header", "_send", "complete", "record", "request_id",
+                 "started", "status")
 
-    def __init__(self, send: Send, request_id: str) -> None:
+    def __init__(self, send: Send, request_id: str, record: RequestRecord | None = None
+                 ) -> None:
         self._send = send
+        self.record = record
         self.request_id = request_id
         self._id_header = (REQUEST_ID_HEADER, request_id.encode("ascii"))
         self.started = False
@@ -80,6 +85,8 @@ class ClientReply:
             self.started = True
             self.status = message["status"]
             self._headers = headers
+            if self.record is not None:
+                self.record.sent_first_byte()
         elif not message.get("more_body", False):
             self.complete = True
         await self._send(message)

@@ -278,7 +278,6 @@ class Forwarder:
         log.warning("request %s: answered %d (upstream %s): %s", reply.request_id, status,
                     upstream, message)
         record.status, record.error = status, message
-        record.sent_first_byte()
         await reply.json(status, error_body(f"{message} (request id {reply.request_id})",
                                             kind, status))
 
@@ -320,7 +319,6 @@ class Forwarder:
         self.router.first_byte(plan, candidate)
         usage = usage_of(content) if response.status == 200 else None
         self._done(plan, candidate, response.status, usage, record)
-        record.sent_first_byte()
         headers = self._headers(candidate, response.header_bytes(b"content-type"))
         await reply.send({"type": "http.response.start", "status": response.status,
                           "headers": [(b"content-length", b"%d" % len(content)), *headers]})
@@ -339,7 +337,6 @@ class Forwarder:
         content_type = response.header_bytes(b"content-type") or b"text/event-stream"
         status = CLIENT_LEFT
         try:
-            record.sent_first_byte()
             await reply.send({"type": "http.response.start", "status": 200,
                               "headers": self._headers(candidate, content_type)})
             try:
