@@ -40,6 +40,7 @@ FLUSH_LINES = 256
 _TRACEPARENT = re.compile(rb"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
 _TRACESTATE_CHAR = re.compile(rb"[\x20-\x7e]*")
 
+
 def valid_traceparent(value: bytes) -> bool:
     """A W3C ``traceparent`` (version-traceid-parentid-flags, lowercase hex) whose trace and
     parent ids are not all zeros, and not the forbidden version ``ff``."""
