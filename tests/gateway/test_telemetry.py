@@ -394,3 +394,27 @@ def test_request_id_and_trace_context_travel_together(
         assert engines[0].engine.received_headers[-1]["x-request-id"] == generated[-1]
     logged = [json.loads(line)["request_id"] for line in lines(access_lines, 3)]
     assert logged[1:] == generated
+
+
+def test_a_pinned_tenant_lists_only_its_upstreams_models(
+    engines: list[Engine], tmp_path: Path, gateway_factory: Factory
+) -> None:
+    """/v1/models for a tenant pinned to one upstream lists that upstream's models only."""
+    from .fleet import start_engine
+
+    other = start_engine("other", model="model-b", events=False)
+    try:
+        path = tmp_path / "tenants.toml"
+        path.write_text('secret = "a-long-enough-secret"\n[keys]\n"key-a" = "alpha"\n'
+                        '"key-b" = "beta"\n[tenants.alpha]\nupstreams = ["e0"]\n')
+        gateway = gateway_factory([engines[0], other], tenants=str(path))
+
+        def listed(key: str) -> set[str]:
+            response = httpx.get(gateway.url + "/v1/models", headers=bearer(key), timeout=10)
+            assert response.status_code == 200
+            return {m["id"] for m in response.json()["data"]}
+
+        eventually(lambda: listed("key-b") == {"sim", "model-b"})
+        assert listed("key-a") == {"sim"}
+    finally:
+        other.server.stop()
