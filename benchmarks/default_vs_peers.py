@@ -27,14 +27,21 @@ pool (its KV-utilization scorer reads the engine's usage), ``dynamo_kv`` the eng
 The trace is replayed at token granularity (exact prompt lengths; ``kvreuse simulate --trace``
 replays whole 512-token blocks by default, which rounds them).
 
+How much of a verdict is placement noise: ``--jitter-runs N`` replays each workload N more times
+with every arrival moved by a seeded uniform draw in ``±--jitter-s`` (0.5 s; then re-sorted) and
+prints, per policy, the mean, standard deviation and range of hit rate and p95 TTFT over the
+seed-0 run and the N jittered ones. The verdicts stay those of the unjittered run.
+
     PYTHONPATH=src .venv/bin/python benchmarks/default_vs_peers.py
     ... --workloads belgavi,mooncake-8 --policy relative_spill --option slack=1
+    ... --workloads mooncake-8 --jitter-runs 9
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -113,6 +120,31 @@ def options_for(policy: str, workload: Workload, extra: dict[str, Any]) -> dict[
 def simulate(policy: str, workload: Workload, options: dict[str, Any]) -> RunSummary:
     built = build_policy(policy, rng=random.Random(0), **options)
     return summarize(FleetSimulator(workload.fleet, built).run(workload.requests))
+
+
+def jittered(requests: Sequence[SimRequest], seed: int, width_s: float) -> list[SimRequest]:
+    """``requests`` with each arrival moved by a uniform draw in ``±width_s`` (never below 0),
+    in arrival order again; the same seed gives the same stream."""
+    rng = random.Random(seed)
+    moved = [replace(r, arrival_s=max(0.0, r.arrival_s + rng.uniform(-width_s, width_s)))
+             for r in requests]
+    return sorted(moved, key=lambda r: (r.arrival_s, r.request_id))
+
+
+@dataclass(frozen=True, slots=True)
+class Spread:
+    """One policy's figures over the unjittered run and its jittered replays."""
+
+    policy: str
+    hits: tuple[float, ...]
+    p95s: tuple[float, ...]
+
+    def line(self) -> str:
+        def stats(values: tuple[float, ...], fmt: Callable[[float], str]) -> str:
+            sd = statistics.stdev(values) if len(values) > 1 else 0.0
+            return (f"{fmt(statistics.fmean(values))} (sd {fmt(sd)}; "
+                    f"{fmt(min(values))} .. {fmt(max(values))})")
+        return f"| {self.policy} | {stats(self.hits, pct)} | {stats(self.p95s, seconds)} |"
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,9 +235,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="candidate option NAME=VALUE (repeatable)")
     parser.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS))
     parser.add_argument("--trace", type=Path, default=TRACE, help="Mooncake JSONL trace")
+    parser.add_argument("--jitter-runs", type=int, default=0,
+                        help="extra replays per workload with jittered arrivals (noise estimate)")
+    parser.add_argument("--jitter-s", type=float, default=0.5,
+                        help="largest arrival shift of a jittered replay, seconds")
     args = parser.parse_args(argv)
+    if args.jitter_runs < 0 or not args.jitter_s >= 0:
+        parser.error("--jitter-runs and --jitter-s must be >= 0")
     extra = dict(parse_option(o) for o in args.option)
     verdicts = []
+    spreads: list[tuple[str, list[Spread]]] = []
     for name in [w.strip() for w in args.workloads.split(",") if w.strip()]:
         workload = load(name, args.trace)
         if workload is None:
@@ -222,7 +261,28 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 workload.fleet.replica.pool_tokens)
         verdicts.append(Verdict(name, results[args.policy], results[REFERENCE],
                                 {p: results[p] for p in PEERS}, bounds))
+        if args.jitter_runs:
+            runs = {p: [s] for p, s in results.items()}
+            for seed in range(1, args.jitter_runs + 1):
+                moved = replace(workload, requests=jittered(workload.requests, seed,
+                                                            args.jitter_s))
+                for policy in runs:
+                    own = extra if policy == args.policy else {}
+                    runs[policy].append(simulate(policy, moved, options_for(policy, moved, own)))
+                print(f"  {name}: jittered replay {seed}/{args.jitter_runs} done "
+                      f"({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
+            spreads.append((name, [
+                Spread(p, tuple(s.token_hit_rate for s in rs), tuple(s.ttft_p95_s for s in rs))
+                for p, rs in runs.items()]))
     report(verdicts, args.policy + "".join(f" {k}={v}" for k, v in extra.items()), print)
+    for name, rows in spreads:
+        print("")
+        print(f"{name}: seed-0 run and {args.jitter_runs} replays with arrivals jittered by "
+              f"±{args.jitter_s} s")
+        print("| policy | hit mean (sd; min .. max) | p95 mean (sd; min .. max) |")
+        print("|---|---|---|")
+        for row in rows:
+            print(row.line())
     return 0 if all(v.passed for v in verdicts) else 1
 
 
