@@ -42,6 +42,7 @@ from kvreuse.gateway.asgi import (
     Receive,
     Scope,
     Send,
+    disconnect_hook,
     read_body,
     send_json,
 )
@@ -557,7 +558,7 @@ class Gateway:
             record.view, record.max_tokens = plan.request, parsed.max_tokens
             assert self.forwarder is not None
             await self.forwarder.forward(receive, reply, path, forwarded, parsed, plan, record,
-                                         trace)
+                                         trace, disconnect_hook(scope))
             return
         self._refused(error, path, record.model)
         record.status, record.error = error.status, str(error)

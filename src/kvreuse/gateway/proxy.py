@@ -30,7 +30,7 @@ from typing import Any
 
 import msgspec
 
-from kvreuse.gateway.asgi import RawHeaders, Receive, until_disconnect
+from kvreuse.gateway.asgi import DisconnectHook, RawHeaders, Receive, until_disconnect
 from kvreuse.gateway.exchange import ClientReply, error_body, sse_error_event
 from kvreuse.gateway.metrics import GatewayMetrics, TokenTally
 from kvreuse.gateway.router import Candidate, Plan, Router
@@ -145,12 +145,15 @@ class Forwarder:
 
     async def forward(self, receive: Receive, reply: ClientReply, path: str, body: bytes,
                       parsed: ParsedRequest, plan: Plan, record: RequestRecord,
-                      trace: Mapping[str, str]) -> None:
+                      trace: Mapping[str, str], hook: DisconnectHook | None = None) -> None:
         """Answer the request from the first upstream that can (see the module docstring);
         ``record`` learns which upstream, the decision, the tokens and the status; ``trace``
-        (validated trace-context headers) goes upstream with the request id."""
+        (validated trace-context headers) goes upstream with the request id; ``hook`` tells of
+        the client leaving (else ``receive`` is watched)."""
         await until_disconnect(receive, self._forward(reply, path, body, parsed, plan, record,
-                                                      trace))
+                                                      trace), hook)
+        if record.status == 0:  # the client left before anything was sent upstream
+            record.status, record.error = CLIENT_LEFT, "client left before the request was sent"
 
     async def _forward(self, reply: ClientReply, path: str, body: bytes,
                        parsed: ParsedRequest, plan: Plan, record: RequestRecord,

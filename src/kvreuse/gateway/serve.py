@@ -11,6 +11,9 @@ traffic needs and uvicorn does not have.
   ``503`` with an OpenAI error body and ``connection: close``, and its connection is closed
   once the client has read it (never a reset, never a file-table exhaustion that makes every
   new client's accept fail).
+* **Client disconnects** are reported to the request through a
+  :class:`~kvreuse.gateway.asgi.DisconnectHook` in its scope, so that the gateway need not keep
+  a task per request waiting on ``receive`` to learn of it.
 * **The open-file limit** is raised to its hard limit at start
   (:func:`raise_open_file_limit`); the default connection limit is derived from it.
 
@@ -31,6 +34,7 @@ from typing import Any, ClassVar
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from kvreuse.gateway.asgi import DISCONNECT_HOOK, DisconnectHook
 from kvreuse.gateway.config import GatewayConfig
 from kvreuse.gateway.exchange import error_body
 
@@ -84,6 +88,13 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._timer: asyncio.TimerHandle | None = None
+        # What the client is late with while a request is incomplete ("its request head",
+        # "its request body"; None between requests), and since when: one timer per
+        # connection checks it, re-armed only when it fires, so that a request arriving
+        # whole costs no timer at all.
+        self._phase: str | None = None
+        self._since = 0.0
+        self._hook: DisconnectHook | None = None  # the current request's
         self._refused = False  # over the connection limit: never served
         self._draining = False  # answered 408: reading and dropping until the close
 
@@ -94,7 +105,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._refuse(transport)
             return
         super().connection_made(transport)
-        self._arm("its request head")
+        self._start("its request head")
+        self._arm(self.limits.head_timeout_s)
 
     def _refuse(self, transport: asyncio.Transport) -> None:
         """Answer 503 at once, half-close, and close when the client has read it (its EOF)
@@ -117,6 +129,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if self._refused or self._draining:
             return  # read and dropped, so that the close is a clean one
         super().data_received(data)
+        if self._phase is not None and self._timer is None:
+            self._arm(self.limits.head_timeout_s)
 
     def eof_received(self) -> bool | None:  # type: ignore[override]
         if self._refused or self._draining:
@@ -130,45 +144,67 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if self._refused:
             return
         super().connection_lost(exc)
+        if self._hook is not None:
+            self._hook.fire()
 
     # ------------------------------------------------------------------ the request's pace
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        cycle = self.cycle
-        if self._timer is None and (cycle is None or cycle.response_complete):
-            self._arm("its request head")  # (not behind a response still being sent)
+        if self._phase is None:  # (a first request's head is timed from the connection)
+            cycle = self.cycle
+            if cycle is None or cycle.response_complete:  # not behind an answer under way
+                self._start("its request head")
 
     def on_headers_complete(self) -> None:
-        self._disarm()
+        # The request's disconnect hook: spares the app a task per request watching receive.
+        hook = self._hook = DisconnectHook()
+        extensions = self.scope.setdefault("extensions", {})
+        extensions[DISCONNECT_HOOK] = {"hook": hook}  # ASGI extensions are dicts
         super().on_headers_complete()
-        if not self.parser.should_upgrade():
-            self._arm("its request body")
+        if self.parser.should_upgrade():
+            self._phase = None
+        else:
+            self._start("its request body")
 
     def on_body(self, body: bytes) -> None:
         super().on_body(body)
-        if self._timer is not None:  # progress: the body's clock restarts
-            self._disarm()
-            self._arm("its request body")
+        self._since = self.loop.time()  # progress: the body's clock restarts
 
     def on_message_complete(self) -> None:
-        self._disarm()
+        self._phase = None
         super().on_message_complete()
 
     def on_response_complete(self) -> None:
-        self._disarm()  # answered before its body was all read (a 413): no 408 after that
+        self._phase = None  # answered before its body was all read (a 413): no 408 after
         super().on_response_complete()
 
-    def _arm(self, what: str) -> None:
-        self._timer = self.loop.call_later(self.limits.head_timeout_s, self._too_slow, what)
+    def _start(self, phase: str) -> None:
+        self._phase = phase
+        self._since = self.loop.time()
+
+    def _arm(self, delay_s: float) -> None:
+        self._timer = self.loop.call_later(delay_s, self._check)
 
     def _disarm(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
 
-    def _too_slow(self, what: str) -> None:
+    def _check(self) -> None:
+        """The timer fired: 408 when the current phase has outlasted the timeout, else wait
+        for what is left of it (or for nothing, between requests)."""
         self._timer = None
+        if self._phase is None:
+            return
+        left = self._since + self.limits.head_timeout_s - self.loop.time()
+        if left > 0.001:
+            self._arm(left)
+            return
+        self._too_slow(self._phase)
+
+    def _too_slow(self, what: str) -> None:
+        self._phase = None
         if self.transport is None or self.transport.is_closing():
             return
         seconds = f"{self.limits.head_timeout_s:g}"
