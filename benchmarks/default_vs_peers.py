@@ -194,8 +194,8 @@ def seconds(value: float) -> str:
 
 def report(verdicts: Sequence[Verdict], candidate: str, out: Callable[[str], None]) -> None:
     out(f"| workload | {candidate} hit / p95 | best peer | its hit / p95 | other peers hit / p95 "
-        f"| {REFERENCE} hit / p95 | ceiling (pooled LRU / infinite) | needed hit | verdict "
-        "| all peers |")
+        f"| {REFERENCE} hit / p95 | reference (pooled LRU) / ceiling (infinite) | needed hit "
+        "| verdict | all peers |")
     out("|---|---|---|---|---|---|---|---|---|---|")
     for v in verdicts:
         name, best = v.best_peer

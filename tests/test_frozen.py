@@ -130,7 +130,7 @@ def test_classes_without_fields_are_left_alone() -> None:
 
 
 def test_refuses_classes_it_cannot_handle() -> None:
-    """Non-frozen, unslotted, __post_init__ and default_factory classes are refused."""
+    """Non-frozen, unslotted, InitVar and default_factory classes are refused."""
 
     @dataclass(slots=True)
     class Mutable:
@@ -149,8 +149,9 @@ def test_refuses_classes_it_cannot_handle() -> None:
         a: int
         b: int
         c: int
+        scale: dataclasses.InitVar[int] = 1
 
-        def __post_init__(self) -> None:
+        def __post_init__(self, scale: int) -> None:
             pass
 
     @dataclass(frozen=True, slots=True)
@@ -162,3 +163,49 @@ def test_refuses_classes_it_cannot_handle() -> None:
     for cls in (Mutable, Unslotted, Checked, Factory):
         with pytest.raises(TypeError, match=cls.__name__):
             fast_init(cls)
+
+
+@fast_init
+@dataclass(frozen=True, slots=True)
+class Derived:
+    a: int
+    b: int
+    c: int
+    d: int = 0
+    total: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "total", self.a + self.b + self.c + self.d)
+
+
+@fast_init
+@dataclass(frozen=True, slots=True)
+class DerivedPair:
+    a: int
+    doubled: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "doubled", 2 * self.a)
+
+
+def test_post_init_runs_last_and_sets_init_false_fields() -> None:
+    """__post_init__ runs after the fields are set, on the frozen class, in both forms."""
+    item = Derived(1, 2, 3, d=4)
+    assert (item.total, type(item)) == (10, Derived)
+    assert DerivedPair(5).doubled == 10
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        item.total = 0  # type: ignore[misc]
+    assert dataclasses.replace(item, a=11).total == 20
+    assert pickle.loads(pickle.dumps(item)) == item
+
+
+def test_init_false_field_with_a_default_is_refused() -> None:
+    """An init=False field with a default (set by the dataclass's own __init__) is refused."""
+
+    @dataclass(frozen=True, slots=True)
+    class Defaulted:
+        a: int
+        b: int = field(init=False, default=0)
+
+    with pytest.raises(TypeError, match="Defaulted"):
+        fast_init(Defaulted)

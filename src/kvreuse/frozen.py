@@ -19,12 +19,15 @@ two forms, whichever is cheaper for the field count (callgrind, per instance):
   (``member.__set__``, bound once), ~700 instructions a field and nothing fixed (two fields:
   4.2k -> 2.8k; three: 4.1k with the twin -> 3.5k).
 
-Subclasses fall back to the original ``__init__`` (their layout may differ).
+A ``__post_init__`` runs last, as in the dataclass's own ``__init__``, on the frozen class again:
+it sets ``init=False`` fields with ``object.__setattr__``, as it must anyway. Subclasses fall
+back to the original ``__init__`` (their layout may differ).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -36,34 +39,43 @@ SETTER_MAX_FIELDS = 3
 def fast_init(cls: type[T]) -> type[T]:
     """Class decorator, applied *above* ``@dataclass(frozen=True, slots=True)``: returns ``cls``
     with a cheaper ``__init__`` of the same signature. Raises ``TypeError`` for a class it
-    cannot handle (not a frozen slotted dataclass, ``default_factory``, ``init=False`` fields,
-    ``InitVar``, ``__post_init__``)."""
+    cannot handle (not a frozen slotted dataclass, ``default_factory``, an ``init=False`` field
+    with a default, ``InitVar``)."""
     params = getattr(cls, "__dataclass_params__", None)
     if params is None or not params.frozen or "__slots__" not in cls.__dict__:
         raise TypeError(f"{cls.__name__}: fast_init needs @dataclass(frozen=True, slots=True)")
-    if hasattr(cls, "__post_init__"):
-        raise TypeError(f"{cls.__name__}: fast_init does not run __post_init__")
+    post_init = hasattr(cls, "__post_init__")
     fields = dataclasses.fields(cls)  # type: ignore[arg-type]  # checked just above
     slots = tuple(cls.__dict__["__slots__"])
     if tuple(f.name for f in fields) != slots:
         raise TypeError(f"{cls.__name__}: fast_init needs exactly one slot per field")
+    init_names = [f.name for f in fields if f.init]
+    if list(inspect.signature(cls.__init__).parameters)[1:] != init_names:
+        raise TypeError(f"{cls.__name__}: fast_init takes no InitVar (its __init__ takes more "
+                        f"than its fields)")
     if not fields:
         return cls
     namespace: dict[str, Any] = {}
     positional: list[str] = []
     keyword: list[str] = []
     for f in fields:
-        if not f.init or f.default_factory is not dataclasses.MISSING:
+        if f.default_factory is not dataclasses.MISSING or (
+            not f.init and f.default is not dataclasses.MISSING
+        ):
             raise TypeError(f"{cls.__name__}.{f.name}: fast_init takes plain fields only")
+        if not f.init:
+            continue  # __post_init__ sets it
         param = f.name
         if f.default is not dataclasses.MISSING:
             namespace[f"_default_{f.name}"] = f.default
             param = f"{f.name}=_default_{f.name}"
         (keyword if f.kw_only else positional).append(param)
     signature = ", ".join(["self", *positional, *(["*", *keyword] if keyword else [])])
-    names = [f.name for f in fields]
+    names = init_names
     forward = ", ".join(f"{n}={n}" for n in names)
-    if len(fields) <= SETTER_MAX_FIELDS:
+    if not names:
+        body, prologue, epilogue = "        pass", "", ""
+    elif len(names) <= SETTER_MAX_FIELDS:
         for n in names:
             namespace[f"_set_{n}"] = cls.__dict__[n].__set__
         body = "\n".join(f"        _set_{n}(self, {n})" for n in names)
@@ -80,6 +92,7 @@ def fast_init(cls: type[T]) -> type[T]:
         f"{prologue}"
         f"{body}\n"
         f"{epilogue}"
+        f"{'        self.__post_init__()' if post_init else ''}\n"
         f"    return __init__\n"
     )
     twin = type(f"_{cls.__name__}Twin", (), {"__slots__": slots, "__module__": cls.__module__})

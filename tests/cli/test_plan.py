@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvreuse.cli.main import main
+from kvreuse.cli.tables import PIPE_WIDTH
 from kvreuse.testing.mooncake import synthetic_mooncake
 
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 GRID = ["--policy", "round_robin,cache_aware", "--replicas", "1,2", "--cache-tokens",
         "60000,200000", "--knob", "0.2,1.0", "--slo", "ttft_p95=0.6"]
 
@@ -116,3 +121,31 @@ def test_simulate_command_gives_the_winners_figures(trace: Path, tmp_path: Path)
     (run,) = json.loads(out.read_text())["runs"]
     assert run["token_hit_rate"] == data["winner"]["token_hit_rate"]
     assert run["ttft_p95_s"] == data["winner"]["ttft_p95_s"]
+
+
+@pytest.mark.parametrize("columns", [None, 60, 200])
+def test_piped_table_honours_columns_and_cuts_no_number(
+    trace: Path, tmp_path: Path, columns: int | None
+) -> None:
+    """Through a pipe, with COLUMNS unset (PIPE_WIDTH), narrow or wide, no line is wider than
+    the width and every figure of the front appears whole."""
+    out = tmp_path / "plan.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
+    if columns is not None:
+        env["COLUMNS"] = str(columns)
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys; from kvreuse.cli.main import main; sys.exit(main())",
+         "plan", "--trace", str(trace), *GRID, "--serial", "--no-cache", "--json", str(out)],
+        capture_output=True, text=True, env=env, timeout=300, check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    width = PIPE_WIDTH if columns is None else columns
+    table = done.stdout.split("winner")[0]
+    assert max(len(line) for line in table.splitlines()) <= width, table
+    front = json.loads(out.read_text())["front"]
+    assert front
+    for cell in front:
+        for figure in (f"{cell['cache_tokens']:,}", f"{cell['token_hit_rate']:.1%}",
+                       f"{cell['prefill_gpu_s']:,.1f}", f"{cell['ttft_p95_s']:.3f}s"):
+            assert figure in table, (figure, table)

@@ -29,13 +29,12 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
-from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from kvreuse import __version__
 from kvreuse.cli.args import non_negative_float, positive_float, positive_int
+from kvreuse.cli.tables import make_console, print_table
 from kvreuse.errors import ConfigError
 from kvreuse.routing import POLICIES
 from kvreuse.sim.config import ReplicaConfig
@@ -288,7 +287,7 @@ def _default_cache_dir() -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    console = Console() if Console().is_terminal else Console(width=140)
+    console = make_console()
     slos = [parse_slo(text) for text in args.slo]
     policies = _split(args.policy, "--policy", str)
     for name in policies:
@@ -370,27 +369,31 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+PLAN_HEADERS = ("policy", "knob", "replicas", "cache\ntokens", "token\nhit", "prefill\nGPU-s",
+                "TTFT\np50", "TTFT\np95", "TTFT\np99", "mean\nqueue", "SLO")
+"""The Pareto table's columns (two-line headers keep it narrow)."""
+
+
 def _print(console: Console, args: argparse.Namespace, slos: Sequence[Slo],
            results: Sequence[CellResult], front: Sequence[CellResult],
            winner: CellResult | None, cached: int, units: TraceUnits) -> None:
-    table = Table(title=f"Pareto front over {len(results)} cells (replicas, prefill GPU-s, "
-                  f"{slos[0].metric}); {cached} from the cache", box=box.SIMPLE_HEAD)
-    # Two-line headers keep the table narrow; columns fold rather than cut a number.
-    for name in ("policy", "knob", "replicas", "cache\ntokens", "token\nhit",
-                 "prefill\nGPU-s", "TTFT\np50", "TTFT\np95", "TTFT\np99", "mean\nqueue",
-                 "SLO"):
-        table.add_column(name, justify="left" if name in ("policy", "knob") else "right",
-                         overflow="fold")
+    rows = []
     for r in front:
         cell = r.cell
         knob = "" if cell.knob_name is None else f"{cell.knob_name}={cell.knob:g}"
-        table.add_row(
+        rows.append([
             cell.policy, knob, str(cell.replicas), f"{cell.cache_tokens:,}",
             f"{r.token_hit_rate:.1%}", f"{r.prefill_gpu_s:,.1f}", f"{r.ttft_p50_s:.3f}s",
             f"{r.ttft_p95_s:.3f}s", f"{r.ttft_p99_s:.3f}s", f"{r.mean_queue_s:.3f}s",
-            "[green]meets[/green]" if r.meets(slos) else "[red]misses[/red]",
-        )
-    console.print(table)
+            "meets" if r.meets(slos) else "misses",
+        ])
+    # The shared printer: as wide as the terminal or COLUMNS, never a cut number.
+    print_table(
+        console,
+        f"Pareto front over {len(results)} cells (replicas, prefill GPU-s, "
+        f"{slos[0].metric}); {cached} from the cache",
+        PLAN_HEADERS, rows, text_columns=(0, 1),
+    )
     wanted = ", ".join(str(s) for s in slos)
     if winner is None:
         console.print(f"[red]no cell meets {wanted}[/red]: try more replicas (--replicas) or "

@@ -14,6 +14,7 @@ if TYPE_CHECKING:  # config imports the memory models, which import this module
     from kvreuse.sim.config import FleetConfig
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class SimRequest:
     """One request of a workload, its token ids packed once.

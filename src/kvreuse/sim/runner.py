@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from kvreuse.bulk import collector_paused
 from kvreuse.errors import ConfigError
 from kvreuse.routing import build_policy
 from kvreuse.routing.base import CostModel
@@ -70,7 +71,10 @@ def simulate(
     simulated = config if units is None else units.fleet(config)
     every = max(len(requests) // 50, 1)
     run = FleetSimulator(simulated, policy).run(requests, progress, every)
-    return run if units is None else units.tokens_run(run, config)
+    if units is None:
+        return run
+    with collector_paused():  # a million records, no cycles (kvreuse.bulk)
+        return units.tokens_run(run, config)
 
 
 def run_spec(

@@ -1,10 +1,12 @@
-"""The two bounds every trace run reports.
+"""The two yardsticks every trace run reports.
 
 Traces are parsed by :mod:`kvreuse.trace.format` and become requests in
 :mod:`kvreuse.trace.workload`. ``infinite_hit_rate``: one cache that never forgets, seeing every
-prompt in arrival order. ``pooled_lru_hit_rate``: one LRU radix cache of N × C tokens, the most
-N replicas of C could hold between them with a perfect router and no running requests; neither
-can be beaten by any routing policy over N replicas of C.
+prompt in arrival order — a true ceiling: no routing and no eviction reuses a prefix that was
+never computed before. ``pooled_lru_hit_rate``: one LRU radix cache of N × C tokens seeing all
+traffic — a reference, not a ceiling: LRU is not the best eviction, and a router that keeps each
+conversation on its own replica can beat the pooled figure (as :mod:`kvreuse.trace.stats` and
+the README say); it also ignores the KV that running requests pin.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from kvreuse.sim.units import TraceUnits
 
 @dataclass(frozen=True, slots=True)
 class Bounds:
-    """Upper bounds on the token hit rate of any routing over ``replicas`` × ``cache_tokens``."""
+    """Token hit rates to hold a routing over ``replicas`` × ``cache_tokens`` against: the
+    infinite cache (a ceiling no routing exceeds) and the pooled LRU (a reference routers can
+    beat); see the module docstring."""
 
     infinite_hit_rate: float
     pooled_lru_hit_rate: float
@@ -54,7 +58,7 @@ def compute_bounds(
     cache_tokens: int,
     units: TraceUnits | None = None,
 ) -> Bounds:
-    """Both bounds, replaying ``requests`` (counted in ``units``) in arrival order.
+    """Both figures, replaying ``requests`` (counted in ``units``) in arrival order.
     ``cache_tokens`` is in tokens. O(total tokens, or units)."""
     pooled = (units or TraceUnits()).units(replicas * cache_tokens)
     return Bounds(
