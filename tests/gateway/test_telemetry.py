@@ -47,7 +47,7 @@ def capture(gateway: RunningGateway) -> list[str]:
     return sink.lines
 
 
-def eventually(check: Callable[[], bool], timeout_s: float = 10.0) -> None:
+def eventually(check: Callable[[], bool], timeout_s: float = 30.0) -> None:
     """Wait for ``check``: a request is accounted for (access line, histograms) just after
     its last byte went out, so the client can see the answer a moment before."""
     deadline = time.monotonic() + timeout_s
