@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 
 import httpx
+import pytest
 
 from kvreuse.gateway.kv_events import EventBatch
 from kvreuse.gateway.upstreams import parse_kv_capacity
@@ -92,12 +93,16 @@ def test_index_budget_follows_the_scraped_capacity(gateway_factory: Factory) -> 
         engine.server.stop()
 
 
-def test_cache_aware_index_gauge_counts_its_trees(gateway_factory: Factory) -> None:
-    """Under cache_aware (no KV events) the index gauges report the approximate trees,
-    non-zero while they predict cached tokens, and the trees keep within the budget."""
+@pytest.mark.parametrize("policy", ["cache_aware", "relative_spill"])
+def test_approximate_trees_show_in_the_gauges_within_budget(
+    gateway_factory: Factory, policy: str
+) -> None:
+    """Under policies with approximate trees (no KV events) the index gauges report the trees,
+    non-zero while they predict cached tokens, and the trees keep within the engine's budget
+    (64 blocks of 4 tokens, factor 2: 512 tokens)."""
     engine = start_engine("e0", events=False, num_blocks=64)
     try:
-        gateway = gateway_factory([engine], policy="cache_aware", index_budget_factor=2.0)
+        gateway = gateway_factory([engine], policy=policy, index_budget_factor=2.0)
         deadline = time.monotonic() + 5
         while gateway.gateway.router.budget_of("e0") != 512 and time.monotonic() < deadline:
             time.sleep(0.05)
