@@ -370,7 +370,8 @@ def run(args: argparse.Namespace) -> int:
         from kvreuse.cli.simreport import LabLinks, write_report
 
         sweep = _sweep(scenario, rows, traffic, args, units, cost)
-        knob = _slack_sweep(scenario, rows, traffic, args, units, cost)
+        knob = _knob_sweep("relative_spill", "slack", SLACKS,
+                          scenario, rows, traffic, args, units, cost)
         links = LabLinks(
             base_url=args.lab_url,
             scale=args.scale,
@@ -407,21 +408,14 @@ def _sweep(
     """Runs for the spill-threshold plot: the scenario's own sweep, else one on its traffic."""
     if scenario.sweep_option is not None:
         return [r for r in rows if any(k == scenario.sweep_option for k, _ in r.spec.options)]
-    variant = next((r.spec.variant for r in rows if r.spec.variant != "no_cache"), None)
-    if variant is None:
-        return []
-    replicas = min(r.spec.replicas for r in rows)
-    out = []
-    for spill in SPILLS:
-        spec = RunSpec("cache_aware", replicas, variant, (("spill_threshold_s", spill),))
-        fleet = _adjust(scenario.fleet(replicas, variant), args, variant)
-        out.append(
-            run_spec(scenario, spec, traffic[variant], args.seed, None, fleet, units, cost)
-        )
-    return out
+    return _knob_sweep("cache_aware", "spill_threshold_s", SPILLS,
+                       scenario, rows, traffic, args, units, cost)
 
 
-def _slack_sweep(
+def _knob_sweep(
+    policy: str,
+    option: str,
+    values: Sequence[float],
     scenario: Scenario,
     rows: Sequence[ScenarioRun],
     traffic: dict[str, list[SimRequest]],
@@ -429,17 +423,17 @@ def _slack_sweep(
     units: TraceUnits | None,
     cost: CostModel | None,
 ) -> list[ScenarioRun]:
-    """relative_spill over its knob's values (SLACKS) on the first cached variant's traffic,
-    at the smallest fleet of the run: the curve its one trade-off moves along."""
+    """``policy`` over ``values`` of its ``option`` on the first cached variant's traffic, at the
+    smallest fleet of the run: the curve that one trade-off moves along."""
     variant = next((r.spec.variant for r in rows if r.spec.variant != "no_cache"), None)
     if variant is None:
         return []
     replicas = min(r.spec.replicas for r in rows)
     fleet = _adjust(scenario.fleet(replicas, variant), args)
     return [
-        run_spec(scenario, RunSpec("relative_spill", replicas, variant, (("slack", slack),)),
+        run_spec(scenario, RunSpec(policy, replicas, variant, ((option, value),)),
                  traffic[variant], args.seed, None, fleet, units, cost)
-        for slack in SLACKS
+        for value in values
     ]
 
 
