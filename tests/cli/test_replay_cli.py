@@ -45,9 +45,37 @@ def test_replay_reports_an_unreachable_target_as_errors(
     from kvreuse.testing.processes import free_port
 
     code = main(["replay", "--trace", str(trace), "--target", f"http://127.0.0.1:{free_port()}",
-                 "--timeout", "5"])
+                 "--timeout", "5", "--model", "sim"])
     out = capsys.readouterr()
     assert code == 1 and "first error" in out.out and "Traceback" not in out.err
+
+
+def test_replay_sends_the_model_the_target_serves(tmp_path: Path) -> None:
+    """Without --model and with no model in the trace, requests name the first model the
+    target's /v1/models lists, so replaying to a default engine just works."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(synthetic_mooncake(requests=5, requests_per_second=50.0)) + "\n")
+    out = tmp_path / "r.json"
+    with Fleet(tmp_path / "fleet") as fleet:
+        engine = fleet.start_engine("e0", EngineSpec(model="only-this-one", events=False))
+        assert main(["replay", "--trace", str(trace), "--target", engine.url,
+                     "--max-tokens", "2", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["sent"] == data["ok"] == 5
+
+
+def test_replay_without_a_model_names_the_flag_when_the_target_cannot_say(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No --model, none in the trace and no /v1/models to read: an error naming --model."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(synthetic_mooncake(requests=1)[0] + "\n")
+    from kvreuse.testing.processes import free_port
+
+    code = main(["replay", "--trace", str(trace), "--target", f"http://127.0.0.1:{free_port()}",
+                 "--timeout", "5"])
+    err = capsys.readouterr().err
+    assert code == 1 and "--model" in err and "/v1/models" in err and "Traceback" not in err
 
 
 def test_replay_refuses_a_non_http_target(

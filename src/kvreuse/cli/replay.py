@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,8 @@ def register(subparsers: Any) -> None:
                         help="time compression: 2 sends twice as fast (1)")
     parser.add_argument("--duration", type=positive_float,
                         help="replay only the first SECONDS of the trace (after --speed)")
-    parser.add_argument("--model", default="sim", help="model name to send (sim)")
+    parser.add_argument("--model", help="model name to send (default: each line's recorded "
+                                         "model, else the first model the target lists)")
     parser.add_argument("--block-size", type=positive_int, default=DEFAULT_BLOCK_TOKENS,
                         help=f"tokens per hash id ({DEFAULT_BLOCK_TOKENS})")
     parser.add_argument("--tokenizer", metavar="DIR",
@@ -68,8 +70,11 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=run)
 
 
-def build_calls(records: Sequence[TraceRecord], args: argparse.Namespace) -> list[Any]:
-    """One loadgen :class:`Call` per record within ``--duration``."""
+def build_calls(records: Sequence[TraceRecord], args: argparse.Namespace,
+                default_model: Callable[[], str] = lambda: "") -> list[Any]:
+    """One loadgen :class:`Call` per record within ``--duration``; a record names its model by
+    ``--model``, else its own ``model`` field, else ``default_model()`` (called when first
+    needed, after the lines before have been checked)."""
     from kvreuse.testing.loadgen import Call
 
     table: WordTable | None = None
@@ -97,12 +102,36 @@ def build_calls(records: Sequence[TraceRecord], args: argparse.Namespace) -> lis
             break
         tokens = synth.prompt(record)
         prompt: str | list[int] = table.render(tokens) if table is not None else tokens
-        body = {"model": args.model, "prompt": prompt,
+        body = {"model": args.model or record.model or default_model(), "prompt": prompt,
                 "max_tokens": max(1, min(record.output_length, args.max_tokens)),
                 "stream": True, "stream_options": {"include_usage": True}, "temperature": 0}
         calls.append(Call(at_s, "/v1/completions", json.dumps(body).encode(),
                           session=record.session_id or "", prompt_tokens=len(tokens)))
     return calls
+
+
+def served_model(target: str, timeout_s: float) -> str:
+    """The first model the target's ``GET /v1/models`` lists: what to send when neither
+    ``--model`` nor the trace names one. Raises :class:`ConfigError` saying what to change."""
+    import urllib.error
+    import urllib.request
+
+    from kvreuse.errors import InputFormatError
+    from kvreuse.gateway.upstreams import parse_model_list
+
+    hint = "; name the model with --model"
+    try:
+        with urllib.request.urlopen(target + "/v1/models", timeout=timeout_s) as response:
+            cards = parse_model_list(response.read())
+    except urllib.error.HTTPError as exc:
+        raise ConfigError(f"{target}/v1/models answered HTTP {exc.code}{hint}") from None
+    except (OSError, urllib.error.URLError) as exc:
+        raise ConfigError(f"cannot read {target}/v1/models: {exc}{hint}") from None
+    except InputFormatError as exc:
+        raise ConfigError(f"{target}/v1/models: {exc}{hint}") from None
+    if not cards:
+        raise ConfigError(f"{target}/v1/models lists no model{hint}")
+    return str(cards[0]["id"])
 
 
 def replay(calls: Sequence[Any], target: str, engines: Sequence[str],
@@ -143,7 +172,8 @@ def run(args: argparse.Namespace) -> int:
             records = parse_trace_lines(lines, str(args.trace), args.block_size)
     except OSError as exc:
         raise ConfigError(f"cannot read --trace {args.trace}: {exc.strerror}") from None
-    calls = build_calls(records, args)
+    calls = build_calls(records, args, functools.cache(
+        lambda: served_model(args.target.rstrip("/"), args.timeout)))
     engines = [u.strip() for u in (args.engine_metrics or "").split(",") if u.strip()]
     console = make_console()
     console.print(f"replaying {len(calls):,} requests over "

@@ -5,8 +5,8 @@ Each answered request (status 200) becomes one line of Mooncake JSONL
 ``timestamp`` (ms since recording started, at the request's arrival), ``input_length`` (the
 prompt tokens the gateway routed on), ``output_length`` (the engine's ``completion_tokens``, else
 the request's ``max_tokens``, else 0), ``hash_ids`` (keyed, chained ids per
-``--record-block-size`` tokens, :mod:`kvreuse.trace.keyed`), ``model``, ``tenant`` and
-``session_id`` as keyed hashes, ``cached_tokens`` as the engine reported them, ``upstream`` and
+``--record-block-size`` tokens, :mod:`kvreuse.trace.keyed`), ``model`` (the served name,
+as sent), ``tenant`` and ``session_id`` as keyed hashes, ``cached_tokens`` as the engine reported them, ``upstream`` and
 the measured ``ttft_s``. No prompt text, token id, tenant name, API key or cache salt is written.
 
 Off the request path. The request path only puts a tuple on a bounded queue (:meth:`submit`);
