@@ -49,9 +49,11 @@ from kvreuse.gateway.prompts import (
     request_tokens,
 )
 from kvreuse.gateway.validation import (
+    BODY_PROBLEMS,
     ENDPOINT_KINDS,
     ParsedRequest,
     RequestError,
+    as_request_error,
     decode_body,
     parse_request,
 )
@@ -299,18 +301,8 @@ class EngineApp:
             self.replica.check_fits(tokens, max_tokens)
         except ClientGone:
             return None
-        except RequestError as exc:
-            await send_error(send, exc)
-            return None
-        except InputFormatError as exc:
-            await send_error(send, RequestError(str(exc), exc.where))
-            return None
-        except RecursionError:  # a body nested deep enough to overflow a recursive walk
-            await send_error(send, RequestError("the body nests JSON too deeply", "body"))
-            return None
-        except UnicodeError as exc:
-            await send_error(send, RequestError(f"the body holds invalid Unicode: {exc}",
-                                                "body"))
+        except BODY_PROBLEMS as exc:
+            await send_error(send, as_request_error(exc))
             return None
         return PreparedRequest(parsed, tokens, max_tokens)
 

@@ -70,9 +70,12 @@ from kvreuse.gateway.upstreams import (
     parse_prometheus,
 )
 from kvreuse.gateway.validation import (
+    BODY_PROBLEMS,
     ENDPOINT_KINDS,
     RequestError,
+    as_request_error,
     decode_body,
+    error_body,
     parse_request,
 )
 from kvreuse.routing import RoutingPolicy, build_policy
@@ -84,9 +87,8 @@ log = logging.getLogger("kvreuse.gateway")
 def no_upstream(model: str) -> dict[str, Any]:
     """The 503 body when every upstream serving ``model`` (for this caller) is ejected."""
     shown = model if len(model) <= 200 else model[:200] + "..."
-    return {"error": {"message": f"no upstream serving the model {shown!r} is admitted now "
-                      "(all ejected); retry later", "type": "ServiceUnavailable",
-                      "param": "model", "code": 503}}
+    return error_body(f"no upstream serving the model {shown!r} is admitted now (all "
+                      "ejected); retry later", "ServiceUnavailable", 503, "model")
 
 
 # Requests open at once per upstream; more wait for a connection. vLLM serves hundreds of
@@ -536,16 +538,10 @@ class Gateway:
             record.status = CLIENT_LEFT
             record.error = "client left before its body was read"
             return
-        except RequestError as exc:
-            error = exc
-        except InputFormatError as exc:
-            error = RequestError(str(exc), exc.where or "body")
+        except BODY_PROBLEMS as exc:
+            error = as_request_error(exc)
         except KvreuseError as exc:  # e.g. a chat request and a tokenizer without a template
             error = RequestError(str(exc), None)
-        except RecursionError:  # a body nested deep enough to overflow a recursive walk
-            error = RequestError("the body nests JSON too deeply", "body")
-        except UnicodeError as exc:  # text no tokenizer can take
-            error = RequestError(f"the body holds invalid Unicode: {exc}", "body")
         else:
             if plan is None:
                 self.metrics.reject(503, parsed.model)

@@ -26,6 +26,7 @@ from typing import Any
 
 from kvreuse.gateway.asgi import Message, Send
 from kvreuse.gateway.telemetry import RequestRecord
+from kvreuse.gateway.validation import error_body
 
 REQUEST_ID_HEADER = b"x-request-id"
 _SANE_ID = re.compile(rb"[\x21-\x7e]{1,128}")
@@ -43,12 +44,6 @@ def request_id_of(headers: Iterable[tuple[bytes, bytes]]) -> str:
                 return value.decode("ascii")
             break
     return f"{_PREFIX}{next(_counter)}"
-
-
-def error_body(message: str, kind: str, status: int, param: str | None = None
-               ) -> dict[str, Any]:
-    """OpenAI's error shape, as vLLM answers."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 def sse_error_event(message: str, kind: str = "upstream_error", status: int = 502) -> bytes:

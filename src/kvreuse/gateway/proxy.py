@@ -31,7 +31,7 @@ from typing import Any
 import msgspec
 
 from kvreuse.gateway.asgi import DisconnectHook, RawHeaders, Receive, until_disconnect
-from kvreuse.gateway.exchange import ClientReply, error_body, sse_error_event
+from kvreuse.gateway.exchange import ClientReply, sse_error_event
 from kvreuse.gateway.metrics import GatewayMetrics, TokenTally
 from kvreuse.gateway.router import Candidate, Plan, Router
 from kvreuse.gateway.telemetry import RequestRecord
@@ -42,7 +42,7 @@ from kvreuse.gateway.upstream_client import (
     UpstreamTimeout,
     UpstreamTooLarge,
 )
-from kvreuse.gateway.validation import ParsedRequest
+from kvreuse.gateway.validation import ParsedRequest, error_body
 
 log = logging.getLogger("kvreuse.gateway.proxy")
 
@@ -239,12 +239,17 @@ class Forwarder:
             attempts.timeouts += 1
         log.warning("request %s: upstream %s failed before the first byte (%s): %s",
                     reply.request_id, upstream.name, kind, detail)
+        self._charge(candidate, kind)
+        self.metrics.count_request(upstream.name, self.policy_name, candidate.branch,
+                                   "upstream_error", plan.request.identity.model)
+
+    def _charge(self, candidate: Candidate, kind: str) -> None:
+        """A failed request counts against its upstream's health (passive ejection)."""
+        upstream = candidate.upstream
         if upstream.record_failure(probe=False):
             log.warning("upstream %s ejected after %d consecutive failed requests (last: %s)",
                         upstream.name, upstream.request_failures, kind)
         self.metrics.upstream_errors.labels(upstream.name, kind).inc()
-        self.metrics.count_request(upstream.name, self.policy_name, candidate.branch,
-                                   "upstream_error", plan.request.identity.model)
 
     def _too_large(self, plan: Plan, candidate: Candidate) -> None:
         upstream = candidate.upstream
@@ -356,10 +361,7 @@ class Forwarder:
                 record.error = f"mid-stream: {exc}"
                 log.warning("request %s: upstream %s failed after the first byte (%s): %s",
                             reply.request_id, upstream.name, exc.kind, exc)
-                if upstream.record_failure(probe=False):
-                    log.warning("upstream %s ejected after %d consecutive failed requests",
-                                upstream.name, upstream.request_failures)
-                self.metrics.upstream_errors.labels(upstream.name, "midstream").inc()
+                self._charge(candidate, "midstream")
                 await reply.send({"type": "http.response.body", "more_body": False,
                                   "body": sse_error_event(
                                       f"{message} (request id {reply.request_id})")})

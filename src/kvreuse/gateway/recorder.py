@@ -6,8 +6,9 @@ Each answered request (status 200) becomes one line of Mooncake JSONL
 prompt tokens the gateway routed on), ``output_length`` (the engine's ``completion_tokens``, else
 the request's ``max_tokens``, else 0), ``hash_ids`` (keyed, chained ids per
 ``--record-block-size`` tokens, :mod:`kvreuse.trace.keyed`), ``model`` (the served name,
-as sent), ``tenant`` and ``session_id`` as keyed hashes, ``cached_tokens`` as the engine reported them, ``upstream`` and
-the measured ``ttft_s``. No prompt text, token id, tenant name, API key or cache salt is written.
+as sent), ``tenant`` and ``session_id`` as keyed hashes, ``cached_tokens`` as the engine
+reported them, ``upstream`` and the measured ``ttft_s``. No prompt text, token id, tenant
+name, API key or cache salt is written.
 
 Off the request path. The request path only puts a tuple on a bounded queue (:meth:`submit`);
 when the queue is full the request is dropped from the trace and counted (:attr:`dropped`),

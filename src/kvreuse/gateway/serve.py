@@ -36,7 +36,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from kvreuse.gateway.asgi import DISCONNECT_HOOK, DisconnectHook
 from kvreuse.gateway.config import GatewayConfig
-from kvreuse.gateway.exchange import error_body
+from kvreuse.gateway.validation import error_body
 
 log = logging.getLogger("kvreuse.gateway.serve")
 

@@ -38,14 +38,33 @@ class RequestError(InputFormatError):
     def body(self) -> dict[str, Any]:
         """OpenAI's error shape, as vLLM answers."""
         kind = {401: "AuthenticationError", 404: "NotFoundError", 413: "RequestTooLargeError"}
-        return {
-            "error": {
-                "message": str(self),
-                "type": kind.get(self.status, "BadRequestError"),
-                "param": self.param,
-                "code": self.status,
-            }
-        }
+        return error_body(str(self), kind.get(self.status, "BadRequestError"), self.status,
+                          self.param)
+
+
+def error_body(message: str, kind: str, status: int, param: str | None = None
+               ) -> dict[str, Any]:
+    """OpenAI's error shape, as vLLM answers: the one every refusal and failure uses."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+BODY_PROBLEMS = (InputFormatError, RecursionError, UnicodeError)
+"""What reading a body can raise besides :class:`RequestError`: :func:`as_request_error`
+turns each into the 400 that names it."""
+
+
+def as_request_error(exc: BaseException) -> RequestError:
+    """The 400 for a body problem (one of :data:`BODY_PROBLEMS`), naming the field when the
+    problem does; a :class:`RequestError` is returned as it is."""
+    if isinstance(exc, RequestError):
+        return exc
+    if isinstance(exc, InputFormatError):
+        return RequestError(str(exc), exc.where or "body")
+    if isinstance(exc, RecursionError):  # nested deep enough to overflow a recursive walk
+        return RequestError("the body nests JSON too deeply", "body")
+    if isinstance(exc, UnicodeError):  # text no tokenizer can take
+        return RequestError(f"the body holds invalid Unicode: {exc}", "body")
+    raise AssertionError(f"not a body problem: {exc!r}")
 
 
 @dataclass(frozen=True, slots=True)
