@@ -28,7 +28,6 @@ import asyncio
 import json
 import logging
 import resource
-import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -36,6 +35,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from kvreuse.gateway.asgi import DISCONNECT_HOOK, DisconnectHook
 from kvreuse.gateway.config import GatewayConfig
+from kvreuse.gateway.telemetry import ThrottledLog
 from kvreuse.gateway.validation import error_body
 
 log = logging.getLogger("kvreuse.gateway.serve")
@@ -59,24 +59,9 @@ def _raw_response(status: int, reason: str, message: str, kind: str) -> bytes:
             f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode() + body
 
 
-class _RateLimitedWarning:
-    """One warning line per ``every_s`` at most, counting what it held back."""
-
-    def __init__(self, every_s: float = 10.0) -> None:
-        self.every_s = every_s
-        self.last = 0.0
-        self.held = 0
-
-    def __call__(self, message: str) -> None:
-        now = time.monotonic()
-        self.held += 1
-        if now - self.last >= self.every_s:
-            log.warning("%s (%d time(s) since the last such line)", message, self.held)
-            self.last, self.held = now, 0
-
-
-_over_limit = _RateLimitedWarning()
-_too_slow = _RateLimitedWarning()
+# Floods of refused or too-slow clients cost a line per 10 s each, with the count held back.
+_over_limit = ThrottledLog(log, burst=1, interval_s=10.0)
+_too_slow = ThrottledLog(log, burst=1, interval_s=10.0)
 
 
 class GuardedHttpProtocol(HttpToolsProtocol):
@@ -115,8 +100,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._refused = True
         self.transport = transport
         limit = self.limits.max_connections
-        _over_limit(f"refused a connection: {limit} client connections are open "
-                    "(--max-connections)")
+        _over_limit.warning("refused a connection: %d client connections are open "
+                            "(--max-connections)", limit)
         transport.write(_raw_response(
             503, "Service Unavailable",
             f"the gateway has its maximum of {limit} client connections open; retry later",
@@ -208,7 +193,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if self.transport is None or self.transport.is_closing():
             return
         seconds = f"{self.limits.head_timeout_s:g}"
-        _too_slow(f"closed a client connection that did not send {what} within {seconds} s")
+        _too_slow.warning("closed a client connection that did not send %s within %s s",
+                          what, seconds)
         cycle = self.cycle
         if cycle is not None and not cycle.response_complete and cycle.response_started:
             self.transport.close()  # an answer is under way: nothing else can be said
