@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from kvreuse.cli.hitrate import Monitor, read_fingerprint, scrape
+from kvreuse.cli.hitrate import Monitor, read_fingerprint
 from kvreuse.cli.main import main
+from kvreuse.hitrate.prometheus import fetch_page
 from kvreuse.hitrate.window import FingerprintChange
 from kvreuse.testing.prometheus import MetricsServer, sglang_page, vllm_page
 
@@ -54,7 +55,7 @@ def test_json_lines_report_windowed_rate_per_instance(capsys: pytest.CaptureFixt
 def test_step_drop_alert_over_real_http() -> None:
     """A template change that halves the hit rate raises one alert naming the fingerprint change."""
     with MetricsServer(rising([0.75] * 8 + [0.30] * 8)) as server:
-        monitor = Monitor([server.url], args(window=60.0), fetch=scrape)
+        monitor = Monitor([server.url], args(window=60.0), fetch=fetch_page)
         monitor.fingerprint = "old-fingerprint"
         records = []
         for step in range(16):

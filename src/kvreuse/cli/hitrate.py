@@ -13,7 +13,6 @@ import json
 import sys
 import time
 import urllib.error
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,12 @@ from rich.console import Console, RenderableType
 from kvreuse.cli.args import non_negative_float, positive_float, positive_int
 from kvreuse.cli.tables import make_console, table_renderable
 from kvreuse.errors import InputFormatError
-from kvreuse.hitrate.prometheus import cache_counters, metric_names, parse_exposition
+from kvreuse.hitrate.prometheus import (
+    cache_counters,
+    fetch_page,
+    metric_names,
+    parse_exposition,
+)
 from kvreuse.hitrate.window import (
     FingerprintChange,
     RateReading,
@@ -75,14 +79,6 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=run)
 
 
-def scrape(url: str, timeout: float) -> str:
-    """GET one metrics page. Raises OSError subclasses on network failure."""
-    request = urllib.request.Request(url, headers={"Accept": "text/plain"})
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        body: bytes = response.read()
-    return body.decode("utf-8", errors="replace")
-
-
 def read_fingerprint(path: Path) -> str | None:
     """The fingerprints in a ``kvreuse fingerprint`` output file, joined; None if unreadable."""
     try:
@@ -111,7 +107,7 @@ class Monitor:
         self,
         urls: list[str],
         args: argparse.Namespace,
-        fetch: Callable[[str, float], str] = scrape,
+        fetch: Callable[[str, float], str] = fetch_page,
     ) -> None:
         self.urls = urls
         self.args = args

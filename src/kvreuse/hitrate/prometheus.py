@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import re
+import urllib.request
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -166,3 +167,13 @@ def metric_names(samples: Iterable[Sample]) -> Mapping[str, int]:
     for sample in samples:
         counts[sample.name] = counts.get(sample.name, 0) + 1
     return counts
+
+
+def fetch_page(url: str, timeout_s: float) -> str:
+    """GET one metrics page (``url`` is the page itself, e.g. ``http://host:8000/metrics``).
+    Raises :class:`OSError` (``urllib.error.URLError``, an HTTP error status included) or
+    :class:`http.client.HTTPException` when it cannot be read."""
+    request = urllib.request.Request(url, headers={"Accept": "text/plain"})
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        body: bytes = response.read()
+    return body.decode("utf-8", errors="replace")

@@ -15,15 +15,15 @@ first SSE ``data:`` chunk. Hit rates are read from the engines' own ``/metrics``
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-import httpx
-
 from kvreuse.gateway.upstreams import parse_prometheus
+from kvreuse.hitrate.prometheus import fetch_page
 from kvreuse.sim.requests import SimRequest
 from kvreuse.sim.workloads import ChatWorkload, DocumentWorkload
 from kvreuse.testing.rawhttp import RawClient
@@ -277,8 +277,8 @@ def scrape(urls: Sequence[str], timeout_s: float = 5.0) -> dict[str, EngineCount
     out = {}
     for url in urls:
         try:
-            text = httpx.get(url.rstrip("/") + "/metrics", timeout=timeout_s).text
-        except httpx.HTTPError:
+            text = fetch_page(url.rstrip("/") + "/metrics", timeout_s)
+        except (OSError, http.client.HTTPException):
             out[url] = EngineCounters()
             continue
         values = parse_prometheus(text)
