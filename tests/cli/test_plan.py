@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
 import shlex
-import subprocess
-import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +14,6 @@ from kvreuse.cli.main import main
 from kvreuse.cli.tables import PIPE_WIDTH
 from kvreuse.testing.mooncake import synthetic_mooncake
 
-SRC = str(Path(__file__).resolve().parents[2] / "src")
 GRID = ["--policy", "round_robin,cache_aware", "--replicas", "1,2", "--cache-tokens",
         "60000,200000", "--knob", "0.2,1.0", "--slo", "ttft_p95=0.6"]
 
@@ -125,23 +122,16 @@ def test_simulate_command_gives_the_winners_figures(trace: Path, tmp_path: Path)
 
 @pytest.mark.parametrize("columns", [None, 60, 200])
 def test_piped_table_honours_columns_and_cuts_no_number(
-    trace: Path, tmp_path: Path, columns: int | None
+    trace: Path, tmp_path: Path, columns: int | None,
+    piped: Callable[[list[str], int | None], str],
 ) -> None:
     """Through a pipe, with COLUMNS unset (PIPE_WIDTH), narrow or wide, no line is wider than
     the width and every figure of the front appears whole."""
     out = tmp_path / "plan.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
-    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
-    if columns is not None:
-        env["COLUMNS"] = str(columns)
-    done = subprocess.run(
-        [sys.executable, "-c", "import sys; from kvreuse.cli.main import main; sys.exit(main())",
-         "plan", "--trace", str(trace), *GRID, "--serial", "--no-cache", "--json", str(out)],
-        capture_output=True, text=True, env=env, timeout=300, check=False,
-    )
-    assert done.returncode == 0, done.stderr
+    stdout = piped(["plan", "--trace", str(trace), *GRID, "--serial", "--no-cache", "--json",
+                    str(out)], columns)
     width = PIPE_WIDTH if columns is None else columns
-    table = done.stdout.split("winner")[0]
+    table = stdout.split("winner")[0]
     assert max(len(line) for line in table.splitlines()) <= width, table
     front = json.loads(out.read_text())["front"]
     assert front

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,21 +18,6 @@ from kvreuse.cli.main import main
 from kvreuse.cli.tables import PIPE_WIDTH
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
-
-
-def _piped(args: list[str], columns: int | None) -> str:
-    """`kvreuse ARGS` in a child process whose stdout is a pipe, with COLUMNS set or unset."""
-    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
-    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
-    if columns is not None:
-        env["COLUMNS"] = str(columns)
-    done = subprocess.run(
-        [sys.executable, "-c", "import sys; from kvreuse.cli.main import main; sys.exit(main())",
-         *args],
-        capture_output=True, text=True, env=env, timeout=300, check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    return done.stdout
 
 
 def _cells(run: dict[str, Any]) -> list[str]:
@@ -56,11 +42,12 @@ def mission_four(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 @pytest.mark.parametrize("columns", [None, 80, 100])
 def test_every_label_and_figure_survives_a_pipe_at_any_width(
-    mission_four: dict[str, Any], columns: int | None
+    mission_four: dict[str, Any], columns: int | None,
+    piped: Callable[[list[str], int | None], str]
 ) -> None:
     """Through a pipe, unset COLUMNS (120), 80 and 100: each run's full label on one line,
     every figure whole, no ellipsis, no line wider than the width."""
-    text = _piped(["simulate", "--scenario", "mission-4", "--scale", "0.25"], columns)
+    text = piped(["simulate", "--scenario", "mission-4", "--scale", "0.25"], columns)
     lines = text.splitlines()
     assert "…" not in text
     assert max(len(line) for line in lines) <= (columns or PIPE_WIDTH)
