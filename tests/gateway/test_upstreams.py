@@ -36,6 +36,18 @@ def test_prometheus_text_is_summed_over_label_sets() -> None:
                       "vllm:prefix_cache_hits_total": 250.0}
 
 
+def test_a_malformed_line_does_not_cost_the_scrape() -> None:
+    """An unreadable line is skipped and the rest of the page still counts; a metric whose name
+    only begins like a wanted one is not summed into it."""
+    page = ("vllm:num_requests_waiting{engine=\"0\"} not-a-number\n"
+            "vllm:num_requests_waiting{engine=\"1\"} 2\n"
+            "vllm:num_requests_waiting_by_reason{reason=\"x\"} 7\n"
+            "}{ garbage\n"
+            "vllm:num_requests_running 4 1700000000\n")
+    assert parse_prometheus(page) == {"vllm:num_requests_waiting": 2.0,
+                                      "vllm:num_requests_running": 4.0}
+
+
 def test_ejection_after_repeated_failed_probes_and_readmission_by_probes() -> None:
     """eject_after failed probes eject; readmit_after passing probes re-admit."""
     upstream = state()

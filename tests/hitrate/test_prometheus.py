@@ -26,6 +26,22 @@ def test_bad_line_names_its_line_number() -> None:
         parse_exposition("ok 1\nbroken line here\n", "page")
 
 
+def test_only_keeps_the_named_samples() -> None:
+    """only= keeps samples of exactly those names; a longer name sharing the prefix is not one,
+    and the lines it skips are not checked."""
+    page = "a_total 1\na_total_extra 2\nb 3\nnot a sample at all\na_total{x=\"y\"} 4\n"
+    samples = parse_exposition(page, only=("a_total",))
+    assert [(s.name, s.value) for s in samples] == [("a_total", 1.0), ("a_total", 4.0)]
+
+
+def test_lenient_parse_skips_malformed_lines() -> None:
+    """strict=False drops a line with a bad value or bad labels and keeps the rest."""
+    page = 'x 1\nx abc\nx{a=unquoted} 2\nx{a="ok"} 3\ngarbage\n'
+    samples = parse_exposition(page, strict=False)
+    assert [(s.name, s.labels, s.value) for s in samples] == [
+        ("x", (), 1.0), ("x", (("a", "ok"),), 3.0)]
+
+
 @pytest.mark.parametrize("suffix", [True, False])
 def test_vllm_counters_with_and_without_total_suffix(suffix: bool) -> None:
     """vLLM's counters are found with or without _total, summed over engines."""

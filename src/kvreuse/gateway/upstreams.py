@@ -27,7 +27,6 @@ answer later keeps the last known set. What routing makes of that: :mod:`kvreuse
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ from typing import Any
 
 from kvreuse.errors import InputFormatError
 from kvreuse.gateway.config import MAX_MODEL_NAME_CHARS, UpstreamConfig
+from kvreuse.hitrate.prometheus import parse_exposition
 from kvreuse.routing import ReplicaLoad
 
 MAX_MODEL_LIST_BYTES = 4 << 20
@@ -49,49 +49,29 @@ ENGINE_METRICS = (
     "vllm:prefix_cache_hits_total",
 )
 MAX_EJECTION_S = 300.0
+_CACHE_CONFIG = ("vllm:cache_config_info",)
 
 
 def parse_prometheus(text: str, names: tuple[str, ...] = ENGINE_METRICS) -> dict[str, float]:
-    """Sum each wanted metric over its label sets from a Prometheus text exposition. O(lines)."""
-    wanted = set(names)
+    """Each wanted metric summed over its label sets; a malformed line is skipped, so one odd
+    line never costs the scrape. O(lines)."""
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line[0] == "#":
-            continue
-        name_end = len(line)
-        for stop in ("{", " "):
-            at = line.find(stop)
-            if 0 <= at < name_end:
-                name_end = at
-        name = line[:name_end]
-        if name not in wanted:
-            continue
-        # name{labels} value [timestamp]; label values may contain spaces, so cut after "}".
-        rest = line[line.rindex("}") + 1 :] if "}" in line else line[name_end:]
-        try:
-            value = float(rest.split()[0])
-        except (ValueError, IndexError):
-            continue
-        out[name] = out.get(name, 0.0) + value
+    for sample in parse_exposition(text, "/metrics", only=names, strict=False):
+        out[sample.name] = out.get(sample.name, 0.0) + sample.value
     return out
-
-
-_CACHE_CONFIG = "vllm:cache_config_info{"
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
 def parse_kv_capacity(text: str) -> int | None:
     """The engine's KV capacity in tokens from vLLM's ``vllm:cache_config_info`` info metric
     (``num_gpu_blocks`` × ``block_size`` labels), or None when absent or not yet known (vLLM
     reports ``num_gpu_blocks="None"`` before profiling). O(lines)."""
-    for line in text.splitlines():
-        if not line.startswith(_CACHE_CONFIG):
-            continue
-        labels = dict(_LABEL.findall(line[len(_CACHE_CONFIG) : line.rfind("}")]))
-        blocks, size = labels.get("num_gpu_blocks", ""), labels.get("block_size", "")
+    for sample in parse_exposition(text, "/metrics", only=_CACHE_CONFIG, strict=False):
+        blocks, size = sample.label("num_gpu_blocks") or "", sample.label("block_size") or ""
         if blocks.isdigit() and size.isdigit() and int(blocks) > 0 and int(size) > 0:
             return int(blocks) * int(size)
     return None
+
+
 def parse_model_list(raw: bytes) -> tuple[dict[str, Any], ...]:
     """The model cards of an OpenAI ``/v1/models`` answer (``{"data": [{"id": ...}, ...]}``),
     in order, one per id. Raises :class:`InputFormatError` saying what is wrong. O(bytes)."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import re
 import urllib.request
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 from kvreuse.errors import InputFormatError
@@ -59,30 +59,52 @@ def _parse_value(text: str, where: str) -> float:
         raise InputFormatError(f"sample value {text!r} is not a number", where=where) from None
 
 
-def parse_exposition(text: str, source: str = "metrics") -> list[Sample]:
-    """Parse Prometheus text format (and OpenMetrics' ``# EOF``). O(size of the page)."""
+def parse_exposition(
+    text: str,
+    source: str = "metrics",
+    *,
+    only: Collection[str] | None = None,
+    strict: bool = True,
+) -> list[Sample]:
+    """Parse Prometheus text format (and OpenMetrics' ``# EOF``). O(size of the page).
+
+    ``only``: keep the samples of these names (default: all); the other lines are not read
+    further, which keeps a scrape for a few names cheap.
+    ``strict=False`` skips a malformed line instead of raising: a scrape that must go on with
+    what it can read."""
     samples: list[Sample] = []
+    prefixes = ("",) if only is None else tuple(only)
     for number, raw in enumerate(text.splitlines(), start=1):
         line = raw.strip()
-        if not line or line.startswith("#"):
+        if not line or line.startswith("#") or not line.startswith(prefixes):
             continue
         where = f"{source}: line {number}"
         match = _SAMPLE.match(line)
-        if match is None:
-            raise InputFormatError(f"not a metric sample: {line[:80]!r}", where=where)
-        labels: list[tuple[str, str]] = []
-        body = match.group("labels") or ""
-        position = 0
-        while position < len(body):
-            label = _LABEL.match(body, position)
-            if label is None:
-                raise InputFormatError(f"bad labels in {line[:80]!r}", where=where)
-            labels.append((label.group(1), _unescape(label.group(2))))
-            position = label.end()
-        samples.append(
-            Sample(match.group("name"), tuple(labels), _parse_value(match.group("value"), where))
-        )
+        if match is not None and only is not None and match.group("name") not in only:
+            continue
+        try:
+            if match is None:
+                raise InputFormatError(f"not a metric sample: {line[:80]!r}", where=where)
+            labels = _labels(match.group("labels") or "", line, where)
+            value = _parse_value(match.group("value"), where)
+        except InputFormatError:
+            if strict:
+                raise
+            continue
+        samples.append(Sample(match.group("name"), labels, value))
     return samples
+
+
+def _labels(body: str, line: str, where: str) -> tuple[tuple[str, str], ...]:
+    labels: list[tuple[str, str]] = []
+    position = 0
+    while position < len(body):
+        label = _LABEL.match(body, position)
+        if label is None:
+            raise InputFormatError(f"bad labels in {line[:80]!r}", where=where)
+        labels.append((label.group(1), _unescape(label.group(2))))
+        position = label.end()
+    return tuple(labels)
 
 
 def normalise(name: str) -> str:
