@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvreuse.gateway.upstream_client import UpstreamError, UpstreamPool
+from kvreuse.sim.summary import percentile
 from kvreuse.testing.processes import EngineSpec, Fleet, Process
 
 TARGET_RPS = 1000.0
@@ -176,11 +177,6 @@ class Latencies:
     p50_ms: float
     p90_ms: float
     p99_ms: float
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 async def _open_loop(targets: dict[str, list[str]], bodies: list[bytes], rate: float,

@@ -52,7 +52,8 @@ from pathlib import Path
 import httpx
 import zmq
 
-from kvreuse.testing.loadgen import Call, Result, percentile, run_stream, tokens_text
+from kvreuse.sim.summary import percentile
+from kvreuse.testing.loadgen import Call, Result, run_stream, tokens_text
 from kvreuse.testing.processes import EngineSpec, Fleet
 from kvreuse.tokens import pack
 
@@ -394,7 +395,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "lost_before_first_byte": tally.lost_before_first_byte,
         "failed_after_first_byte": tally.failed_after_first_byte,
         "cross_tenant_hits": tally.cross_tenant_hits, "without_usage": tally.without_usage,
-        "ttft_p50_ms": percentile(tally.ttft_ms, 50), "ttft_p99_ms": percentile(tally.ttft_ms, 99),
+        "ttft_p50_ms": percentile(tally.ttft_ms, 0.5, empty=float("nan")),
+        "ttft_p99_ms": percentile(tally.ttft_ms, 0.99, empty=float("nan")),
         "gateway_rss_warm_mb": warm_rss / 2**20, "gateway_rss_end_mb": end_rss / 2**20,
         "gateway_rss_growth": growth, "index_blocks_max": index_max,
         "index_blocks_limit": limit_blocks,

@@ -23,10 +23,10 @@ from kvreuse.metrics import DEFAULT_BANDS, RequestObservation, ReuseMeter, band_
 from kvreuse.sim.requests import FleetRun, RequestRecord
 
 
-def percentile(values: Sequence[float], fraction: float) -> float:
-    """Nearest-rank percentile (``fraction`` in [0, 1]); 0.0 for no values. O(n log n)."""
+def percentile(values: Sequence[float], fraction: float, empty: float = 0.0) -> float:
+    """Nearest-rank percentile (``fraction`` in [0, 1]); ``empty`` for no values. O(n log n)."""
     if not values:
-        return 0.0
+        return empty
     ordered = sorted(values)
     rank = max(math.ceil(fraction * len(ordered)), 1)
     return ordered[rank - 1]

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from kvreuse.gateway.upstreams import parse_prometheus
 from kvreuse.hitrate.prometheus import fetch_page
 from kvreuse.sim.requests import SimRequest
+from kvreuse.sim.summary import percentile
 from kvreuse.sim.workloads import ChatWorkload, DocumentWorkload
 from kvreuse.testing.rawhttp import RawClient
 from kvreuse.tokens import TOKEN_BYTES, unpack
@@ -308,15 +309,6 @@ def fleet_hits(before: Mapping[str, EngineCounters],
                      max(loads) / mean if mean else 0.0, tuple(loads))
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (``q`` in [0, 100]); NaN for no values."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    rank = max(math.ceil(q / 100 * len(ordered)), 1)
-    return ordered[rank - 1]
-
-
 @dataclass(frozen=True, slots=True)
 class LatencySummary:
     count: int
@@ -330,8 +322,8 @@ class LatencySummary:
         measured = [r for r in results if r.call.measured]
         ttfts = [r.ttft_s * 1000 for r in measured if r.ttft_s is not None and not r.error]
         lost = sum(1 for r in measured if r.ttft_s is None or r.status != 200)
-        return LatencySummary(len(measured), lost, percentile(ttfts, 50), percentile(ttfts, 95),
-                              percentile(ttfts, 99))
+        p50, p95, p99 = (percentile(ttfts, q, empty=math.nan) for q in (0.5, 0.95, 0.99))
+        return LatencySummary(len(measured), lost, p50, p95, p99)
 
 
 @dataclass(frozen=True, slots=True)
