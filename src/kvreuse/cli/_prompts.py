@@ -22,7 +22,7 @@ from kvreuse.tokenizers import NAMED_TOKENIZERS, TokenizerBundle, load_tokenizer
 
 if TYPE_CHECKING:  # rendering needs jinja2 (the lint extra); import it when a command runs
     from kvreuse.lint.prompt import Prompt
-    from kvreuse.lint.template import ChatTemplate, Clock
+    from kvreuse.lint.template import ChatTemplate, DateClock
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -70,7 +70,7 @@ class PromptSetup:
     template_label: str
 
 
-def clock_from(args: argparse.Namespace) -> Clock:
+def clock_from(args: argparse.Namespace) -> DateClock:
     if args.now is None:
         return datetime.now
     try:

@@ -50,20 +50,20 @@ from kvreuse.tokens import TOKEN_BYTES, TokenBuffer
 
 log = logging.getLogger("kvreuse.gateway.shared_index")
 
-BlockHash = NewType("BlockHash", int)
+ChainHash = NewType("ChainHash", int)
 """A chained block hash: names the prefix that ends with this block, identity included."""
 
 
-def block_chain(tokens: TokenBuffer, identity: CacheIdentity, block_size: int) -> list[BlockHash]:
+def block_chain(tokens: TokenBuffer, identity: CacheIdentity, block_size: int) -> list[ChainHash]:
     """Chained xxh3-64 hashes of the full blocks of ``tokens`` under ``identity``: entry b names
     the first (b+1)·block_size tokens. O(n)."""
     step = block_size * TOKEN_BYTES
     seed = xxhash.xxh3_64_intdigest(repr(identity).encode())
-    chain: list[BlockHash] = []
+    chain: list[ChainHash] = []
     digest = xxhash.xxh3_64_intdigest
     for b in range(len(tokens) // step):
         seed = digest(tokens[b * step : (b + 1) * step], seed=seed)
-        chain.append(BlockHash(seed))
+        chain.append(ChainHash(seed))
     return chain
 
 
@@ -72,7 +72,7 @@ class RoutedRecord:
     """A prompt's block chain routed to ``upstream`` by gateway ``origin``."""
 
     upstream: ReplicaId
-    chain: tuple[BlockHash, ...]
+    chain: tuple[ChainHash, ...]
     origin: str
 
 
@@ -91,7 +91,7 @@ class SharedPrefixIndex:
         self.block_size = block_size
         self.capacity_blocks = capacity_blocks
         self.origin = origin or uuid.uuid4().hex[:12]
-        self._blocks: dict[ReplicaId, OrderedDict[BlockHash, None]] = {}
+        self._blocks: dict[ReplicaId, OrderedDict[ChainHash, None]] = {}
         self.on_record: Callable[[RoutedRecord], None] | None = None
         self.evicted_blocks = 0
 
@@ -172,7 +172,7 @@ def decode_record(upstream: ReplicaId, fields: MutableMapping[Any, Any]) -> Rout
     if len(packed) % 8:
         raise InputFormatError(f"chain of {len(packed)} bytes is not whole uint64s",
                                f"upstream {upstream}")
-    chain = tuple(BlockHash(int.from_bytes(packed[i : i + 8], "little"))
+    chain = tuple(ChainHash(int.from_bytes(packed[i : i + 8], "little"))
                   for i in range(0, len(packed), 8))
     return RoutedRecord(upstream, chain, origin.decode(errors="replace"))
 

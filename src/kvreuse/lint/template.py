@@ -30,8 +30,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from kvreuse.errors import ConfigError, InputFormatError, KvreuseError
 
-Clock = Callable[[], datetime]
-"""What ``strftime_now`` reads: returns the current local time."""
+DateClock = Callable[[], datetime]
+"""What ``strftime_now`` reads: the current local time (``kvreuse.index.Clock`` is seconds)."""
 
 
 class TemplateRaised(InputFormatError):
@@ -114,7 +114,7 @@ class ChatTemplate:
         source: str,
         *,
         special_tokens: Mapping[str, str] | None = None,
-        clock: Clock | None = None,
+        clock: DateClock | None = None,
         name: str = "",
     ) -> None:
         self.source = source
@@ -124,7 +124,7 @@ class ChatTemplate:
         self._clock = clock
         self._template = _compile(source)
 
-    def with_clock(self, clock: Clock | None) -> ChatTemplate:
+    def with_clock(self, clock: DateClock | None) -> ChatTemplate:
         """The same template reading another clock (audits render at two instants)."""
         return ChatTemplate(
             self.source, special_tokens=self._special_tokens, clock=clock, name=self.name

@@ -18,7 +18,7 @@ from kvreuse.errors import ConfigError
 from kvreuse.lint.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from kvreuse.lint.template import ChatTemplate, Clock
+    from kvreuse.lint.template import ChatTemplate, DateClock
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +36,7 @@ class TokenizerBundle:
         override: str | None = None,
         tools: object = None,
         name: str | None = None,
-        clock: Clock | None = None,
+        clock: DateClock | None = None,
     ) -> ChatTemplate:
         """The template to render with: ``override`` source if given, else the bundle's own one
         chosen as transformers chooses it (``tool_use`` when tools are given and it exists)."""

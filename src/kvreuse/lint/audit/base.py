@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from kvreuse.errors import ConfigError
 from kvreuse.lint.paths import common_prefix_chars
 from kvreuse.lint.prompt import Prompt
-from kvreuse.lint.template import ChatTemplate, Clock
+from kvreuse.lint.template import ChatTemplate, DateClock
 from kvreuse.lint.tokenizer import Tokenizer
 
 
@@ -82,7 +82,7 @@ class AuditInput:
     prompts: tuple[Prompt, ...]
     tokenizer: Tokenizer
     template: ChatTemplate | None = None
-    clocks: tuple[Clock, Clock] | None = None
+    clocks: tuple[DateClock, DateClock] | None = None
     block_size: int = 16
     template_label: str = "template"
 
@@ -98,7 +98,7 @@ class AuditRule(Protocol):
     def check(self, audit: AuditInput) -> list[Finding]: ...
 
 
-def fixed_clocks() -> tuple[Clock, Clock]:
+def fixed_clocks() -> tuple[DateClock, DateClock]:
     """Two deterministic instants (a day, an hour, a minute and a second apart)."""
     first = datetime(2024, 7, 26, 9, 15, 30)
     second = datetime(2024, 7, 27, 10, 16, 31)
