@@ -35,10 +35,6 @@ def prefix_key(tokens: TokenBuffer, k: int, identity: CacheIdentity) -> int:
     return stable_hash(identity_seed(identity) + tokens[: k * TOKEN_BYTES])
 
 
-def text_key(text: str) -> int:
-    return stable_hash(text.encode())
-
-
 class ConsistentRing:
     """A hash ring over replica ids. Insertion order of ids does not affect placement."""
 

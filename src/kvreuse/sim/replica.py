@@ -84,7 +84,6 @@ class Replica:
         index: int,
         config: ReplicaConfig,
         engine: Engine,
-        on_first_token: Callable[[Job, int, float], None] | None,
         on_finish: Callable[[Job, int, float], None],
         kv_sink: KvSink | None = None,
         board: LoadBoard | None = None,
@@ -93,7 +92,6 @@ class Replica:
         self.replica_id = f"r{index}"
         self.config = config
         self.engine = engine
-        self._on_first_token = on_first_token
         self._on_finish = on_finish
         self.memory: ReplicaMemory = CACHE_KINDS[config.cache_kind](
             self.replica_id, config, kv_sink
@@ -201,8 +199,6 @@ class Replica:
         job.estimate = 0
         job.prefill_end = now
         self.busy = None
-        if self._on_first_token is not None:
-            self._on_first_token(job, self.index, now)
         decode_s = request.output_len * self._tpot
         if decode_s > 0:
             self.memory.prefilled(job, now)
