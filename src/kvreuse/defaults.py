@@ -47,8 +47,6 @@ and up to a few hundred MB."""
 
 # ---------------------------------------------------------------------------- trace replays
 
-TRACE_BLOCK_SIZE = 512
-"""Tokens per Mooncake ``hash_ids`` entry (the Mooncake traces' block size)."""
 TRACE_REPLICAS = 8
 TRACE_POLICIES = ("round_robin", "cache_aware")
 TRACE_PREFILL_TOKENS_PER_S = ReplicaConfig().prefill_tokens_per_s

@@ -16,8 +16,6 @@ from dataclasses import dataclass
 from kvreuse.errors import InputFormatError
 from kvreuse.trace.format import DEFAULT_BLOCK_TOKENS, TraceRecord
 
-MOONCAKE_BLOCK_TOKENS = DEFAULT_BLOCK_TOKENS
-
 
 @dataclass(frozen=True, slots=True)
 class TraceHotSet:
@@ -47,7 +45,7 @@ class TraceHotSet:
 def trace_hot_set(
     requests: Sequence[TraceRecord],
     window_seconds: float = 300.0,
-    block_tokens: int = MOONCAKE_BLOCK_TOKENS,
+    block_tokens: int = DEFAULT_BLOCK_TOKENS,
 ) -> TraceHotSet:
     """O(total hash ids)."""
     if window_seconds <= 0:

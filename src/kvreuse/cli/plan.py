@@ -53,7 +53,7 @@ from kvreuse.sim.plan import (
 )
 from kvreuse.sim.requests import SimRequest
 from kvreuse.sim.units import TraceUnits
-from kvreuse.trace import GRANULARITIES, parse_trace_lines, trace_requests
+from kvreuse.trace import DEFAULT_BLOCK_TOKENS, GRANULARITIES, parse_trace_lines, trace_requests
 
 DEFAULT_REPLICAS = "2,4,6,8"
 DEFAULT_CACHE_TOKENS = "100000,200000,400000"
@@ -82,8 +82,8 @@ def register(subparsers: Any) -> None:
         + "; ".join(f"{p}: {k} {','.join(str(v) for v in vs)}" for p, (k, vs) in KNOBS.items())
         + ")",
     )
-    parser.add_argument("--trace-block-size", type=positive_int, default=512,
-                        help="tokens per trace hash id (512)")
+    parser.add_argument("--trace-block-size", type=positive_int, default=DEFAULT_BLOCK_TOKENS,
+                        help=f"tokens per trace hash id ({DEFAULT_BLOCK_TOKENS})")
     parser.add_argument("--trace-granularity", choices=GRANULARITIES, default="block",
                         help="simulate one id per unit (block) or every token (token)")
     parser.add_argument("--prefill-rate", type=positive_float, default=10_000.0,
@@ -257,7 +257,7 @@ def _command(args: argparse.Namespace, cell: Cell, slos: Sequence[Slo]) -> str:
     if cell.knob is not None:
         parts += ["--knob", f"{cell.knob:g}"]
     for flag, value, default in (
-        ("--trace-block-size", args.trace_block_size, 512),
+        ("--trace-block-size", args.trace_block_size, DEFAULT_BLOCK_TOKENS),
         ("--trace-granularity", args.trace_granularity, "block"),
         ("--prefill-rate", args.prefill_rate, 10_000.0),
         ("--overhead", args.overhead, 0.015),

@@ -9,6 +9,7 @@ from typing import Any
 
 from kvreuse.cli.args import key_value
 from kvreuse.errors import ConfigError
+from kvreuse.trace.format import DEFAULT_BLOCK_TOKENS
 
 DESCRIPTION = """\
 An OpenAI-compatible router: each request goes to the upstream where its prefix already lives,
@@ -130,7 +131,7 @@ def register(subparsers: Any) -> None:
                         help="write the routed traffic as a Mooncake trace (no prompt text) "
                              "into DIR")
     parser.add_argument("--record-block-size", type=int, metavar="TOKENS",
-                        help="tokens per hash id in the recorded trace (512)")
+                        help=f"tokens per hash id in the recorded trace ({DEFAULT_BLOCK_TOKENS})")
     parser.add_argument("--record-secret-file", metavar="FILE",
                         help="secret keying the trace's ids (else $KVREUSE_RECORD_SECRET, else "
                              "random); gateways with the same secret write the same ids")

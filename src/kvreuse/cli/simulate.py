@@ -46,7 +46,7 @@ from kvreuse.sim.runner import ScenarioRun, Verdict, check, run_spec
 from kvreuse.sim.scenarios import SPILLS, RunSpec, Scenario, get_scenario
 from kvreuse.sim.trace import Bounds, compute_bounds
 from kvreuse.sim.units import TraceUnits
-from kvreuse.trace import GRANULARITIES, parse_trace_lines, trace_requests
+from kvreuse.trace import DEFAULT_BLOCK_TOKENS, GRANULARITIES, parse_trace_lines, trace_requests
 
 MAX_SCALE = 100.0
 """A hundred times a scenario's window is hours of simulated traffic: more is a typing mistake."""
@@ -97,8 +97,8 @@ def register(subparsers: Any) -> None:
         "--cache-tokens", type=positive_int, help="KV pool per replica, in tokens"
     )
     parser.add_argument(
-        "--trace-block-size", type=int, default=defaults.TRACE_BLOCK_SIZE,
-        help=f"tokens per trace hash id ({defaults.TRACE_BLOCK_SIZE})",
+        "--trace-block-size", type=int, default=DEFAULT_BLOCK_TOKENS,
+        help=f"tokens per trace hash id ({DEFAULT_BLOCK_TOKENS})",
     )
     parser.add_argument(
         "--trace-granularity", choices=GRANULARITIES, default="block",

@@ -49,6 +49,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kvreuse.errors import ConfigError
+from kvreuse.trace.format import DEFAULT_BLOCK_TOKENS
 
 CALLER_SALT_MODES = ("reject", "strip")
 MAX_MODEL_NAME_CHARS = 512
@@ -131,7 +132,7 @@ class GatewayConfig:
     events_silence_s: float = 30.0
     # `--record DIR`: the routed traffic as a trace (kvreuse.gateway.recorder)
     record_dir: str | None = None
-    record_block_size: int = 512
+    record_block_size: int = DEFAULT_BLOCK_TOKENS
     record_secret_file: str | None = None
     record_max_bytes: int = 256 * 1024 * 1024
     record_rotate_s: float = 3600.0

@@ -40,7 +40,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from kvreuse.errors import ConfigError
 from kvreuse.gateway.telemetry import RequestRecord
 from kvreuse.tokens import TOKEN_BYTES
-from kvreuse.trace.format import MAX_TEXT_FIELD, TraceRecord, record_json
+from kvreuse.trace.format import DEFAULT_BLOCK_TOKENS, MAX_TEXT_FIELD, TraceRecord, record_json
 from kvreuse.trace.keyed import KeyedIds
 
 log = logging.getLogger("kvreuse.gateway.recorder")
@@ -52,7 +52,7 @@ SECRET_ENV = "KVREUSE_RECORD_SECRET"
 class RecorderSettings:
     directory: Path
     secret: bytes
-    block: int = 512
+    block: int = DEFAULT_BLOCK_TOKENS
     max_bytes: int = 256 * 1024 * 1024
     rotate_s: float = 3600.0
     queue_size: int = 10_000
