@@ -23,9 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import socket
 import statistics
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -36,6 +34,7 @@ from starlette.testclient import TestClient
 from kvreuse.routing import build_policy
 from kvreuse.sim import FleetSimulator
 from kvreuse.sim.scenarios import BELGAVI, get_scenario
+from kvreuse.testing.servers import ServerThread
 from kvreuse.web.adapter import SimLab
 from kvreuse.web.app import create_app
 from kvreuse.web.controls import LabControls
@@ -67,52 +66,37 @@ def simulator_alone(seed: int) -> float:
 
 
 def browser_ready_ms(repeat: int) -> list[float]:
-    import uvicorn
     from playwright.sync_api import sync_playwright
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(), host="127.0.0.1", port=port, log_level="warning")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
     ready = []
-    try:
-        with sync_playwright() as playwright:
-            browser = playwright.chromium.launch(
-                executable_path=str(CHROMIUM),
-                args=[
-                    "--headless",
-                    "--no-sandbox",
-                    "--disable-gpu",
-                    "--disable-quic",
-                    "--no-first-run",
-                    "--disable-background-networking",
-                    "--disable-component-update",
-                    "--disable-sync",
-                ],
+    with ServerThread(create_app()) as server, sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=str(CHROMIUM),
+            args=[
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-quic",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+            ],
+        )
+        page = browser.new_page(viewport={"width": 1500, "height": 1100})
+        page.add_init_script("window.kvLabOptions = {animationSeconds: 0.2};")
+        page.goto(server.url + "/")
+        page.wait_for_function("document.body.dataset.state === 'done'")
+        for attempt in range(repeat):
+            runs = page.evaluate("Number(document.body.dataset.runs)")
+            page.fill("#ctl-seed", str(2000 + attempt))
+            page.click("#run")
+            page.wait_for_function(
+                f"document.body.dataset.state === 'done' && "
+                f"Number(document.body.dataset.runs) > {runs}"
             )
-            page = browser.new_page(viewport={"width": 1500, "height": 1100})
-            page.add_init_script("window.kvLabOptions = {animationSeconds: 0.2};")
-            page.goto(f"http://127.0.0.1:{port}/")
-            page.wait_for_function("document.body.dataset.state === 'done'")
-            for attempt in range(repeat):
-                runs = page.evaluate("Number(document.body.dataset.runs)")
-                page.fill("#ctl-seed", str(2000 + attempt))
-                page.click("#run")
-                page.wait_for_function(
-                    f"document.body.dataset.state === 'done' && "
-                    f"Number(document.body.dataset.runs) > {runs}"
-                )
-                ready.append(float(page.evaluate("document.body.dataset.readyMs")))
-            browser.close()
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+            ready.append(float(page.evaluate("document.body.dataset.readyMs")))
+        browser.close()
     return ready
 
 

@@ -9,15 +9,13 @@ Screenshots land in artifacts/ (git-ignored).
 from __future__ import annotations
 
 import os
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kvreuse.testing.servers import ServerThread
 from kvreuse.web.app import create_app
 from kvreuse.web.missions import MISSIONS
 
@@ -64,23 +62,8 @@ def _require_browser() -> Any:
 @pytest.fixture(scope="module")
 def lab_url() -> Iterator[str]:
     """A real uvicorn server on a free port of 127.0.0.1, in a thread."""
-    import uvicorn
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(), host="127.0.0.1", port=port, log_level="warning")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline, "the lab server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}/"
-    server.should_exit = True
-    thread.join(timeout=10)
+    with ServerThread(create_app()) as server:
+        yield server.url + "/"
 
 
 def _tiles(page: Any) -> dict[str, str]:

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from typing import Any
 
+from kvreuse.testing.servers import ServerThread
 from kvreuse.web.adapter import SimLab
 from kvreuse.web.app import MAX_BODY_BYTES, create_app
 from kvreuse.web.controls import LabControls
@@ -22,23 +23,8 @@ from kvreuse.web.result import LabResult
 @contextmanager
 def serve(app: Any) -> Iterator[str]:
     """``app`` on a free port of 127.0.0.1 in a thread; yields the base URL, then stops."""
-    import uvicorn
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline, "the lab server did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+    with ServerThread(app) as server:
+        yield server.url
 
 
 class CountingLab(SimLab):
