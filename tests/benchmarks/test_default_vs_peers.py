@@ -5,9 +5,6 @@ No simulation here beyond one tiny workload: the benchmark's figures are printed
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -17,17 +14,6 @@ from kvreuse.sim.requests import SimRequest
 from kvreuse.tokens import pack
 
 BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "default_vs_peers.py"
-
-
-@pytest.fixture(scope="module")
-def bench() -> Iterator[ModuleType]:
-    spec = importlib.util.spec_from_file_location("kvreuse_bench_default_vs_peers", BENCHMARK)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while being created
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
 
 
 def stream(count: int) -> list[SimRequest]:

@@ -6,27 +6,13 @@ workload generators build what they claim and that what the benchmark times is c
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
 BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "index_ops.py"
-
-
-@pytest.fixture(scope="module")
-def bench() -> Iterator[ModuleType]:
-    spec = importlib.util.spec_from_file_location("kvreuse_bench_index_ops", BENCHMARK)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while being created
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
 
 
 def naive_match_lengths(requests: list[tuple[list[int], list[int]]]) -> list[int]:
