@@ -11,26 +11,13 @@ import itertools
 import json
 import random
 from collections.abc import Iterator
+from typing import Any
 
 
-def synthetic_mooncake(
-    *,
-    seed: int = 0,
-    requests: int = 600,
-    requests_per_second: float = 2.0,
-    documents: int = 40,
-    prefix_blocks: int = 12,
-    private_blocks: int = 1,
-    skew: float = 1.1,
-) -> list[str]:
-    """JSONL lines: timestamp (ms), input_length, output_length, hash_ids."""
-    return list(
-        iter_synthetic_mooncake(
-            seed=seed, requests=requests, requests_per_second=requests_per_second,
-            documents=documents, prefix_blocks=prefix_blocks, private_blocks=private_blocks,
-            skew=skew,
-        )
-    )
+def synthetic_mooncake(**options: Any) -> list[str]:
+    """JSONL lines: timestamp (ms), input_length, output_length, hash_ids; ``options`` are
+    :func:`iter_synthetic_mooncake`'s."""
+    return list(iter_synthetic_mooncake(**options))
 
 
 def iter_synthetic_mooncake(
@@ -43,7 +30,7 @@ def iter_synthetic_mooncake(
     private_blocks: int = 1,
     skew: float = 1.1,
 ) -> Iterator[str]:
-    """The lines of :func:`synthetic_mooncake`, one at a time (for traces too big to hold)."""
+    """The lines of a synthetic trace, one at a time (for traces too big to hold)."""
     rng = random.Random(seed)
     weights = [1.0 / (rank + 1) ** skew for rank in range(documents)]
     # What choices() would accumulate on every call: the same draws, computed once.
