@@ -68,35 +68,39 @@ def simulator_alone(seed: int) -> float:
 def browser_ready_ms(repeat: int) -> list[float]:
     from playwright.sync_api import sync_playwright
 
+    server = ServerThread(create_app()).start()
     ready = []
-    with ServerThread(create_app()) as server, sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=str(CHROMIUM),
-            args=[
-                "--headless",
-                "--no-sandbox",
-                "--disable-gpu",
-                "--disable-quic",
-                "--no-first-run",
-                "--disable-background-networking",
-                "--disable-component-update",
-                "--disable-sync",
-            ],
-        )
-        page = browser.new_page(viewport={"width": 1500, "height": 1100})
-        page.add_init_script("window.kvLabOptions = {animationSeconds: 0.2};")
-        page.goto(server.url + "/")
-        page.wait_for_function("document.body.dataset.state === 'done'")
-        for attempt in range(repeat):
-            runs = page.evaluate("Number(document.body.dataset.runs)")
-            page.fill("#ctl-seed", str(2000 + attempt))
-            page.click("#run")
-            page.wait_for_function(
-                f"document.body.dataset.state === 'done' && "
-                f"Number(document.body.dataset.runs) > {runs}"
+    try:
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(
+                executable_path=str(CHROMIUM),
+                args=[
+                    "--headless",
+                    "--no-sandbox",
+                    "--disable-gpu",
+                    "--disable-quic",
+                    "--no-first-run",
+                    "--disable-background-networking",
+                    "--disable-component-update",
+                    "--disable-sync",
+                ],
             )
-            ready.append(float(page.evaluate("document.body.dataset.readyMs")))
-        browser.close()
+            page = browser.new_page(viewport={"width": 1500, "height": 1100})
+            page.add_init_script("window.kvLabOptions = {animationSeconds: 0.2};")
+            page.goto(server.url + "/")
+            page.wait_for_function("document.body.dataset.state === 'done'")
+            for attempt in range(repeat):
+                runs = page.evaluate("Number(document.body.dataset.runs)")
+                page.fill("#ctl-seed", str(2000 + attempt))
+                page.click("#run")
+                page.wait_for_function(
+                    f"document.body.dataset.state === 'done' && "
+                    f"Number(document.body.dataset.runs) > {runs}"
+                )
+                ready.append(float(page.evaluate("document.body.dataset.readyMs")))
+            browser.close()
+    finally:
+        server.stop()
     return ready
 
 
