@@ -39,6 +39,7 @@ from pathlib import Path
 
 import httpx
 
+from kvreuse.hitrate.prometheus import parse_exposition
 from kvreuse.testing.processes import EngineSpec, Fleet, Process
 from kvreuse.testing.rawhttp import RawClient
 
@@ -98,13 +99,8 @@ class RssSampler:
 
 def gauges(url: str, family: str) -> dict[str, float]:
     """``family{upstream="..."} value`` lines of the gateway's /metrics, by upstream."""
-    out: dict[str, float] = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(family + "{"):
-            labels, _, value = line.rpartition(" ")
-            name = labels.split('upstream="', 1)[1].split('"', 1)[0]
-            out[name] = float(value)
-    return out
+    samples = parse_exposition(httpx.get(url + "/metrics", timeout=10).text, only=(family,))
+    return {upstream: s.value for s in samples if (upstream := s.label("upstream")) is not None}
 
 
 async def drive(url: str, bodies: Iterator[bytes], concurrency: int, phase: Phase,

@@ -20,6 +20,7 @@ import zmq
 
 from kvreuse.gateway.kv_events import encode_payload
 from kvreuse.gateway.subscriber import StreamStats
+from kvreuse.hitrate.prometheus import parse_exposition
 from kvreuse.index.events import AllBlocksCleared
 
 from .fleet import Engine, RunningGateway, start_engine
@@ -87,12 +88,11 @@ def predictions_hold(gateway: RunningGateway) -> list[tuple[int, int]]:
 
 
 def metric(gateway: RunningGateway, name: str, **labels: str) -> float:
-    wanted = name + "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
-    for line in httpx.get(gateway.url + "/metrics", timeout=5).text.splitlines():
-        series, _, value = line.rpartition(" ")
-        if series == wanted:
-            return float(value)
-    raise AssertionError(f"{wanted} not in /metrics")
+    for sample in parse_exposition(httpx.get(gateway.url + "/metrics", timeout=5).text,
+                                   only=(name,)):
+        if dict(sample.labels) == labels:
+            return sample.value
+    raise AssertionError(f"{name}{labels} not in /metrics")
 
 
 def test_deeply_nested_frame_is_counted_and_the_stream_goes_on(engine: Engine,
