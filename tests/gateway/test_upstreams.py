@@ -159,3 +159,17 @@ def test_declared_models_are_known_from_the_start() -> None:
     assert learning.learned(({"id": "a"},)) and not learning.learned(({"id": "a"},))
     assert learning.serves("a") and learning.learned(())
     assert learning.serves("a") is False
+
+
+def test_engine_hit_rate_is_counter_deltas_since_the_first_scrape() -> None:
+    """The first scrape is the baseline: no queried tokens since gives None, then hits over
+    queries of the deltas."""
+    upstream = state()
+    upstream.update_engine({"vllm:prefix_cache_queries_total": 100.0,
+                            "vllm:prefix_cache_hits_total": 90.0})
+    assert upstream.engine_hit_rate() is None and upstream.engine_deltas() == (0.0, 0.0)
+    upstream.update_engine({"vllm:prefix_cache_queries_total": 300.0,
+                            "vllm:prefix_cache_hits_total": 140.0})
+    assert upstream.engine_deltas() == (200.0, 50.0) and upstream.engine_hit_rate() == 0.25
+    upstream.update_engine({"vllm:num_requests_waiting": 1.0})  # counters gone from the page
+    assert upstream.engine_hit_rate() is None and upstream.engine_deltas() is None

@@ -270,10 +270,7 @@ class UpstreamState:
 
     def engine_hit_rate(self) -> float | None:
         """Token hit rate from the engine's own counters since the first scrape."""
-        base, now = self.engine_baseline, self.engine
-        if base is None or now.queries_total is None or base.queries_total is None:
+        deltas = self.engine_deltas()
+        if deltas is None or deltas[0] <= 0:
             return None
-        queries = now.queries_total - base.queries_total
-        if queries <= 0 or now.hits_total is None or base.hits_total is None:
-            return None
-        return (now.hits_total - base.hits_total) / queries
+        return deltas[1] / deltas[0]
