@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from kvreuse.testing.processes import Fleet, Process, free_port, wait_http
+from kvreuse.testing.processes import Fleet, Process, free_port, vllm_python, wait_http
 from kvreuse.testing.timing import ProbeResult, probe
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,15 +36,7 @@ secret = "side-channel-test-secret-0123456789"
 """
 
 
-def vllm_python() -> str | None:
-    explicit = os.environ.get("KVREUSE_VLLM_PYTHON")
-    if explicit:
-        return explicit if Path(explicit).exists() else None
-    default = ROOT / ".venv-vllm" / "bin" / "python"
-    return str(default) if default.exists() else None
-
-
-PYTHON = vllm_python()
+PYTHON = vllm_python(ROOT)
 if PYTHON is None and os.environ.get("KVREUSE_REQUIRE_VLLM") == "1":
     raise RuntimeError("KVREUSE_REQUIRE_VLLM=1 but no vLLM interpreter: run `make vllm-env` or "
                        "set KVREUSE_VLLM_PYTHON")

@@ -19,6 +19,7 @@ import pytest
 from kvreuse.gateway.app import Gateway
 from kvreuse.gateway.config import GatewayConfig, UpstreamConfig
 from kvreuse.gateway.prompts import HFPromptTokenizer
+from kvreuse.testing.processes import vllm_python
 from kvreuse.testing.servers import ServerThread
 
 from .vllm_fleet import ALIAS_NAME, MODEL_NAME, Replica, build_model, launch, wait_ready
@@ -26,20 +27,12 @@ from .vllm_fleet import ALIAS_NAME, MODEL_NAME, Replica, build_model, launch, wa
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def vllm_python() -> str | None:
-    explicit = os.environ.get("KVREUSE_VLLM_PYTHON")
-    if explicit:
-        return explicit if Path(explicit).exists() else None
-    default = ROOT / ".venv-vllm" / "bin" / "python"
-    return str(default) if default.exists() else None
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     here = Path(__file__).parent
     ours = [item for item in items if Path(str(item.fspath)).is_relative_to(here)]
     for item in ours:
         item.add_marker(pytest.mark.vllm)
-    if ours and vllm_python() is None:
+    if ours and vllm_python(ROOT) is None:
         if os.environ.get("KVREUSE_REQUIRE_VLLM") == "1":
             raise pytest.UsageError(
                 "KVREUSE_REQUIRE_VLLM=1 but no vLLM interpreter: run `make vllm-env` or set "
@@ -53,7 +46,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
-    python = vllm_python()
+    python = vllm_python(ROOT)
     assert python is not None
     out = Path(os.environ.get("KVREUSE_TINY_MODEL", ROOT / "build" / "tiny-llama"))
     return build_model(python, out.resolve())
@@ -63,7 +56,7 @@ def model_dir() -> Path:
 def replicas(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Replica]]:
     """Two vLLM replicas, started in parallel (~40-100 s), for the whole session; the second
     also serves the model as ``ALIAS_NAME``."""
-    python = vllm_python()
+    python = vllm_python(ROOT)
     assert python is not None
     log_dir = Path(os.environ.get("KVREUSE_VLLM_LOGS", tmp_path_factory.mktemp("vllm-logs")))
     log_dir.mkdir(parents=True, exist_ok=True)

@@ -127,6 +127,16 @@ def wait_tcp(port: int, timeout_s: float = 10.0) -> None:
     raise RuntimeError(f"nothing listens on 127.0.0.1:{port} after {timeout_s} s")
 
 
+
+def vllm_python(root: Path) -> str | None:
+    """The vLLM interpreter: ``$KVREUSE_VLLM_PYTHON``, else ``root/.venv-vllm`` (``make
+    vllm-env``); None when that file does not exist."""
+    explicit = os.environ.get("KVREUSE_VLLM_PYTHON")
+    if explicit:
+        return explicit if Path(explicit).exists() else None
+    default = root / ".venv-vllm" / "bin" / "python"
+    return str(default) if default.exists() else None
+
 @dataclass(frozen=True, slots=True)
 class EngineSpec:
     """``kvreuse engine`` settings shared by every replica of a fleet."""
