@@ -22,7 +22,6 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 from kvreuse.gateway.config import UpstreamConfig
 from kvreuse.gateway.prompts import HFPromptTokenizer
@@ -51,15 +50,14 @@ def conversation(tokenizer: HFPromptTokenizer, target_tokens: int, rng: random.R
 
 
 def make_router(policy_name: str, tokenizer: HFPromptTokenizer) -> Router:
+    policy = build_policy(policy_name, rng=random.Random(0))
     upstreams = [
         UpstreamState(UpstreamConfig(f"http://127.0.0.1:{9000 + i}", name=f"r{i}",
-                                     events="tcp://127.0.0.1:1" if policy_name == "exact"
+                                     events="tcp://127.0.0.1:1" if policy.uses_kv_events
                                      else None, models=MODELS[i]),
                       eject_after=3, readmit_after=2)
         for i in range(4)
     ]
-    options: dict[str, Any] = {"block_size": 16} if policy_name == "exact" else {}
-    policy = build_policy(policy_name, rng=random.Random(0), **options)
     return Router(policy, upstreams, tokenizer)
 
 

@@ -9,9 +9,9 @@ between compiled classes direct C calls, about twice as fast (docs/performance.m
 
 What. :data:`NATIVE_MODULES`: the radix index, the token helpers, the engine, fleet, replica
 and memory of the simulator, the fleet-wide estimators (KV-event mirror, approximate trees,
-masks, the hash ring) and the cache-aware load rules. The routing policies stay interpreted:
-they are the classes users subclass, and the registry reads their ``__init__`` signatures,
-which compiled classes lack.
+masks, the hash ring), the TTFT formula and the cache-aware load rules. The routing policies
+stay interpreted: they are the classes users subclass, and the registry reads their
+``__init__`` signatures, which compiled classes lack.
 
 Building. ``make native`` (``kvreuse native build``: needs mypy, setuptools and a C compiler)
 writes each module's extension next to its source and, last, a manifest with every compiled
@@ -59,6 +59,7 @@ NATIVE_MODULES: tuple[str, ...] = (
     "kvreuse.routing.fleet_masks",
     "kvreuse.routing.estimators",
     "kvreuse.routing.ring",
+    "kvreuse.routing.ttft",
     "kvreuse.routing.load_rules",
 )
 """Modules compiled by ``make native``, by import name."""

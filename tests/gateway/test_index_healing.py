@@ -112,7 +112,7 @@ def test_approximate_trees_show_in_the_gauges_within_budget(
         assert predicted > 0
         assert metric(gateway, "kvreuse_gateway_index_blocks", upstream="e0") > 0
         assert metric(gateway, "kvreuse_gateway_index_tokens", upstream="e0") > 0
-        trees = gateway.gateway.policy.trees  # type: ignore[attr-defined]
+        trees = gateway.gateway.policy.estimator  # type: ignore[attr-defined]
         for _ in range(40):
             exchange(gateway, text(60))
             assert trees.tree_tokens("e0") <= 512

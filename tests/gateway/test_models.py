@@ -328,7 +328,7 @@ def test_approximate_trees_keep_one_namespace_per_model(gateway_factory: Factory
     assert int(other_model.headers["x-kvreuse-predicted-cached-tokens"]) == 0
     assert int(same_model.headers["x-kvreuse-predicted-cached-tokens"]) > 0
     assert same_model.headers["x-kvreuse-upstream"] == first.headers["x-kvreuse-upstream"]
-    trees = gateway.gateway.policy.trees
+    trees = gateway.gateway.policy.estimator
     assert {identity.model for identity in trees._roots} == {"sim", "sim-b"}
     for engine in engines:
         engine.server.stop()

@@ -1,24 +1,33 @@
-"""The shared approximate index: its pure part, its Redis encoding, two syncs over real Redis."""
+"""The shared approximate index: its pure part, its Redis encoding, two syncs over real Redis,
+and its wiring into a gateway's policy (``--shared-index``)."""
 
 from __future__ import annotations
 
 import asyncio
 import random
+import time
+import uuid
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from kvreuse.errors import InputFormatError
+from kvreuse.errors import ConfigError, InputFormatError
+from kvreuse.gateway.app import Gateway
+from kvreuse.gateway.config import GatewayConfig, UpstreamConfig
+from kvreuse.gateway.prompts import TextApproximation
 from kvreuse.gateway.shared_index import (
     RedisIndexSync,
     RoutedRecord,
     SharedPrefixIndex,
+    attach,
     block_chain,
     decode_record,
     encode_record,
 )
 from kvreuse.identity import CacheIdentity
 from kvreuse.routing import RequestView
-from kvreuse.testing.processes import Process
+from kvreuse.testing.processes import Fleet, Process, wait_http
 from kvreuse.tokens import pack
 
 
@@ -56,7 +65,7 @@ def test_capacity_bounds_blocks_and_evicts_tails_before_roots() -> None:
     for conv in range(4):
         index.record(view([*shared, 100 + conv * 2, 101 + conv * 2]), "a", float(conv))
     index.check_invariants()
-    assert index.size_blocks("a") == 5
+    assert index.cached_blocks("a") == 5
     assert index.predict(view(shared), ["a"], 9.0) == {"a": 4}
     assert index.evicted_blocks == 1
 
@@ -147,3 +156,63 @@ def test_models_never_share_records_through_redis(redis: Process) -> None:
 
     predicted = asyncio.run(scenario())
     assert predicted == {"model-a": {"u1": 32}, "model-b": {"u1": 0}, "": {"u1": 0}}
+
+
+def gateway(policy: str, **options: object) -> Gateway:
+    """An in-process gateway (not served) in front of one upstream that publishes events."""
+    upstreams = (UpstreamConfig("http://127.0.0.1:9", name="u0", events="tcp://127.0.0.1:9"),)
+    return Gateway(GatewayConfig(upstreams=upstreams, policy=policy, policy_options=options),
+                   tokenizer=TextApproximation())
+
+
+@pytest.mark.parametrize("policy", ["cache_aware", "cache_aware_sglang", "cost",
+                                    "relative_spill", "llm_d"])
+def test_attach_shares_any_approximate_estimator(policy: str) -> None:
+    """Every policy with an approximate estimator routes on the shared index once attached."""
+    shared = gateway(policy)
+    sync = attach(shared, "redis://127.0.0.1:9/0")
+    assert shared.router.estimating is not None
+    assert shared.router.estimating.estimator is sync.index
+
+
+@pytest.mark.parametrize(("policy", "options"), [("round_robin", {}), ("exact", {}),
+                                                 ("cost", {"estimator": "exact"})])
+def test_attach_refuses_a_policy_with_nothing_to_share(policy: str,
+                                                        options: dict[str, object]) -> None:
+    """A cache-blind policy, or one on KV events, has no index to share: refused, named."""
+    with pytest.raises(ConfigError, match=f"--shared-index .* {policy!r} has none"):
+        attach(gateway(policy, **options), "redis://127.0.0.1:9/0")
+
+
+def received(gateway: Process) -> float:
+    text = httpx.get(gateway.url + "/metrics", timeout=5).text
+    return sum(s.value for family in text_string_to_metric_families(text)
+               for s in family.samples
+               if s.name == "kvreuse_gateway_shared_index_received_total")
+
+
+def test_cost_gateways_share_their_index_through_redis(
+        fleet: Fleet, engines: list[Process], redis: Process) -> None:
+    """Two `kvreuse route --policy cost --shared-index` processes: a prompt routed by the
+    first is predicted cached, on the same engine, by the second."""
+    first, second = (fleet.start_gateway(f"gw-cost-{i}", engines, policy="cost",
+                                         shared_index=redis.url, wait=False) for i in range(2))
+    try:
+        for started in (first, second):
+            wait_http(started)
+        prompt = f"{uuid.uuid4().hex} cost routing on a shared index " * 20
+        body = {"model": "sim", "prompt": prompt, "max_tokens": 1}
+        sent = httpx.post(first.url + "/v1/completions", json=body, timeout=10)
+        assert sent.status_code == 200
+        deadline = time.monotonic() + 15
+        while received(second) < 1:
+            assert time.monotonic() < deadline, "the second gateway never heard the record"
+            time.sleep(0.1)
+        body["prompt"] = prompt + " and a question after it"
+        follow = httpx.post(second.url + "/v1/completions", json=body, timeout=10)
+        assert follow.status_code == 200
+        assert follow.headers["x-kvreuse-upstream"] == sent.headers["x-kvreuse-upstream"]
+        assert int(follow.headers["x-kvreuse-predicted-cached-tokens"]) >= 16
+    finally:
+        fleet.forget(first)
+        fleet.forget(second)

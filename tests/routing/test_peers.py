@@ -9,6 +9,7 @@ import pytest
 
 from kvreuse.errors import ConfigError
 from kvreuse.routing import (
+    CacheMirror,
     DynamoKvCost,
     FleetView,
     KvStored,
@@ -51,7 +52,7 @@ def test_dynamo_selects_the_documented_worker() -> None:
 def test_dynamo_cost_counts_queued_and_uncached_prefill_blocks_plus_decode_blocks() -> None:
     """Worked by hand, block 4: r0 holds 3 of the prompt's 4 blocks but has 40 tokens queued,
     cost (40 + 16 - 12)/4 + 4 = 15; r1 holds nothing and is idle, cost 16/4 + 4 = 8."""
-    policy = DynamoKvCost(block_size=4)
+    policy = DynamoKvCost(estimator=CacheMirror(block_size=4), block_size=4)
     policy.on_kv_event(KvStored("r0", pack(PROMPT[:12])))
     logits, matched = policy.logits(request(PROMPT), view((40, 1), (0, 0)))
     assert logits == {"r0": 15.0, "r1": 8.0}
@@ -61,7 +62,8 @@ def test_dynamo_cost_counts_queued_and_uncached_prefill_blocks_plus_decode_block
 
 def test_dynamo_overlap_weight_scales_only_the_prefill_term() -> None:
     """With overlap_score_weight 0.1 the same fleet costs 0.1*11 + 4 = 5.1 and 0.1*4 + 4 = 4.4."""
-    policy = DynamoKvCost(block_size=4, overlap_score_weight=0.1)
+    policy = DynamoKvCost(estimator=CacheMirror(block_size=4), block_size=4,
+                          overlap_score_weight=0.1)
     policy.on_kv_event(KvStored("r0", pack(PROMPT[:12])))
     logits, _ = policy.logits(request(PROMPT), view((40, 1), (0, 0)))
     assert logits == pytest.approx({"r0": 5.1, "r1": 4.4})
@@ -70,7 +72,7 @@ def test_dynamo_overlap_weight_scales_only_the_prefill_term() -> None:
 def test_dynamo_active_blocks_count_shared_blocks_once() -> None:
     """Two routed requests sharing 3 blocks hold 5 distinct blocks; a third request with the
     same first 3 blocks adds its 1 new block: decode blocks 5 + 1 = 6 on r0, 4 on r1."""
-    policy = DynamoKvCost(block_size=4)
+    policy = DynamoKvCost(estimator=CacheMirror(block_size=4), block_size=4)
     idle = view((0, 0), (0, 0))
     for i, tail in enumerate(([1, 2, 3, 4], [5, 6, 7, 8])):
         req = request(PROMPT[:12] + tail, f"a{i}")
@@ -170,7 +172,7 @@ def test_peers_are_in_the_registry() -> None:
 def test_bookkeeping_survives_reused_request_ids_and_stray_finishes() -> None:
     """Two sends under one request id (a retry, or two clients reusing an id) each release
     what they added; a finish for a request never routed changes nothing."""
-    dynamo = DynamoKvCost(block_size=4)
+    dynamo = DynamoKvCost(estimator=CacheMirror(block_size=4), block_size=4)
     llmd = LlmdScorers(kv_capacity_tokens=64, queue_weight=0.0, prefix_weight=0.0)
     same = request(PROMPT, "dup")
     for policy in (dynamo, llmd):

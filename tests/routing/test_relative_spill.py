@@ -9,6 +9,8 @@ import pytest
 
 from kvreuse.errors import ConfigError
 from kvreuse.routing import (
+    ApproxTrees,
+    CacheMirror,
     CostModel,
     FleetView,
     KvStored,
@@ -104,7 +106,7 @@ def request(tokens: list[int], request_id: str = "q") -> RequestView:
 def test_policy_only_chooses_among_the_candidates_it_is_given() -> None:
     """A candidate subset (pins, a model's replicas) bounds the choice and the reference: r0
     holds the prompt but is not a candidate, so the request goes to a candidate."""
-    policy = RelativeSpill(cost=COST)
+    policy = RelativeSpill(estimator=ApproxTrees(), cost=COST)
     prompt = list(range(100))
     policy.on_routed(request(prompt, "a"), RoutingDecision("r0", "affinity"), 0.0)
     full = FleetView(loads(0, 0, 0))
@@ -113,14 +115,14 @@ def test_policy_only_chooses_among_the_candidates_it_is_given() -> None:
     decision = policy.route(request(prompt, "c"), subset)
     assert decision is not None and decision.replica in ("r1", "r2")
     assert decision.branch == "miss_smallest_cache"
-    pinned = TenantPinned(RelativeSpill(cost=COST), {"acme": ["r2"]})
+    pinned = TenantPinned(RelativeSpill(estimator=ApproxTrees(), cost=COST), {"acme": ["r2"]})
     acme = RequestView("d", pack(prompt), len(prompt), tenant="acme")
     assert pinned.route(acme, full).replica == "r2"  # type: ignore[union-attr]
 
 
 def test_exact_estimator_learns_from_kv_events() -> None:
     """With estimator 'exact' the policy follows the replicas' KV events, not its own record."""
-    policy = RelativeSpill(estimator="exact", block_size=4, cost=COST)
+    policy = RelativeSpill(estimator=CacheMirror(block_size=4), cost=COST)
     assert policy.uses_kv_events
     prompt = list(range(40))
     policy.on_kv_event(KvStored("r1", pack(prompt)))
@@ -131,7 +133,7 @@ def test_exact_estimator_learns_from_kv_events() -> None:
 
 def test_empty_fleet_is_backpressure() -> None:
     """No candidate: None, as every policy answers."""
-    assert RelativeSpill().route(request([1, 2]), FleetView(())) is None
+    assert RelativeSpill(estimator=ApproxTrees()).route(request([1, 2]), FleetView(())) is None
 
 
 @pytest.mark.parametrize("options", [{"slack": -1.0}, {"slack": math.nan},

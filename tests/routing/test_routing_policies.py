@@ -10,6 +10,7 @@ from kvreuse.errors import ConfigError
 from kvreuse.identity import CacheIdentity
 from kvreuse.routing import (
     POLICIES,
+    ApproxTrees,
     CacheAware,
     ConsistentRing,
     CostModel,
@@ -126,28 +127,29 @@ def test_session_affinity_keeps_a_session_together() -> None:
 
 def test_cache_aware_follows_the_longest_routed_prefix() -> None:
     """After a prompt is routed somewhere, its continuation goes there too."""
-    policy = CacheAware(cache_threshold=0.3)
+    policy = CacheAware(estimator=ApproxTrees(), cache_threshold=0.3)
     first = routed(policy, request(list(range(100))), fleet(0, 0, 0))
     follow = routed(policy, request(list(range(120))), fleet(0, 0, 0))
     assert follow.replica == first.replica and follow.branch == "affinity"
     assert follow.predicted_cached_tokens == 100
 
 
-@pytest.mark.parametrize("name", ["cache_aware", "cache_aware_sglang"])
-def test_cache_aware_reads_trees_a_gateway_swapped_in(name: str) -> None:
-    """Trees replaced after construction (a shared index) are the ones every decision uses."""
+@pytest.mark.parametrize("name", ["cache_aware", "cache_aware_sglang", "cost", "relative_spill"])
+def test_policies_read_an_estimator_a_gateway_swapped_in(name: str) -> None:
+    """An estimator replaced after construction (a shared index) is the one every decision
+    uses."""
     policy = build_policy(name)
     shared = build_policy(name)
     routed(shared, request(list(range(100))), fleet(0, 0, 0, now=1.0))
     held_by = routed(shared, request(list(range(100))), fleet(0, 0, 0, now=2.0)).replica
-    policy.trees = shared.trees  # type: ignore[attr-defined]  # what shared_index.attach does
+    policy.estimator = shared.estimator  # type: ignore[attr-defined]  # as shared_index.attach
     decision = routed(policy, request(list(range(120))), fleet(0, 0, 0, now=3.0))
     assert decision.replica == held_by and decision.predicted_cached_tokens == 100
 
 
 def test_cache_aware_below_threshold_goes_to_least_loaded() -> None:
     """A weak match (ratio under cache_threshold) is routed by load."""
-    policy = CacheAware(cache_threshold=0.5)
+    policy = CacheAware(estimator=ApproxTrees(), cache_threshold=0.5)
     routed(policy, request(list(range(10))), fleet(0, 0, 0))
     decision = routed(policy, request(list(range(10)) + list(range(500, 600))), fleet(50, 0, 80))
     assert decision.branch == "miss_least_load" and decision.replica == "r1"
@@ -155,7 +157,8 @@ def test_cache_aware_below_threshold_goes_to_least_loaded() -> None:
 
 def test_cache_aware_spills_only_past_the_threshold() -> None:
     """The holder keeps the request unless its predicted TTFT is spill_threshold_s worse."""
-    policy = CacheAware(spill_threshold_s=0.2, cost=CostModel(10_000.0, 0.0))
+    policy = CacheAware(estimator=ApproxTrees(), spill_threshold_s=0.2,
+                        cost=CostModel(10_000.0, 0.0))
     tokens = list(range(1000))
     holder = routed(policy, request(tokens), fleet(0, 0)).replica
     other = "r1" if holder == "r0" else "r0"
@@ -203,7 +206,7 @@ def test_exact_learns_only_from_kv_events() -> None:
 
 def test_cost_prefers_a_short_queue_over_a_small_hit() -> None:
     """Cost routing picks the smaller predicted TTFT, not the longer match."""
-    policy = CostRouting(cost=CostModel(10_000.0, 0.015))
+    policy = CostRouting(estimator=ApproxTrees(), cost=CostModel(10_000.0, 0.015))
     tokens = list(range(1000))
     holder = routed(policy, request(tokens[:100]), fleet(0, 0)).replica
     queued = [0, 0]
@@ -222,7 +225,7 @@ def test_tenant_pinning_restricts_the_fleet() -> None:
 
 def test_identities_do_not_share_affinity_or_trees() -> None:
     """Equal tokens under different salts are different prefixes to cache-aware routing."""
-    policy = CacheAware()
+    policy = CacheAware(estimator=ApproxTrees())
     tokens = list(range(100))
     routed(policy, request(tokens, identity=CacheIdentity(cache_salt="a")), fleet(0, 0))
     other = routed(policy, request(tokens, identity=CacheIdentity(cache_salt="b")), fleet(0, 0))
@@ -247,8 +250,6 @@ def test_pins_to_nothing_are_rejected() -> None:
 def test_exact_routes_suspect_replicas_on_its_fallback_trees() -> None:
     """With a fallback set, a suspect replica is predicted from the prompts sent to it, the
     others still from KV events."""
-    from kvreuse.routing.estimators import ApproxTrees
-
     policy = build_policy("exact", block_size=4)
     assert isinstance(policy, CacheAware)
     policy.fallback = ApproxTrees()
@@ -266,8 +267,6 @@ def test_exact_routes_suspect_replicas_on_its_fallback_trees() -> None:
 
 def test_approx_trees_keep_each_replica_within_its_own_capacity() -> None:
     """set_capacity caps one replica's tree, trims it at once, and record keeps it there."""
-    from kvreuse.routing.estimators import ApproxTrees
-
     trees = ApproxTrees()
     for i in range(20):
         for replica in ("r0", "r1"):

@@ -133,7 +133,7 @@ def test_mirror_follows_several_replicas_events(seed: int) -> None:
         for name, cache in caches.items():
             true = cache.match(probe, identity).length
             assert predicted[name] == true - true % 4, f"step {step} {name}"
-            assert mirror.cached_tokens(name) == cache.total_tokens, f"step {step} {name}"
+            assert mirror.tree_tokens(name) == cache.total_tokens, f"step {step} {name}"
     mirror.check_invariants()
 
 

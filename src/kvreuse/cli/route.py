@@ -116,8 +116,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--seed", type=int, help="seed of randomized policies")
     parser.add_argument(
         "--shared-index", metavar="redis://HOST:PORT/DB",
-        help="share the approximate prefix index with other gateways through Redis "
-        "(cache_aware policies; every gateway must list the same upstreams)",
+        help="share the policy's approximate prefix index with other gateways through Redis "
+        "(policies not on KV events; every gateway must list the same upstreams)",
     )
     parser.add_argument(
         "--shared-index-capacity-blocks", type=int, default=1 << 20, metavar="N",

@@ -33,7 +33,6 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from kvreuse.errors import ConfigError
 from kvreuse.gateway.event_index import EventIndex
@@ -46,6 +45,7 @@ from kvreuse.gateway.validation import ParsedRequest, RequestError
 from kvreuse.identity import CacheIdentity
 from kvreuse.routing import (
     CostModel,
+    EstimatorPolicy,
     FleetView,
     KvCleared,
     KvEvent,
@@ -124,16 +124,18 @@ class Router:
         # upstream's subscriber to rebuild it from the replay socket).
         self.on_suspect: Callable[[str], None] = lambda name: None
         inner = getattr(policy, "inner", policy)  # TenantPinned wraps one
-        self._healable = (inner if isinstance(inner, CacheAware) and inner.mirror is not None
-                         else None)
+        # The policy holding a cache estimator (a shared index may replace it), if any.
+        self.estimating = inner if isinstance(inner, EstimatorPolicy) else None
+        self._healable = (inner if isinstance(inner, CacheAware) and inner.uses_kv_events
+                          else None)
         if self._healable is not None:
             # What a suspect upstream is routed on: the prompts sent to it (bounded per
             # upstream by set_budget, like every index here).
             self._healable.fallback = ApproxTrees()
-        if policy.name == "exact" and not self.indexes:
+        if policy.uses_kv_events and not self.indexes:
             raise ConfigError(
-                "--policy exact routes on KV events: give at least one upstream an events "
-                "endpoint (events=tcp://HOST:PORT)"
+                f"--policy {policy.name} routes on KV events: give at least one upstream an "
+                "events endpoint (events=tcp://HOST:PORT)"
             )
         self._by_model: dict[str, tuple[UpstreamState, ...]] = {}
         self._unknown: tuple[UpstreamState, ...] = ()
@@ -439,23 +441,20 @@ class Router:
             for routing_event in index.set_budget(tokens):
                 self._tell_policy(self.upstreams[upstream], routing_event)
             self.streams[upstream].trimmed_blocks = index.trimmed_blocks
-        for trees in self._trees():
-            trees.set_capacity(upstream, tokens)
-
-    def _trees(self) -> list[Any]:
-        policy: Any = getattr(self.policy, "inner", self.policy)  # TenantPinned wraps one
-        found = [getattr(policy, "trees", None), getattr(policy, "fallback", None)]
-        return [t for t in found if t is not None and hasattr(t, "set_capacity")]
+        policy = self.estimating
+        if policy is not None:
+            for trees in (policy.estimator, getattr(policy, "fallback", None)):
+                if isinstance(trees, ApproxTrees):
+                    trees.set_capacity(upstream, tokens)
 
     def index_size(self, upstream: str) -> IndexSize:
         index = self.indexes.get(upstream)
         if index is not None:
             return IndexSize(index.num_blocks, index.cached_tokens)
-        policy: Any = getattr(self.policy, "inner", self.policy)
-        trees = getattr(policy, "trees", None)
-        if trees is None:
+        policy = self.estimating
+        if policy is None:
             return IndexSize()
-        # The approximate trees count tokens; blocks in the policy's block size, rounded up.
-        tokens = int(trees.tree_tokens(upstream))
+        # Approximate trees count tokens; blocks in the policy's block size, rounded up.
+        tokens = policy.estimator.tree_tokens(upstream)
         block = int(getattr(policy, "block_size", 16)) or 16
         return IndexSize(-(-tokens // block), tokens)

@@ -11,8 +11,8 @@ Two halves:
 * :class:`SharedPrefixIndex` — pure (no I/O, time passed in): per upstream, the chained 64-bit
   hashes of the full blocks of every prompt routed there, LRU-bounded to ``capacity_blocks``
   (set it near the engine's KV capacity so the guess forgets about as fast as the engine does).
-  It answers the approximate estimator's questions (:meth:`predict`, :meth:`record`,
-  :meth:`tree_tokens`), so a ``cache_aware`` policy can use it in place of its own trees.
+  It is a :class:`~kvreuse.routing.CacheEstimator` learning from routing, so any policy with
+  an approximate estimator can route on it instead.
   Only hashes are kept and shared, never token ids: a Redis reader learns which prefixes were
   routed where, not what they say (hashes are keyed by the cache identity, salt included, so a
   salted tenant's prompts cannot be confirmed by hashing a guess).
@@ -25,28 +25,31 @@ Two halves:
   Redis outage only makes the index as local as a lone gateway's (counted in :attr:`stats`).
 
 Wiring: ``kvreuse route --shared-index redis://HOST:PORT/DB`` calls :func:`attach`, which gives
-the policy the index as its approximate estimator and runs :meth:`RedisIndexSync.run` in the
-app's lifespan.
+the policy the index as its estimator and runs :meth:`RedisIndexSync.run` in the app's
+lifespan.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from dataclasses import dataclass
-from typing import Any, NewType
+from typing import TYPE_CHECKING, Any, NewType
 
 import xxhash
 
 from kvreuse.errors import ConfigError, InputFormatError
+from kvreuse.gateway.asgi import Receive, Scope, Send
 from kvreuse.identity import CacheIdentity
-from kvreuse.routing import ReplicaId, RequestView
+from kvreuse.routing import KvEvent, ReplicaId, RequestView
 from kvreuse.tokens import TOKEN_BYTES, TokenBuffer
+
+if TYPE_CHECKING:
+    from kvreuse.gateway.app import Gateway
 
 log = logging.getLogger("kvreuse.gateway.shared_index")
 
@@ -81,6 +84,8 @@ class SharedPrefixIndex:
 
     ``on_record`` (set by :class:`RedisIndexSync`) hears every local record, to share it.
     """
+
+    uses_kv_events = False
 
     def __init__(self, *, block_size: int = 16, capacity_blocks: int = 1 << 20,
                  origin: str | None = None) -> None:
@@ -120,17 +125,25 @@ class SharedPrefixIndex:
         chain = tuple(block_chain(request.tokens, request.identity, self.block_size))
         if not chain:
             return
-        self.apply(RoutedRecord(replica, chain, self.origin))
+        self.merge(RoutedRecord(replica, chain, self.origin))
         if self.on_record is not None:
             self.on_record(RoutedRecord(replica, chain, self.origin))
 
+    def apply(self, event: KvEvent) -> None:
+        """Only what the gateways routed feeds this index, never KV events."""
+        return None
+
     def tree_tokens(self, replica: ReplicaId) -> int:
-        """Tokens recorded for ``replica`` (SGLang's smallest-tree rule reads this). O(1)."""
-        return len(self._blocks.get(replica, ())) * self.block_size
+        """Tokens recorded for ``replica``, in whole blocks. O(1)."""
+        return self.cached_blocks(replica) * self.block_size
+
+    def cached_blocks(self, replica: ReplicaId) -> int:
+        """Blocks recorded for ``replica``. O(1)."""
+        return len(self._blocks.get(replica, ()))
 
     # ------------------------------------------------------------------ shared records
 
-    def apply(self, record: RoutedRecord) -> None:
+    def merge(self, record: RoutedRecord) -> None:
         """Fold a record (local or another gateway's) in. Blocks are touched tail first so a
         prefix is always fresher than its extensions and LRU trims tails, not roots.
         O(len(chain)) plus evictions."""
@@ -142,16 +155,6 @@ class SharedPrefixIndex:
         for _ in range(max(overflow, 0)):
             held.popitem(last=False)
         self.evicted_blocks += max(overflow, 0)
-
-    def forget(self, upstream: ReplicaId) -> None:
-        """Drop everything recorded for ``upstream`` (it restarted or was reset). O(1)."""
-        self._blocks.pop(upstream, None)
-
-    def size_blocks(self, upstream: ReplicaId | None = None) -> int:
-        """Blocks held for one upstream, or for all. O(upstreams)."""
-        if upstream is not None:
-            return len(self._blocks.get(upstream, ()))
-        return sum(len(held) for held in self._blocks.values())
 
     def check_invariants(self) -> None:
         for upstream, held in self._blocks.items():
@@ -275,7 +278,7 @@ class RedisIndexSync:
             return
         if record.origin == self.index.origin and not include_own:
             return
-        self.index.apply(record)
+        self.index.merge(record)
         self.stats.received += 1
 
     async def _write_loop(self) -> None:
@@ -296,32 +299,30 @@ class RedisIndexSync:
             self.stats.connected = True
 
 
-def attach(gateway: Any, redis_url: str, *, capacity_blocks: int = 1 << 20,
+def attach(gateway: Gateway, redis_url: str, *, capacity_blocks: int = 1 << 20,
            block_size: int = 16, prefix: str = "kvreuse",
            stream_maxlen: int = 50_000) -> RedisIndexSync:
-    """Make an existing :class:`~kvreuse.gateway.app.Gateway` with an approximate
-    ``cache_aware`` policy share its index: the policy's trees are replaced by a
-    :class:`SharedPrefixIndex` and the sync task runs inside the app's lifespan.
-
-    The hook this needs from the policy is one attribute, ``trees``, holding the approximate
-    estimator (``predict``/``record``/``tree_tokens``); a policy without it is refused.
-    """
+    """Make an existing :class:`~kvreuse.gateway.app.Gateway` share its policy's index: the
+    policy's estimator is replaced by a :class:`SharedPrefixIndex` and the sync task runs
+    inside the app's lifespan. A policy without an estimator, or whose estimator learns from KV
+    events (every gateway already reads the same events), is refused."""
     import redis.asyncio as aioredis
 
-    policy = gateway.policy
-    if getattr(policy, "trees", None) is None:
+    policy = gateway.router.estimating
+    if policy is None or policy.estimator.uses_kv_events:
         raise ConfigError(
-            f"--shared-index needs an approximate cache-aware policy (cache_aware, "
-            f"cache_aware_sglang); {policy.name!r} keeps no routing trees to share"
+            f"--shared-index shares a policy's approximate cache estimator; "
+            f"{gateway.policy.name!r} has none (cache-blind, or on KV events, which every "
+            f"gateway reads already)"
         )
     index = SharedPrefixIndex(block_size=block_size, capacity_blocks=capacity_blocks)
-    policy.trees = index
+    policy.estimator = index
     names = [u.name for u in gateway.upstreams]
     sync = RedisIndexSync(index, aioredis.from_url(redis_url), names, prefix=prefix,
                           stream_maxlen=stream_maxlen)
     inner = gateway.app
 
-    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "lifespan":
             await inner(scope, receive, send)
             return
@@ -336,15 +337,5 @@ def attach(gateway: Any, redis_url: str, *, capacity_blocks: int = 1 << 20,
                 await sync.client.aclose()
 
     gateway.app = app
-    gateway.shared_index = sync
     gateway.state.shared_sync = sync.stats  # exported on /metrics
     return sync
-
-
-def describe(sync: RedisIndexSync) -> str:
-    """One line for logs and the soak report."""
-    s = sync.stats
-    return json.dumps({"published": s.published, "received": s.received, "dropped": s.dropped,
-                       "malformed": s.malformed, "redis_errors": s.redis_errors,
-                       "blocks": sync.index.size_blocks()})
-

@@ -1,12 +1,15 @@
 """Routing policies shared by the fleet simulator and the gateway (pure core: no I/O, no clocks).
 
-Contract: :mod:`kvreuse.routing.base`. Policies by name: :data:`POLICIES`, built with
-:func:`build_policy`.
+Contracts (:class:`RoutingPolicy`, :class:`CacheEstimator`): :mod:`kvreuse.routing.base`.
+Policies by name: :data:`POLICIES`, built with :func:`build_policy` (their estimators with
+:func:`build_estimator`).
 """
 
 from kvreuse.routing.affinity import PrefixHash, SessionAffinity
 from kvreuse.routing.base import (
+    CacheEstimator,
     CostModel,
+    EstimatorPolicy,
     FleetView,
     PolicyBase,
     ReplicaId,
@@ -26,6 +29,7 @@ from kvreuse.routing.pinning import TenantPinned
 from kvreuse.routing.registry import (
     DESCRIPTIONS,
     POLICIES,
+    build_estimator,
     build_policy,
     policy_names,
     policy_option_names,
@@ -40,11 +44,13 @@ __all__ = [
     "ApproxTrees",
     "CacheAware",
     "CacheAwareSGLang",
+    "CacheEstimator",
     "CacheMirror",
     "ConsistentRing",
     "CostModel",
     "CostRouting",
     "DynamoKvCost",
+    "EstimatorPolicy",
     "Exact",
     "FleetView",
     "KvCleared",
@@ -66,6 +72,7 @@ __all__ = [
     "SessionAffinity",
     "TenantPinned",
     "block_chain",
+    "build_estimator",
     "build_policy",
     "least_loaded",
     "policy_names",

@@ -24,6 +24,7 @@ from kvreuse.errors import ConfigError
 from kvreuse.frozen import fast_init
 from kvreuse.identity import DEFAULT_IDENTITY, CacheIdentity
 from kvreuse.routing.events import KvEvent
+from kvreuse.routing.ttft import prefill_s, queue_delay_s
 from kvreuse.tokens import TokenBuffer
 
 ReplicaId = str
@@ -72,10 +73,6 @@ class FleetView:
     replicas: tuple[ReplicaLoad, ...]
     now: float = 0.0
 
-    @property
-    def replica_ids(self) -> tuple[ReplicaId, ...]:
-        return tuple(r.replica_id for r in self.replicas)
-
     def restrict(self, allowed: Iterable[ReplicaId]) -> FleetView:
         """The same view limited to ``allowed`` (order kept). O(n)."""
         keep = set(allowed)
@@ -102,7 +99,8 @@ class RoutingDecision:
 class CostModel:
     """Prefill cost a policy uses to turn queued tokens into seconds (seed 001's constants).
 
-    ``queue_delay_s`` is the predicted wait before a new request's prefill starts.
+    ``queue_delay_s`` is the predicted wait before a new request's prefill starts, ``prefill_s``
+    the request's own prefill: their sum is its predicted TTFT (:mod:`kvreuse.routing.ttft`).
     """
 
     prefill_tokens_per_s: float = 10_000.0
@@ -117,13 +115,58 @@ class CostModel:
             raise ConfigError(f"overhead_s must be >= 0, got {self.overhead_s}")
 
     def queue_delay_s(self, load: ReplicaLoad) -> float:
-        return (
-            load.queued_prefill_tokens / self.prefill_tokens_per_s
-            + load.queued_requests * self.overhead_s
-        )
+        return queue_delay_s(load.queued_prefill_tokens, load.queued_requests,
+                             self.prefill_tokens_per_s, self.overhead_s)
 
     def prefill_s(self, uncached_tokens: int) -> float:
-        return self.overhead_s + uncached_tokens / self.prefill_tokens_per_s
+        return prefill_s(uncached_tokens, self.prefill_tokens_per_s, self.overhead_s)
+
+
+@runtime_checkable
+class CacheEstimator(Protocol):
+    """What a cache-aware policy believes each replica holds, from what the router sent there
+    (:class:`~kvreuse.routing.estimators.ApproxTrees`; the gateway's Redis-shared
+    :class:`~kvreuse.gateway.shared_index.SharedPrefixIndex`) or from the replicas' KV events
+    (:class:`~kvreuse.routing.mirror.CacheMirror`). The registry builds a policy's estimator
+    (:func:`~kvreuse.routing.registry.build_estimator`); the policy calls it from its hooks, and
+    a gateway may replace it between two requests. Not thread-safe, like the policy."""
+
+    @property
+    def uses_kv_events(self) -> bool:
+        """True when it learns from :meth:`apply` (KV events) and ignores :meth:`record`; False
+        when it learns from :meth:`record` and ignores :meth:`apply`."""
+        ...
+
+    def predict(
+        self, request: RequestView, replicas: Iterable[ReplicaId], now: float
+    ) -> dict[ReplicaId, int]:
+        """Called once per request being routed, before the choice: each of ``replicas``'
+        predicted cached prefix of the prompt, in tokens (0 where none), keyed in the order
+        of ``replicas``. May touch what matched (LRU). O(prompt) plus O(depth × replicas)."""
+        ...
+
+    def record(self, request: RequestView, replica: ReplicaId, now: float) -> None:
+        """Called when the request was sent to ``replica`` (the policy's ``on_routed``):
+        remembers its prompt there. O(prompt)."""
+        ...
+
+    def apply(self, event: KvEvent) -> None:
+        """Called for each KV event a replica published, in the order received (the policy's
+        ``on_kv_event``). O(the event's tokens); a clear O(what the replica held)."""
+        ...
+
+    def tree_tokens(self, replica: ReplicaId) -> int:
+        """Tokens it believes ``replica`` holds, over all identities. O(1)."""
+        ...
+
+    def cached_blocks(self, replica: ReplicaId) -> int:
+        """The same in its own unit: whole blocks where it predicts in blocks, tokens where it
+        predicts in tokens. The cache size SGLang's and Dynamo's rules compare. O(1)."""
+        ...
+
+    def check_invariants(self) -> None:
+        """O(size) self-check; raises AssertionError with a message on a broken invariant."""
+        ...
 
 
 @runtime_checkable
@@ -170,6 +213,35 @@ class PolicyBase:
 
     def on_kv_event(self, event: KvEvent) -> None:
         return None
+
+
+class EstimatorPolicy(PolicyBase):
+    """A policy routing on a :class:`CacheEstimator`, ``estimator``, which it feeds from its
+    hooks and reads on every call (a gateway may swap in a shared index).
+
+    The registry builds it from the options of
+    :func:`~kvreuse.routing.registry.build_estimator` the class lists in ``estimator_options``
+    (the kind, ``estimator``, is ``default_estimator`` unless given).
+    """
+
+    estimator_options: tuple[str, ...] = (
+        "estimator", "eviction_interval_s", "max_tree_tokens", "tree_capacity_tokens", "block_size"
+    )
+    default_estimator = "approx"
+
+    def __init__(self, estimator: CacheEstimator) -> None:
+        self.estimator = estimator
+        self.uses_kv_events = estimator.uses_kv_events
+
+    def predict(self, request: RequestView, fleet: FleetView) -> dict[ReplicaId, int]:
+        """Each eligible replica's predicted cached prefix of the prompt, in tokens."""
+        return self.estimator.predict(request, tuple(map(REPLICA_ID, fleet.replicas)), fleet.now)
+
+    def on_routed(self, request: RequestView, decision: RoutingDecision, now: float) -> None:
+        self.estimator.record(request, decision.replica, now)
+
+    def on_kv_event(self, event: KvEvent) -> None:
+        self.estimator.apply(event)
 
 
 def least_loaded(fleet: FleetView, cost: CostModel) -> ReplicaLoad:

@@ -22,9 +22,9 @@ Counting the request's own uncached prefill means a replica holding a long histo
 longer queue than one holding only the system prompt. One hot replica thus sheds only the
 requests it cannot serve in time, and affinity stays on for every other request in the fleet.
 
-The cache estimate is the router's own approximate trees (``cache_aware``) or the replicas' KV
-events (``exact``); see :mod:`kvreuse.routing.estimators`. The rules themselves are in
-:mod:`kvreuse.routing.load_rules`.
+The cache estimate (a :class:`~kvreuse.routing.base.CacheEstimator`) is the router's own
+approximate trees (``cache_aware``) or the replicas' KV events (``exact``); see
+:mod:`kvreuse.routing.estimators`. The rules themselves are in :mod:`kvreuse.routing.load_rules`.
 """
 
 from __future__ import annotations
@@ -32,38 +32,35 @@ from __future__ import annotations
 from kvreuse.errors import ConfigError
 from kvreuse.routing.base import (
     REPLICA_ID,
+    CacheEstimator,
     CostModel,
+    EstimatorPolicy,
     FleetView,
-    PolicyBase,
     ReplicaId,
     RequestView,
     RoutingDecision,
 )
 from kvreuse.routing.estimators import ApproxTrees
-from kvreuse.routing.events import KvEvent
 from kvreuse.routing.load_rules import bounded_rule, sglang_rule
-from kvreuse.routing.mirror import CacheMirror
 
 BALANCE_RULES = ("bounded", "sglang")
 
 
-class CacheAware(PolicyBase):
-    """See the module docstring. ``estimator`` is ``"approx"`` or ``"exact"``."""
+class CacheAware(EstimatorPolicy):
+    """See the module docstring. ``block_size``: the engines' (the size of an index in blocks,
+    for the gateway's metrics)."""
 
     name = "cache_aware"
 
     def __init__(
         self,
         *,
-        estimator: str = "approx",
+        estimator: CacheEstimator,
         balance: str = "bounded",
         cache_threshold: float = 0.3,
         spill_threshold_s: float = 0.2,
         balance_abs_threshold: int = 64,
         balance_rel_threshold: float = 1.5,
-        eviction_interval_s: float = 120.0,
-        max_tree_tokens: int = 2**26,
-        tree_capacity_tokens: int | None = None,
         block_size: int = 16,
         cost: CostModel | None = None,
     ) -> None:
@@ -82,33 +79,18 @@ class CacheAware(PolicyBase):
         self.balance_rel_threshold = balance_rel_threshold
         self.cost = cost or CostModel()
         self.block_size = block_size
-        self.trees: ApproxTrees | None = None
-        self.mirror: CacheMirror | None = None
-        # A gateway that checks the KV-event mirror against realized hits sets these: replicas
-        # in ``suspects`` are then predicted from ``fallback`` (its own approximate trees, fed
-        # by on_routed). Both unset in the simulator, whose mirror is never wrong.
+        super().__init__(estimator)
+        # A gateway that checks the KV-event estimator against realized hits sets these:
+        # replicas in ``suspects`` are then predicted from ``fallback`` (its own approximate
+        # trees, fed by on_routed). Both unset in the simulator, whose events are never wrong.
         self.fallback: ApproxTrees | None = None
         self.suspects: frozenset[ReplicaId] = frozenset()
-        if estimator == "approx":
-            self.trees = ApproxTrees(
-                eviction_interval_s=eviction_interval_s,
-                max_tree_tokens=max_tree_tokens,
-                capacity_tokens=tree_capacity_tokens,
-            )
-        elif estimator == "exact":
-            self.mirror = CacheMirror(block_size)
-            self.uses_kv_events = True
-        else:
-            raise ConfigError(f"estimator must be 'approx' or 'exact', got {estimator!r}")
 
     def predict(self, request: RequestView, fleet: FleetView) -> dict[ReplicaId, int]:
-        """Each eligible replica's predicted cached prefix of the prompt, in tokens. ``trees``
-        is looked up per call: a gateway may replace it (a shared index, gateway/shared_index)."""
+        """Each eligible replica's predicted cached prefix of the prompt, in tokens (a
+        suspect's from ``fallback``)."""
         ids = tuple(map(REPLICA_ID, fleet.replicas))
-        if self.trees is not None:
-            return self.trees.predict(request, ids, fleet.now)
-        assert self.mirror is not None
-        predicted = self.mirror.predict(request, ids, fleet.now)
+        predicted = self.estimator.predict(request, ids, fleet.now)
         if self.fallback is not None and self.suspects:
             approx = self.fallback.predict(request, ids, fleet.now)
             for replica in self.suspects:
@@ -121,12 +103,11 @@ class CacheAware(PolicyBase):
             return None
         matched = self.predict(request, fleet)
         if self.balance == "sglang":
-            size = self.trees.tree_tokens if self.trees is not None else self._mirror_blocks
             return sglang_rule(
                 matched,
                 fleet.replicas,
                 request.prompt_tokens,
-                size,
+                self.estimator.cached_blocks,
                 self.cache_threshold,
                 self.balance_abs_threshold,
                 self.balance_rel_threshold,
@@ -140,19 +121,10 @@ class CacheAware(PolicyBase):
             self.spill_threshold_s,
         )
 
-    def _mirror_blocks(self, replica: ReplicaId) -> int:
-        assert self.mirror is not None
-        return self.mirror.cached_blocks(replica)
-
     def on_routed(self, request: RequestView, decision: RoutingDecision, now: float) -> None:
-        if self.trees is not None:
-            self.trees.record(request, decision.replica, now)
+        self.estimator.record(request, decision.replica, now)
         if self.fallback is not None:
             self.fallback.record(request, decision.replica, now)
-
-    def on_kv_event(self, event: KvEvent) -> None:
-        if self.mirror is not None:
-            self.mirror.apply(event)
 
 
 class CacheAwareSGLang(CacheAware):
@@ -169,7 +141,4 @@ class Exact(CacheAware):
     """Cache-aware routing on true replica contents from KV events (bounded rule)."""
 
     name = "exact"
-
-    def __init__(self, **options: object) -> None:
-        options.setdefault("estimator", "exact")
-        super().__init__(**options)  # type: ignore[arg-type]
+    default_estimator = "exact"

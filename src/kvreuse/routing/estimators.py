@@ -13,7 +13,8 @@ Two sources, in seed 000's order of accuracy and cost:
 
 Both keep one shared tree whose edges carry a bit mask of the replicas holding them (as
 sgl-router's tree keeps per-tenant timestamps), so a prediction is one walk for the whole fleet.
-Both answer ``predict(request, replica_ids, now) -> dict[replica, cached tokens]``.
+Both honour :class:`~kvreuse.routing.base.CacheEstimator`:
+``predict(request, replica_ids, now) -> dict[replica, cached tokens]``.
 
 :func:`block_chain` (chained 64-bit block hashes) is kept for callers that key blocks by hash.
 """
@@ -29,6 +30,7 @@ from mypy_extensions import mypyc_attr
 from kvreuse.errors import ConfigError
 from kvreuse.identity import CacheIdentity
 from kvreuse.routing.base import ReplicaId, RequestView
+from kvreuse.routing.events import KvEvent
 from kvreuse.routing.fleet_masks import FleetPlan, fleet_plan
 from kvreuse.routing.ring import identity_seed, stable_hash
 from kvreuse.tokens import TOKEN_BYTES, TokenBuffer, common_prefix_tokens
@@ -66,6 +68,8 @@ class ApproxTrees:
     whole until newer prompts push it out. Costs: a prediction or a record is O(n) bytes
     compared plus O(depth × replicas) bit and stamp updates; an evicted leaf O(log h).
     """
+
+    uses_kv_events = False
 
     def __init__(
         self,
@@ -120,6 +124,14 @@ class ApproxTrees:
         """Tokens the router believes ``replica`` holds. O(1)."""
         bit = self._bits.get(replica)
         return 0 if bit is None else self._tokens[bit]
+
+    def cached_blocks(self, replica: ReplicaId) -> int:
+        """:meth:`tree_tokens`: these trees predict in tokens (CacheEstimator's own unit)."""
+        return self.tree_tokens(replica)
+
+    def apply(self, event: KvEvent) -> None:
+        """Routing alone teaches these trees: KV events do not."""
+        return None
 
     def predict(
         self, request: RequestView, replicas: Iterable[ReplicaId], now: float

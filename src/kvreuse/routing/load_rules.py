@@ -1,11 +1,12 @@
 """The cache-aware policies' per-request choice, given each replica's predicted cached prefix.
 
-Two rules, described in :mod:`kvreuse.routing.cache_aware` (which calls them): ``bounded`` (ours:
-longest match unless its predicted TTFT is more than a spill threshold over the fastest
-replica's) and ``sglang`` (SGLang router's fleet-wide imbalance fallback). They are functions of
-plain inputs, apart from the policy objects, because they run once per routed request and are
-part of the compiled core (:mod:`kvreuse.native`), which policy classes are not: users subclass
-those, and the registry reads their signatures.
+Rules described in :mod:`kvreuse.routing.cache_aware` and :mod:`kvreuse.routing.cost` (which
+call them): ``bounded`` (ours: longest match unless its predicted TTFT is more than a spill
+threshold over the fastest replica's), ``sglang`` (SGLang router's fleet-wide imbalance
+fallback) and the shortest predicted TTFT. They are functions of plain inputs, apart from the
+policy objects, because they run once per routed request and are part of the compiled core
+(:mod:`kvreuse.native`), which policy classes are not: users subclass those, and the registry
+reads their signatures.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from kvreuse.routing.base import CostModel, ReplicaId, ReplicaLoad, RoutingDecision
+from kvreuse.routing.ttft import prefill_s, queue_delay_s
 
 
 def bounded_rule(
@@ -28,10 +30,9 @@ def bounded_rule(
     ``spill_threshold_s`` of the fastest replica's TTFT when the best one is slower than that.
     ``loads`` is not empty. O(replicas)."""
     rate, overhead = cost.prefill_tokens_per_s, cost.overhead_s
-    # One pass: each replica's predicted TTFT (CostModel.queue_delay_s + prefill_s, the same
-    # arithmetic inlined), the longest match, the fastest, the least loaded (queue delay, then
-    # in-flight requests). Scalar comparisons against sentinels every replica beats, so the
-    # first replica wins ties.
+    # One pass: each replica's predicted TTFT, the longest match, the fastest, the least
+    # loaded (queue delay, then in-flight requests). Scalar comparisons against sentinels every
+    # replica beats, so the first replica wins ties.
     inf = float("inf")
     best_id = least_id = ""
     best_hit = least_hit = -1
@@ -40,8 +41,8 @@ def bounded_rule(
     for load in loads:
         rid = load.replica_id
         hit = matched[rid]
-        delay = load.queued_prefill_tokens / rate + load.queued_requests * overhead
-        ttft = delay + (overhead + (prompt_tokens - hit) / rate)
+        delay = queue_delay_s(load.queued_prefill_tokens, load.queued_requests, rate, overhead)
+        ttft = delay + prefill_s(prompt_tokens - hit, rate, overhead)
         if hit > best_hit or (hit == best_hit and ttft < best_ttft):
             best_id, best_hit, best_ttft = rid, hit, ttft
         if ttft < fastest_ttft:
@@ -57,10 +58,30 @@ def bounded_rule(
     spill_id, spill_hit, spill_ttft = "", -1, inf
     for load in loads:
         hit = matched[load.replica_id]
-        ttft = cost.queue_delay_s(load) + cost.prefill_s(prompt_tokens - hit)
+        delay = queue_delay_s(load.queued_prefill_tokens, load.queued_requests, rate, overhead)
+        ttft = delay + prefill_s(prompt_tokens - hit, rate, overhead)
         if ttft <= limit and (hit > spill_hit or (hit == spill_hit and ttft < spill_ttft)):
             spill_id, spill_hit, spill_ttft = load.replica_id, hit, ttft
     return RoutingDecision(spill_id, "spill", spill_hit)
+
+
+def min_ttft_rule(
+    matched: dict[ReplicaId, int],
+    loads: Sequence[ReplicaLoad],
+    prompt_tokens: int,
+    cost: CostModel,
+) -> RoutingDecision:
+    """The replica with the shortest predicted TTFT (the first one on ties), the ``cost``
+    policy's rule. ``loads`` is not empty. O(replicas)."""
+    rate, overhead = cost.prefill_tokens_per_s, cost.overhead_s
+    best_id, best_ttft = loads[0].replica_id, float("inf")
+    for load in loads:
+        rid = load.replica_id
+        delay = queue_delay_s(load.queued_prefill_tokens, load.queued_requests, rate, overhead)
+        ttft = delay + prefill_s(max(prompt_tokens - matched[rid], 0), rate, overhead)
+        if ttft < best_ttft:
+            best_id, best_ttft = rid, ttft
+    return RoutingDecision(best_id, "min_ttft", matched[best_id])
 
 
 def sglang_rule(

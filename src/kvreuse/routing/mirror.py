@@ -58,6 +58,8 @@ class _Edge:
 class CacheMirror:
     """Per-replica cache contents from KV events only; see the module docstring."""
 
+    uses_kv_events = True
+
     def __init__(self, block_size: int = 16) -> None:
         if block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {block_size}")
@@ -74,14 +76,14 @@ class CacheMirror:
 
     # ------------------------------------------------------------------ queries
 
-    def cached_tokens(self, replica: ReplicaId) -> int:
+    def tree_tokens(self, replica: ReplicaId) -> int:
         """Tokens the replica holds, over all identities. O(1)."""
         bit = self._bits.get(replica)
         return 0 if bit is None else self._held[bit]
 
     def cached_blocks(self, replica: ReplicaId) -> int:
         """Held tokens in whole blocks (the size SGLang's rule compares). O(1)."""
-        return self.cached_tokens(replica) // self.block_size
+        return self.tree_tokens(replica) // self.block_size
 
     @property
     def num_edges(self) -> int:

@@ -64,15 +64,14 @@ from collections.abc import Callable
 from kvreuse.errors import ConfigError
 from kvreuse.routing.base import (
     REPLICA_ID,
+    CacheEstimator,
+    EstimatorPolicy,
     FleetView,
-    PolicyBase,
     ReplicaId,
     RequestView,
     RoutingDecision,
 )
 from kvreuse.routing.estimators import ApproxTrees, block_chain
-from kvreuse.routing.events import KvEvent
-from kvreuse.routing.mirror import CacheMirror
 from kvreuse.tokens import TOKEN_BYTES, TokenBuffer
 
 LLMD_PREFIX_WEIGHT = 3.0
@@ -84,10 +83,11 @@ def _check_rng(rng: random.Random | None, seed: int) -> random.Random:
     return rng if rng is not None else random.Random(seed)
 
 
-class LlmdScorers(PolicyBase):
+class LlmdScorers(EstimatorPolicy):
     """llm-d's default scorer pipeline; see the module docstring."""
 
     name = "llm_d"
+    estimator_options = ()
 
     def __init__(
         self,
@@ -116,10 +116,9 @@ class LlmdScorers(PolicyBase):
         self.hash_block_size = hash_block_size
         self.max_prefix_blocks = max_prefix_blocks
         self.kv_capacity_tokens = kv_capacity_tokens
-        self.trees = ApproxTrees(
-            max_tree_tokens=2**62,
-            capacity_tokens=lru_capacity_per_server * hash_block_size,
-        )
+        # llm-d's own prefix LRU, not a choice (a gateway may still swap in a shared index).
+        super().__init__(ApproxTrees(max_tree_tokens=2**62,
+                                     capacity_tokens=lru_capacity_per_server * hash_block_size))
         self._rng = _check_rng(rng, seed)
         self._running: dict[ReplicaId, int] = {}
         # (request id, replica) -> prompt tokens of each unfinished send: a retried request or
@@ -146,7 +145,8 @@ class LlmdScorers(PolicyBase):
         """Each candidate's weighted score (higher is better). Touches the prefix LRU."""
         ids = tuple(map(REPLICA_ID, fleet.replicas))
         hashed, blocks = self._hashed(request)
-        matched = self.trees.predict(hashed, ids, fleet.now) if blocks else dict.fromkeys(ids, 0)
+        matched = (self.estimator.predict(hashed, ids, fleet.now) if blocks
+                   else dict.fromkeys(ids, 0))
         queues = [load.queued_requests for load in fleet.replicas]
         low, high = min(queues), max(queues)
         out: dict[ReplicaId, float] = {}
@@ -174,7 +174,7 @@ class LlmdScorers(PolicyBase):
     def on_routed(self, request: RequestView, decision: RoutingDecision, now: float) -> None:
         hashed, blocks = self._hashed(request)
         if blocks:
-            self.trees.record(hashed, decision.replica, now)
+            self.estimator.record(hashed, decision.replica, now)
         rid = decision.replica
         self._running[rid] = self._running.get(rid, 0) + request.prompt_tokens
         self._routed.setdefault((request.request_id, rid), []).append(request.prompt_tokens)
@@ -189,18 +189,20 @@ class LlmdScorers(PolicyBase):
             del self._routed[key]
 
 
-class DynamoKvCost(PolicyBase):
+class DynamoKvCost(EstimatorPolicy):
     """NVIDIA Dynamo's KV router cost; see the module docstring."""
 
     name = "dynamo_kv"
+    estimator_options = ("estimator", "block_size")
+    default_estimator = "exact"
 
     def __init__(
         self,
         *,
+        estimator: CacheEstimator,
         overlap_score_weight: float = 1.0,
         router_temperature: float = 0.0,
         block_size: int = 16,
-        estimator: str = "exact",
         rng: random.Random | None = None,
         seed: int = 0,
     ) -> None:
@@ -213,14 +215,7 @@ class DynamoKvCost(PolicyBase):
         self.overlap_score_weight = overlap_score_weight
         self.router_temperature = router_temperature
         self.block_size = block_size
-        self.estimator: ApproxTrees | CacheMirror
-        if estimator == "exact":
-            self.estimator = CacheMirror(block_size)
-            self.uses_kv_events = True
-        elif estimator == "approx":
-            self.estimator = ApproxTrees()
-        else:
-            raise ConfigError(f"estimator must be 'exact' or 'approx', got {estimator!r}")
+        super().__init__(estimator)
         self._rng = _check_rng(rng, seed)
         # Per replica: chained hash of each active (routed, unfinished) prompt block -> count.
         self._active: dict[ReplicaId, dict[int, int]] = {}
@@ -235,11 +230,6 @@ class DynamoKvCost(PolicyBase):
             chain = block_chain(request.tokens, request.identity, self.block_size)
             self._last_chain = (request, chain)
         return chain
-
-    def _tree_size(self, replica: ReplicaId) -> int:
-        if isinstance(self.estimator, CacheMirror):
-            return self.estimator.cached_blocks(replica)
-        return self.estimator.tree_tokens(replica)
 
     def _new_blocks(self, chain: list[int], active: dict[int, int]) -> int:
         """Blocks of the prompt (the partial last one included) not already active. Chained
@@ -258,8 +248,7 @@ class DynamoKvCost(PolicyBase):
         self, request: RequestView, fleet: FleetView
     ) -> tuple[dict[ReplicaId, float], dict[ReplicaId, int]]:
         """Each candidate's cost (lower is better) and predicted cached tokens."""
-        ids = tuple(map(REPLICA_ID, fleet.replicas))
-        matched = self.estimator.predict(request, ids, fleet.now)
+        matched = self.predict(request, fleet)
         block = self.block_size
         prompt = request.prompt_tokens
         chain = self._chain(request)
@@ -278,13 +267,13 @@ class DynamoKvCost(PolicyBase):
         if not fleet.replicas:
             return None
         logits, matched = self.logits(request, fleet)
-        choice = select_worker(logits, self._tree_size, self.router_temperature, self._rng)
+        choice = select_worker(logits, self.estimator.cached_blocks, self.router_temperature,
+                               self._rng)
         cached = matched[choice] // self.block_size * self.block_size
         return RoutingDecision(choice, "min_cost", cached)
 
     def on_routed(self, request: RequestView, decision: RoutingDecision, now: float) -> None:
-        if isinstance(self.estimator, ApproxTrees):
-            self.estimator.record(request, decision.replica, now)
+        super().on_routed(request, decision, now)
         chain = self._chain(request)
         active = self._active.setdefault(decision.replica, {})
         for h in chain:
@@ -306,10 +295,6 @@ class DynamoKvCost(PolicyBase):
                 active[h] = left
             else:
                 del active[h]
-
-    def on_kv_event(self, event: KvEvent) -> None:
-        if isinstance(self.estimator, CacheMirror):
-            self.estimator.apply(event)
 
 
 def select_worker(

@@ -9,9 +9,11 @@ from typing import Any
 
 from kvreuse.errors import ConfigError
 from kvreuse.routing.affinity import PrefixHash, SessionAffinity
-from kvreuse.routing.base import CostModel, ReplicaId, RoutingPolicy
+from kvreuse.routing.base import CacheEstimator, CostModel, ReplicaId, RoutingPolicy
 from kvreuse.routing.cache_aware import CacheAware, CacheAwareSGLang, Exact
 from kvreuse.routing.cost import CostRouting
+from kvreuse.routing.estimators import ApproxTrees
+from kvreuse.routing.mirror import CacheMirror
 from kvreuse.routing.peers import DynamoKvCost, LlmdScorers
 from kvreuse.routing.pinning import TenantPinned
 from kvreuse.routing.relative_spill import RelativeSpill
@@ -60,10 +62,28 @@ def policy_option_names(name: str) -> frozenset[str]:
     """The keyword options policy ``name`` accepts (what ``--policy-option`` may set), besides
     ``rng`` and ``cost`` which :func:`build_policy` passes itself. Raises :class:`ConfigError`
     for an unknown name."""
-    factory = POLICIES.get(name)
-    if factory is None:
-        raise ConfigError(f"unknown policy {name!r}; choose one of: {', '.join(POLICIES)}")
-    return frozenset(_accepted_options(factory) - {"rng", "cost"})
+    return frozenset(_parameters(_factory(name)).keys() - {"rng", "cost"})
+
+
+def build_estimator(
+    estimator: str = "approx",
+    *,
+    eviction_interval_s: float = 120.0,
+    max_tree_tokens: int = 2**26,
+    tree_capacity_tokens: int | None = None,
+    block_size: int = 16,
+) -> CacheEstimator:
+    """A policy's cache estimator by kind: ``"approx"``, the router's record of what it sent
+    (:class:`ApproxTrees`, trimmed to ``max_tree_tokens`` per replica every
+    ``eviction_interval_s`` and, if set, to ``tree_capacity_tokens``), or ``"exact"``, the
+    replicas' KV events (:class:`CacheMirror` in blocks of ``block_size``). Another kind is a
+    :class:`ConfigError`."""
+    if estimator == "approx":
+        return ApproxTrees(eviction_interval_s=eviction_interval_s,
+                           max_tree_tokens=max_tree_tokens, capacity_tokens=tree_capacity_tokens)
+    if estimator == "exact":
+        return CacheMirror(block_size)
+    raise ConfigError(f"estimator must be 'approx' or 'exact', got {estimator!r}")
 
 
 def build_policy(
@@ -76,65 +96,55 @@ def build_policy(
 ) -> RoutingPolicy:
     """A fresh policy instance. ``rng`` goes to policies that draw, ``cost`` to those that
     predict time, ``pins`` wraps the result in :class:`TenantPinned`; other ``options`` are the
-    policy's own keyword arguments. Unknown names or options raise :class:`ConfigError`."""
-    factory = POLICIES.get(name)
-    if factory is None:
-        raise ConfigError(f"unknown policy {name!r}; choose one of: {', '.join(POLICIES)}")
-    accepted = _accepted_options(factory)
-    if rng is not None and "rng" in accepted:
+    policy's own keyword arguments and, for a policy with an estimator, the options of
+    :func:`build_estimator` it lists (``estimator`` may also be a :class:`CacheEstimator`
+    built by the caller). Unknown names or options raise :class:`ConfigError`."""
+    factory = _factory(name)
+    params = _parameters(factory)
+    if rng is not None and "rng" in params:
         options["rng"] = rng
-    if cost is not None and "cost" in accepted:
+    if cost is not None and "cost" in params:
         options["cost"] = cost
-    unknown = sorted(set(options) - accepted)
+    unknown = sorted(set(options) - set(params))
     if unknown:
         raise ConfigError(
             f"policy {name!r} has no option(s) {', '.join(unknown)}; "
-            f"it accepts: {', '.join(sorted(accepted)) or 'none'}"
+            f"it accepts: {', '.join(sorted(params)) or 'none'}"
         )
-    kinds = _option_kinds(factory)
     for key, value in options.items():
-        _check_kind(name, key, value, kinds.get(key, ""))
+        _check_kind(name, key, value, str(params[key].annotation))
+    wanted = getattr(factory, "estimator_options", ())
+    if wanted:
+        given = {key: options[key] for key in wanted if key in options}
+        for key in given.keys() - _parameters(factory, estimator=False).keys():
+            del options[key]  # the estimator's alone
+        kind = given.pop("estimator", getattr(factory, "default_estimator", "approx"))
+        built = isinstance(kind, CacheEstimator)
+        options["estimator"] = kind if built else build_estimator(kind, **given)
     policy = factory(**options)
     return TenantPinned(policy, pins) if pins else policy
 
 
 def policy_defaults(name: str) -> dict[str, Any]:
     """The keyword options policy ``name`` accepts, with their defaults (``None`` where an
-    option has none), following ``**options`` up to the base class like :func:`build_policy`."""
+    option has none), found like :func:`build_policy` finds them."""
+    factory = _factory(name)
+    defaults = {key: None if p.default is p.empty else p.default
+                for key, p in _parameters(factory).items()}
+    if "estimator" in getattr(factory, "estimator_options", ()):
+        defaults["estimator"] = getattr(factory, "default_estimator", "approx")
+    return defaults
+
+
+def _factory(name: str) -> PolicyFactory:
     factory = POLICIES.get(name)
     if factory is None:
         raise ConfigError(f"unknown policy {name!r}; choose one of: {', '.join(POLICIES)}")
-    defaults: dict[str, Any] = {}
-    for klass in getattr(factory, "__mro__", (factory,)):
-        init = klass.__dict__.get("__init__")
-        if init is None:
-            continue
-        params = inspect.signature(init).parameters
-        for p in params.values():
-            if p.name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
-                defaults.setdefault(p.name, None if p.default is p.empty else p.default)
-        if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-            break
-    return defaults
+    return factory
 
 
 _KINDS: dict[str, tuple[type, ...]] = {"float": (int, float), "int": (int,), "str": (str,),
                                        "bool": (bool,)}
-
-
-def _option_kinds(factory: PolicyFactory) -> dict[str, str]:
-    """Each keyword option's annotation as written (``"float"``, ``"int | None"``...), found
-    the way :func:`_accepted_options` finds the options."""
-    cls: Any = factory
-    kinds: dict[str, str] = {}
-    for klass in getattr(cls, "__mro__", (cls,)):
-        init = klass.__dict__.get("__init__")
-        if init is None:
-            continue
-        for p in inspect.signature(init).parameters.values():
-            if p.name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
-                kinds.setdefault(p.name, str(p.annotation))
-    return kinds
 
 
 def _check_kind(policy: str, key: str, value: Any, annotation: str) -> None:
@@ -158,20 +168,25 @@ def _check_kind(policy: str, key: str, value: Any, annotation: str) -> None:
         )
 
 
-def _accepted_options(factory: PolicyFactory) -> set[str]:
-    """Keyword options the factory takes, following ``**options`` up to the base class."""
+def _parameters(factory: PolicyFactory, *, estimator: bool = True
+                ) -> dict[str, inspect.Parameter]:
+    """The keyword options the factory takes, following ``**options`` up to the base class,
+    then (with ``estimator``) those of :func:`build_estimator` it lists in
+    ``estimator_options``; the first declaration of a name wins."""
     cls: Any = factory
-    accepted: set[str] = set()
+    params: dict[str, inspect.Parameter] = {}
     for klass in getattr(cls, "__mro__", (cls,)):
         init = klass.__dict__.get("__init__")
         if init is None:
             continue
-        params = inspect.signature(init).parameters
-        accepted |= {
-            p.name
-            for p in params.values()
-            if p.name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
-        }
-        if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-            return accepted
-    return accepted
+        found = inspect.signature(init).parameters.values()
+        for p in found:
+            if p.name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
+                params.setdefault(p.name, p)
+        if not any(p.kind is p.VAR_KEYWORD for p in found):
+            break
+    if estimator:
+        own = inspect.signature(build_estimator).parameters
+        for key in getattr(cls, "estimator_options", ()):
+            params.setdefault(key, own[key])
+    return params

@@ -40,18 +40,15 @@ from collections.abc import Callable, Sequence
 
 from kvreuse.errors import ConfigError
 from kvreuse.routing.base import (
-    REPLICA_ID,
+    CacheEstimator,
     CostModel,
+    EstimatorPolicy,
     FleetView,
-    PolicyBase,
     ReplicaId,
     ReplicaLoad,
     RequestView,
     RoutingDecision,
 )
-from kvreuse.routing.estimators import ApproxTrees
-from kvreuse.routing.events import KvEvent
-from kvreuse.routing.mirror import CacheMirror
 
 MISS_WINDOW = 0.2
 """Share of ``R`` within which a miss may trade speed for the emptiest cache."""
@@ -94,21 +91,20 @@ def relative_spill_rule(
     return RoutingDecision(pick[0], "affinity" if pick[1] == longest else "spill", pick[1])
 
 
-class RelativeSpill(PolicyBase):
-    """See the module docstring. ``estimator``: ``"approx"`` (the router's own trees, no KV
-    events needed; ``tree_capacity_tokens`` makes them forget at a replica's cache size) or
-    ``"exact"`` (KV events, ``block_size`` the engine's)."""
+class RelativeSpill(EstimatorPolicy):
+    """See the module docstring. Its estimator's options: ``estimator`` (``"approx"``, the
+    router's own trees, no KV events needed; ``tree_capacity_tokens`` makes them forget at a
+    replica's cache size; or ``"exact"``, KV events, ``block_size`` the engine's)."""
 
     name = "relative_spill"
+    estimator_options = ("estimator", "tree_capacity_tokens", "block_size")
 
     def __init__(
         self,
         *,
+        estimator: CacheEstimator,
         slack: float = 2.0,
         cache_threshold: float = 0.1,
-        estimator: str = "approx",
-        tree_capacity_tokens: int | None = None,
-        block_size: int = 16,
         cost: CostModel | None = None,
     ) -> None:
         if not slack >= 0:  # also refuses NaN
@@ -118,48 +114,17 @@ class RelativeSpill(PolicyBase):
         self.slack = slack
         self.cache_threshold = cache_threshold
         self.cost = cost or CostModel()
-        # ``trees`` by that name: a gateway bounds it per upstream (set_capacity) and may swap
-        # in a shared index (gateway/shared_index), so it is read on every call.
-        self.trees: ApproxTrees | None = None
-        self.mirror: CacheMirror | None = None
-        if estimator == "approx":
-            self.trees = ApproxTrees(capacity_tokens=tree_capacity_tokens)
-        elif estimator == "exact":
-            self.mirror = CacheMirror(block_size)
-            self.uses_kv_events = True
-        else:
-            raise ConfigError(f"estimator must be 'approx' or 'exact', got {estimator!r}")
-
-    def cache_size(self, replica: ReplicaId) -> int:
-        """Tokens the router believes ``replica`` caches."""
-        if self.trees is not None:
-            return int(self.trees.tree_tokens(replica))
-        assert self.mirror is not None, "a policy with neither trees nor mirror"
-        return self.mirror.cached_tokens(replica)
+        super().__init__(estimator)
 
     def route(self, request: RequestView, fleet: FleetView) -> RoutingDecision | None:
         if not fleet.replicas:
             return None
-        ids = tuple(map(REPLICA_ID, fleet.replicas))
-        if self.trees is not None:
-            matched = self.trees.predict(request, ids, fleet.now)
-        else:
-            assert self.mirror is not None, "a policy with neither trees nor mirror"
-            matched = self.mirror.predict(request, ids, fleet.now)
         return relative_spill_rule(
-            matched,
+            self.predict(request, fleet),
             fleet.replicas,
             request.prompt_tokens,
             self.cost,
-            self.cache_size,
+            self.estimator.tree_tokens,
             self.cache_threshold,
             self.slack,
         )
-
-    def on_routed(self, request: RequestView, decision: RoutingDecision, now: float) -> None:
-        if self.trees is not None:
-            self.trees.record(request, decision.replica, now)
-
-    def on_kv_event(self, event: KvEvent) -> None:
-        if self.mirror is not None:
-            self.mirror.apply(event)

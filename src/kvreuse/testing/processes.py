@@ -25,6 +25,8 @@ from types import TracebackType
 
 import httpx
 
+from kvreuse.routing import build_policy
+
 REPO = Path(__file__).resolve().parents[3]
 PEERS_VENV = Path(os.environ.get("KVREUSE_PEERS_VENV", REPO / ".venv-peers"))
 
@@ -250,7 +252,7 @@ class Fleet:
         ``events``); with ``shared_index`` (a redis:// URL) the approximate index is shared."""
         port = free_port()
         if events is None:
-            events = policy == "exact"
+            events = build_policy(policy).uses_kv_events
         argv = self.gateway_argv(engines, port, policy=policy, events=events,
                                  extra_args=extra_args)
         if shared_index:
