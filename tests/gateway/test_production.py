@@ -140,6 +140,7 @@ class BrokenPolicy:
     """A routing policy with a bug: route() raises."""
 
     name = "broken"
+    uses_kv_events = False
 
     def route(self, request: object, fleet: object) -> RoutingDecision | None:
         raise RuntimeError("a bug in the policy")
