@@ -10,7 +10,8 @@ from kvreuse.errors import ConfigError
 DESCRIPTION = """\
 An OpenAI-compatible stand-in for one vLLM replica. The prefix cache is a real block index with
 vLLM's hit and eviction rules; TTFT = queueing behind earlier prefills + overhead + uncached
-prompt tokens / prefill rate; output is filler text, one token per --tpot-ms. It honours
+prompt tokens / prefill rate (the first token comes with the end of prefill, as in vLLM);
+output is filler text, one more token per --tpot-ms. It honours
 cache_salt, reports usage.prompt_tokens_details.cached_tokens, serves /metrics with vLLM's names
 (vllm:prefix_cache_queries_total, vllm:prefix_cache_hits_total, vllm:num_requests_running,
 vllm:num_requests_waiting, vllm:kv_cache_usage_perc) and publishes KV events in vLLM's ZeroMQ

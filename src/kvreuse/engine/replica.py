@@ -4,7 +4,9 @@ Timing model (documented in ``kvreuse engine --help``):
 
 * one prefill lane, first come first served: a request waits for the requests ahead of it, then
   takes ``overhead_s + uncached_tokens / prefill_tokens_per_s``; TTFT = queueing + that;
-* decode runs batched beside prefill: every output token takes ``time_per_output_token_s``;
+* decode runs batched beside prefill: the first output token comes with the end of prefill,
+  every next one ``time_per_output_token_s`` later (the request finishes one step after its
+  last token, when a simulated replica's does);
 * KV: the cache is a :class:`~kvreuse.index.BlockIndex` driven through vLLM's per-request flow
   (``match`` read-only, ``allocate_slots`` for prompt plus ``max_tokens``, ``cache_blocks`` after
   prefill and at finish, ``free_request`` tail first), so hits, eviction order and the KV events
@@ -175,12 +177,16 @@ class SimulatedReplica:
                 await self._freed.wait()
 
     async def decode(self, max_tokens: int, filler: list[int]) -> AsyncIterator[int]:
-        """Yield ``max_tokens`` filler token ids, one per ``time_per_output_token_s``."""
+        """Yield ``max_tokens`` filler token ids: the first as soon as prefill is done (vLLM
+        samples it in the prefill step, so TTFT is queueing plus prefill, as in the simulator),
+        each next one ``time_per_output_token_s`` later; the iterator ends one more step after
+        the last, so the request holds its blocks ``max_tokens`` steps after prefill, as a
+        simulated replica does."""
         tpot = self.config.time_per_output_token_s
         for index in range(max_tokens):
-            await asyncio.sleep(tpot)
             self.counters.generation_tokens += 1
             yield filler[index % len(filler)]
+            await asyncio.sleep(tpot)
 
     async def finish(self, request_id: str, tokens: TokenBuffer, output: list[int]) -> None:
         """Cache the request's full blocks (prompt and output) and free them tail first."""

@@ -1,8 +1,8 @@
 """The HTTP face of a simulated replica: vLLM's OpenAI endpoints, /metrics, /health.
 
 Responses carry vLLM's shapes (``usage.prompt_tokens_details.cached_tokens`` included);
-streams are Server-Sent Events ending in ``data: [DONE]``. Output is filler text, one token
-per ``time_per_output_token_s``.
+streams are Server-Sent Events ending in ``data: [DONE]``. Output is filler text: the first token
+as prefill ends, then one per ``time_per_output_token_s``.
 
 vLLM's render endpoints (``/v1/completions/render``, ``/v1/chat/completions/render``) answer
 the prompt token ids the generate endpoints would prefill for the same body, in vLLM's
