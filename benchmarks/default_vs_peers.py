@@ -2,7 +2,9 @@
 
 For each workload the same seeded requests go through the candidate (default
 ``relative_spill``), today's default ``cache_aware`` (for reference) and the peers' rules
-(``cache_aware_sglang``: SGLang router; ``llm_d``: llm-d's scorer pipeline; ``dynamo_kv``:
+(``cache_aware_smg``: the Rust SGLang router as smg 1.13 and sglang-router 0.3 run it;
+``cache_aware_sglang``: the rule SGLang's docs describe, misses to the smallest tree; ``llm_d``:
+llm-d's scorer pipeline; ``dynamo_kv``:
 NVIDIA Dynamo's KV router), and the script prints token hit rate and p95 TTFT per policy, the
 ceiling and a verdict:
 
@@ -60,7 +62,7 @@ from kvreuse.trace import parse_trace_lines, trace_requests
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT.parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
-PEERS = ("cache_aware_sglang", "llm_d", "dynamo_kv")
+PEERS = ("cache_aware_smg", "cache_aware_sglang", "llm_d", "dynamo_kv")
 REFERENCE = "cache_aware"
 SCENARIO_FLEETS = {
     "belgavi": 3, "contract-library": 8, "mission-3": 3, "mission-4": 4, "long-context": 4,

@@ -41,6 +41,7 @@ from pathlib import Path
 import httpx
 
 from kvreuse.routing import DESCRIPTIONS
+from kvreuse.routing.registry import policy_option_names
 from kvreuse.sim.workloads import ChatWorkload, DocumentWorkload, RateStep, Tenant
 from kvreuse.testing.loadgen import (
     Call,
@@ -156,7 +157,7 @@ def start_router(fleet: Fleet, router: str, engines: Sequence[Process],
     if router.startswith("kvreuse:"):
         policy = router.split(":", 1)[1]
         extra = list(gateway_args)
-        if policy in ("cache_aware", "cache_aware_sglang", "exact"):
+        if "block_size" in policy_option_names(policy):  # the engines' block, not a default
             extra += ["--policy-option", f"block_size={block_size}"]
         return fleet.start_gateway(router, engines, policy=policy, extra_args=extra)
     return fleet.start_peer(router, engines, block_size=block_size, model=model)

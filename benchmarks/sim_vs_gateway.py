@@ -11,9 +11,9 @@ rate, 5 ms per output token, ``--max-tokens`` output tokens) and compares, per p
 * p95 TTFT within ±25 % of the client-side p95;
 * the ranking of policies by hit rate and by p95 (Kendall's tau-b, target >= 0.8).
 
-``kvreuse:NAME`` rows are simulated with policy NAME (``block_size=16`` where the gateway run
-passed it); ``sglang-router`` and ``smg`` with ``cache_aware_sglang``, their rule; other peers
-have no simulator rule and are skipped.
+``kvreuse:NAME`` rows are simulated with policy NAME (``block_size=16`` where the policy takes
+one, as the gateway run passed it); ``sglang-router`` and ``smg`` with ``cache_aware_smg``, the
+rule their Rust code runs; other peers have no simulator rule and are skipped.
 
     PYTHONPATH=src .venv/bin/python benchmarks/sim_vs_gateway.py artifacts/bench/routers.json
 """
@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from kvreuse.routing import build_policy
+from kvreuse.routing.registry import policy_option_names
 from kvreuse.sim.config import FleetConfig, ReplicaConfig
 from kvreuse.sim.fleet import FleetSimulator
 from kvreuse.sim.requests import SimRequest
@@ -38,8 +39,7 @@ from kvreuse.sim.summary import summarize
 from kvreuse.tokens import TOKEN_BYTES
 
 HERE = Path(__file__).resolve().parent
-PEER_RULES = {"sglang-router": "cache_aware_sglang", "smg": "cache_aware_sglang"}
-BLOCK_OPTION = ("cache_aware", "cache_aware_sglang", "exact")
+PEER_RULES = {"sglang-router": "cache_aware_smg", "smg": "cache_aware_smg"}
 HIT_POINTS = 0.03
 P95_SHARE = 0.25
 
@@ -126,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 PEER_RULES.get(router))
             if policy is None:
                 continue
-            options = {"block_size": 16} if policy in BLOCK_OPTION else {}
+            options = {"block_size": 16} if "block_size" in policy_option_names(policy) else {}
             built = build_policy(policy, rng=random.Random(0), **options)
             summary = summarize(FleetSimulator(fleet, built).run(requests))
             # The router's own path (HTTP hops, parsing), measured by routers.py's no-load

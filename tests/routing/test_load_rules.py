@@ -61,6 +61,21 @@ def test_sglang_weak_match_goes_to_the_smallest_cache() -> None:
     )
 
 
+def test_smg_weak_match_goes_to_the_least_loaded_not_the_smallest_cache() -> None:
+    """smg's rule (misses_to_least_loaded): a weak match goes to the fewest in flight, first
+    on ties, whatever the caches hold (smg 1.13 select_worker_with_text)."""
+    sizes = {"r0": 500, "r1": 200, "r2": 900}
+    flights = (4, 3, 3)
+    decision = sglang_rule({"r0": 10, "r1": 0, "r2": 0}, loads(0, 0, 0, in_flight=flights), 100,
+                           sizes.__getitem__, 0.3, 64, 1.5, True)
+    assert (decision.replica, decision.branch, decision.predicted_cached_tokens) == (
+        "r1", "miss_least_load", 0,
+    )
+    decision = sglang_rule({"r0": 10, "r1": 0, "r2": 0}, loads(0, 0, 0, in_flight=(4, 5, 3)),
+                           100, sizes.__getitem__, 0.3, 64, 1.5, True)
+    assert decision.replica == "r2"
+
+
 def test_sglang_needs_both_thresholds_for_imbalance() -> None:
     """A spread over abs but a ratio under rel keeps affinity on."""
     matched = {"r0": 90, "r1": 0}

@@ -187,6 +187,19 @@ def test_sglang_rule_turns_affinity_off_fleet_wide_when_imbalanced() -> None:
     assert decision.branch == "imbalance" and decision.replica != holder
 
 
+def test_smg_rule_keeps_affinity_and_sends_misses_by_load() -> None:
+    """cache_aware_smg: a strong match stays on its holder; a new prefix goes to the replica
+    with the fewest requests in flight although another one's tree is smaller."""
+    policy = build_policy("cache_aware_smg")
+    tokens = list(range(200))
+    first = routed(policy, request(tokens), fleet(0, 0, 0, in_flight=(0, 0, 0)))
+    assert (first.replica, first.branch) == ("r0", "miss_least_load")
+    follow = routed(policy, request(tokens + [7] * 20), fleet(0, 0, 0, in_flight=(5, 0, 0)))
+    assert (follow.replica, follow.branch) == ("r0", "affinity")
+    fresh = routed(policy, request(list(range(1000, 1200))), fleet(0, 0, 0, in_flight=(0, 2, 1)))
+    assert (fresh.replica, fresh.branch) == ("r0", "miss_least_load")
+
+
 def test_exact_learns_only_from_kv_events() -> None:
     """The exact policy predicts what events said was stored, cut by removals and clears."""
     policy = build_policy("exact", block_size=4)

@@ -13,6 +13,14 @@ else the replica with the smallest tree. Defaults are those of ``sglang_router``
 ``CacheAwareConfig::default`` differs — 0.5, 32, 1.0001, 60 s, 2**24 — and is what you get
 when embedding the library without the launcher.)
 
+``"smg"`` — what the Rust router does today (smg 1.13's and sglang-router 0.3's
+``policies/cache_aware.rs``, ``select_worker_with_text``): the same imbalance switch and
+threshold, but a miss goes to the least loaded replica (fewest in flight, the first on ties),
+not to the smallest tree, although that file's header comment still says "smallest tree size".
+Measured: through the gateway (benchmarks/routers.py) sglang-router 0.3.2 and smg 1.13.0 reach
+the same hit rate and load spread to the digit as this rule's bounded cousin ``cache_aware``
+(which also sends misses to the least loaded replica), and 0.3–6 points under ``"sglang"``.
+
 ``"bounded"`` (ours, the default) — per request: take the longest match (ties to the shorter
 predicted TTFT); if its ratio is at most ``cache_threshold`` go to the least loaded replica; if
 the chosen replica's predicted TTFT (queue delay + overhead + uncached / rate) exceeds the
@@ -43,7 +51,7 @@ from kvreuse.routing.base import (
 from kvreuse.routing.estimators import ApproxTrees
 from kvreuse.routing.load_rules import bounded_rule, sglang_rule
 
-BALANCE_RULES = ("bounded", "sglang")
+BALANCE_RULES = ("bounded", "sglang", "smg")
 
 
 class CacheAware(EstimatorPolicy):
@@ -102,7 +110,7 @@ class CacheAware(EstimatorPolicy):
         if not fleet.replicas:
             return None
         matched = self.predict(request, fleet)
-        if self.balance == "sglang":
+        if self.balance != "bounded":
             return sglang_rule(
                 matched,
                 fleet.replicas,
@@ -111,6 +119,7 @@ class CacheAware(EstimatorPolicy):
                 self.cache_threshold,
                 self.balance_abs_threshold,
                 self.balance_rel_threshold,
+                self.balance == "smg",
             )
         return bounded_rule(
             matched,
@@ -134,6 +143,17 @@ class CacheAwareSGLang(CacheAware):
 
     def __init__(self, **options: object) -> None:
         options.setdefault("balance", "sglang")
+        super().__init__(**options)  # type: ignore[arg-type]
+
+
+class CacheAwareSmg(CacheAware):
+    """The Rust SGLang router's rule as smg 1.13 and sglang-router 0.3 run it: SGLang's
+    imbalance switch, misses to the least loaded replica, the launcher defaults."""
+
+    name = "cache_aware_smg"
+
+    def __init__(self, **options: object) -> None:
+        options.setdefault("balance", "smg")
         super().__init__(**options)  # type: ignore[arg-type]
 
 

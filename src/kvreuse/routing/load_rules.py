@@ -92,10 +92,12 @@ def sglang_rule(
     cache_threshold: float,
     balance_abs_threshold: int,
     balance_rel_threshold: float,
+    misses_to_least_loaded: bool = False,
 ) -> RoutingDecision:
     """SGLang router's rule: the least loaded replica (in-flight requests) while the fleet is
     imbalanced, else the longest match above ``cache_threshold`` of the prompt, else the replica
-    whose cache (``cached_size``) is smallest. ``loads`` is not empty. O(replicas)."""
+    whose cache (``cached_size``) is smallest, or with ``misses_to_least_loaded`` the least
+    loaded one (the first wins ties). ``loads`` is not empty. O(replicas)."""
     # One pass: highest and lowest load (the first least loaded wins ties) and the longest
     # match (the first wins ties), as sgl-router's iteration order decides.
     first = loads[0]
@@ -115,6 +117,8 @@ def sglang_rule(
         return RoutingDecision(least, "imbalance", matched[least])
     if prompt_tokens and best_hit / prompt_tokens > cache_threshold:
         return RoutingDecision(best, "affinity", best_hit)
+    if misses_to_least_loaded:
+        return RoutingDecision(least, "miss_least_load", matched[least])
     smallest, smallest_size = least, -1
     for load in loads:
         held = cached_size(load.replica_id)

@@ -10,7 +10,7 @@ from typing import Any
 from kvreuse.errors import ConfigError
 from kvreuse.routing.affinity import PrefixHash, SessionAffinity
 from kvreuse.routing.base import CacheEstimator, CostModel, ReplicaId, RoutingPolicy
-from kvreuse.routing.cache_aware import CacheAware, CacheAwareSGLang, Exact
+from kvreuse.routing.cache_aware import CacheAware, CacheAwareSGLang, CacheAwareSmg, Exact
 from kvreuse.routing.cost import CostRouting
 from kvreuse.routing.estimators import ApproxTrees
 from kvreuse.routing.mirror import CacheMirror
@@ -29,6 +29,7 @@ POLICIES: dict[str, PolicyFactory] = {
     "prefix_hash": PrefixHash,
     "cache_aware": CacheAware,
     "cache_aware_sglang": CacheAwareSGLang,
+    "cache_aware_smg": CacheAwareSmg,
     "exact": Exact,
     "cost": CostRouting,
     "llm_d": LlmdScorers,
@@ -44,6 +45,7 @@ DESCRIPTIONS: dict[str, str] = {
     "prefix_hash": "first K tokens on a consistent ring, bounded-load spill (contract library)",
     "cache_aware": "router's approximate trees, longest match, per-request 200 ms spill bound",
     "cache_aware_sglang": "SGLang router rule: fleet-wide abs/rel imbalance fallback",
+    "cache_aware_smg": "smg 1.13 / sglang-router 0.3 rule: SGLang's, misses to the least loaded",
     "exact": "true replica contents from KV events (lagged), longest match, spill bound",
     "cost": "minimum predicted TTFT = queue delay + overhead + uncached / rate",
     "llm_d": "llm-d scheduler rule: prefix-cache 3 + queue 2 + kv-cache utilization 2, max score",

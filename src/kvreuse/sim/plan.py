@@ -38,6 +38,7 @@ KNOBS: dict[str, tuple[str, tuple[float | None, ...]]] = {
     "cache_aware": ("spill_threshold_s", (0.1, 0.2, 0.5)),
     "exact": ("spill_threshold_s", (0.1, 0.2, 0.5)),
     "cache_aware_sglang": ("cache_threshold", (0.3, 0.5)),
+    "cache_aware_smg": ("cache_threshold", (0.3, 0.5)),
     "prefix_hash": ("overload", (1.25, 2.0)),
     "relative_spill": ("slack", (0.5, 2.0)),
 }
