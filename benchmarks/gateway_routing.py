@@ -68,7 +68,7 @@ def feed_events(router: Router, tokens: bytes, upstream: str) -> None:
     events: list[KVCacheEvent] = []
     engine = BlockIndex(num_blocks=4096, block_size=16, on_event=events.append)
     engine.insert(tokens)
-    from kvreuse.gateway.kv_events import EventBatch
+    from kvreuse.kv_event_codec import EventBatch
 
     router.apply_batch(upstream, EventBatch(0, 0.0, tuple(events)))
 

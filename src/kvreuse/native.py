@@ -51,7 +51,7 @@ NATIVE_MODULES: tuple[str, ...] = (
     "kvreuse.index.radix",
     "kvreuse.index.radix_node",
     "kvreuse.index.eviction",
-    "kvreuse.sim.engine",
+    "kvreuse.sim.event_loop",
     "kvreuse.sim.fleet",
     "kvreuse.sim.replica",
     "kvreuse.sim.memory",

@@ -10,11 +10,11 @@ import pytest
 
 from kvreuse.engine.replica import EngineConfig
 from kvreuse.engine.server import build_engine
-from kvreuse.gateway.kv_events import EventBatch
 from kvreuse.gateway.prompts import TextApproximation
 from kvreuse.gateway.subscriber import EventSubscriber
 from kvreuse.gateway.upstreams import parse_prometheus
 from kvreuse.index.events import AllBlocksCleared, BlockStored
+from kvreuse.kv_event_codec import EventBatch
 from kvreuse.testing.servers import ServerThread, free_port
 
 FAST = {"block_size": 4, "prefill_tokens_per_s": 1e6, "overhead_s": 0.0,

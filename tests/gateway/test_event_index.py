@@ -8,11 +8,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvreuse.gateway.event_index import EventIndex, salt_of
-from kvreuse.gateway.kv_events import decode_message, encode_message, encode_payload
 from kvreuse.identity import CacheIdentity
 from kvreuse.index import BlockIndex
 from kvreuse.index.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kvreuse.index.hashing import BlockHash
+from kvreuse.kv_event_codec import decode_message, encode_message, encode_payload
 from kvreuse.routing import KvCleared, KvRemoved, KvStored
 from kvreuse.tokens import pack
 

@@ -9,8 +9,8 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from kvreuse.gateway.kv_events import EventBatch
 from kvreuse.gateway.upstreams import parse_kv_capacity
+from kvreuse.kv_event_codec import EventBatch
 
 from .fleet import RunningGateway, start_engine
 from .test_kv_events_hostile import exchange, metric, text

@@ -18,10 +18,10 @@ import msgspec
 import pytest
 import zmq
 
-from kvreuse.gateway.kv_events import encode_payload
 from kvreuse.gateway.subscriber import StreamStats
 from kvreuse.hitrate.prometheus import parse_exposition
 from kvreuse.index.events import AllBlocksCleared
+from kvreuse.kv_event_codec import encode_payload
 
 from .fleet import Engine, RunningGateway, start_engine
 

@@ -361,12 +361,12 @@ def test_kv_events_reach_the_policy_under_each_served_name(gateway_factory: Fact
 def test_a_model_added_to_an_upstream_gets_its_cached_contents() -> None:
     """When an upstream's served set changes, the policy forgets it and is told its whole
     KV-event index again under the new names, holes included; dropped names predict nothing."""
-    from kvreuse.gateway.kv_events import EventBatch
     from kvreuse.gateway.prompts import TextApproximation
     from kvreuse.gateway.router import Router
     from kvreuse.gateway.upstreams import UpstreamState
     from kvreuse.index.events import BlockRemoved, BlockStored
     from kvreuse.index.hashing import BlockHash
+    from kvreuse.kv_event_codec import EventBatch
     from kvreuse.routing import build_policy
     from kvreuse.tokens import pack
 
@@ -406,12 +406,12 @@ def test_lora_adapters_are_models_of_their_own_in_the_event_index() -> None:
     """A LoRA adapter listed with a parent is its own namespace: blocks stored for the base
     model predict nothing for the adapter (vLLM hashes the LoRA in) and the other way round,
     both in the policy's mirror and in the gateway's own prediction."""
-    from kvreuse.gateway.kv_events import EventBatch
     from kvreuse.gateway.prompts import TextApproximation
     from kvreuse.gateway.router import Router
     from kvreuse.gateway.upstreams import UpstreamState
     from kvreuse.index.events import BlockStored
     from kvreuse.index.hashing import BlockHash
+    from kvreuse.kv_event_codec import EventBatch
     from kvreuse.routing import build_policy
     from kvreuse.tokens import pack
 

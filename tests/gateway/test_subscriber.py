@@ -8,10 +8,10 @@ import logging
 import pytest
 
 from kvreuse.engine.publisher import EventPublisher
-from kvreuse.gateway.kv_events import EventBatch, encode_payload
 from kvreuse.gateway.subscriber import EventSubscriber, SequenceTracker
 from kvreuse.index.events import AllBlocksCleared, BlockRemoved
 from kvreuse.index.hashing import BlockHash
+from kvreuse.kv_event_codec import EventBatch, encode_payload
 from kvreuse.testing.servers import free_port
 
 

@@ -13,10 +13,10 @@ from kvreuse.errors import ConfigError
 from kvreuse.lint.audit import AUDIT_RULES, AuditInput, Severity, fixed_clocks, run_audit
 from kvreuse.lint.audit.report import to_json, to_sarif, to_text
 from kvreuse.lint.prompt import build_prompt
-from kvreuse.lint.template import ChatTemplate
 from kvreuse.tokenizers import load_tokenizer
+from kvreuse.tokenizers.chat_template import ChatTemplate
 
-TEMPLATES = Path(__file__).parent / "data" / "templates"
+TEMPLATES = Path(__file__).parents[1] / "data" / "templates"
 TOKENIZER = load_tokenizer("o200k_base").tokenizer
 POLICY = "Refunds are possible within 30 days of delivery. Shipping is free above 25 EUR. " * 12
 

@@ -9,10 +9,10 @@ from typing import Any
 from kvreuse.lint.diff import diff_prompts
 from kvreuse.lint.paths import FieldPath, differing_paths, splice
 from kvreuse.lint.prompt import build_prompt
-from kvreuse.lint.template import ChatTemplate
 from kvreuse.tokenizers import load_tokenizer
+from kvreuse.tokenizers.chat_template import ChatTemplate
 
-TEMPLATES = Path(__file__).parent / "data" / "templates"
+TEMPLATES = Path(__file__).parents[1] / "data" / "templates"
 QWEN = ChatTemplate((TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text())
 TOKENIZER = load_tokenizer("cl100k_base").tokenizer
 SYSTEM = "You are the support assistant for Example Books. " * 30

@@ -8,12 +8,11 @@ import pytest
 
 from kvreuse.errors import ConfigError, InputFormatError
 from kvreuse.lint.prompt import build_prompt, render_request
-from kvreuse.lint.template import ChatTemplate
 from kvreuse.tokenizers import load_tokenizer
+from kvreuse.tokenizers.chat_template import ChatTemplate
 
-QWEN = ChatTemplate(
-    (Path(__file__).parent / "data" / "templates" / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text()
-)
+TEMPLATES = Path(__file__).parents[1] / "data" / "templates"
+QWEN = ChatTemplate((TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text())
 TOKENIZER = load_tokenizer("cl100k_base").tokenizer
 
 

@@ -29,7 +29,7 @@ def test_a_trained_policy_copy_predicts_like_the_original(name: str, how: str) -
     sim = FleetSimulator(scenario.fleet(3, ""), policy)
     sim.run(requests)
     twin = ROUND_TRIPS[how](policy)
-    view = sim.fleet_view(sim.engine.now)
+    view = sim.fleet_view(sim.loop.now)
     predicted = [policy.predict(r.view, view) for r in requests[-50:]]  # type: ignore[attr-defined]
     assert any(sum(p.values()) for p in predicted)
     assert [twin.predict(r.view, view) for r in requests[-50:]] == predicted  # type: ignore[attr-defined]

@@ -22,7 +22,7 @@ from kvreuse.tokenizers import NAMED_TOKENIZERS, TokenizerBundle, load_tokenizer
 
 if TYPE_CHECKING:  # rendering needs jinja2 (the lint extra); import it when a command runs
     from kvreuse.lint.prompt import Prompt
-    from kvreuse.lint.template import ChatTemplate, DateClock
+    from kvreuse.tokenizers.chat_template import ChatTemplate, DateClock
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -84,6 +84,7 @@ def require_lint_extra() -> None:
     """Rendering and tokenizing need the ``lint`` extra; say so instead of a traceback."""
     try:
         import jinja2  # noqa: F401
+
         import tokenizers  # noqa: F401
     except ImportError as exc:
         raise ConfigError(

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 import zmq
 import zmq.asyncio
 
-from kvreuse.gateway.kv_events import END_OF_REPLAY, encode_message, encode_payload
 from kvreuse.index.events import KVCacheEvent
+from kvreuse.kv_event_codec import END_OF_REPLAY, encode_message, encode_payload
 
 log = logging.getLogger("kvreuse.engine.events")
 

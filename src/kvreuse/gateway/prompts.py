@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvreuse.errors import ConfigError, InputFormatError
-from kvreuse.lint.tokenizer import special_pattern
+from kvreuse.tokenizers.contract import special_pattern
 from kvreuse.tokens import TOKEN_BYTES, TokenBuffer, pack
 
 if TYPE_CHECKING:
@@ -148,9 +148,8 @@ class HFPromptTokenizer:
 
     def __init__(self, directory: str | Path, *, memo_entries: int = 65_536,
                  memo_bytes: int = 64 * 1024 * 1024) -> None:
-        from tokenizers import Tokenizer
-
         from kvreuse.tokenizers import load_tokenizer
+        from tokenizers import Tokenizer
 
         path = Path(directory)
         bundle = load_tokenizer(path)

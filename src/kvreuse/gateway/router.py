@@ -36,13 +36,13 @@ from dataclasses import dataclass
 
 from kvreuse.errors import ConfigError
 from kvreuse.gateway.event_index import EventIndex
-from kvreuse.gateway.kv_events import EventBatch
 from kvreuse.gateway.metrics import IndexSize
 from kvreuse.gateway.prompts import PromptTokenizer, request_tokens
 from kvreuse.gateway.subscriber import StreamStats
 from kvreuse.gateway.upstreams import UpstreamState
 from kvreuse.gateway.validation import ParsedRequest, RequestError
 from kvreuse.identity import CacheIdentity
+from kvreuse.kv_event_codec import EventBatch
 from kvreuse.routing import (
     CostModel,
     EstimatorPolicy,

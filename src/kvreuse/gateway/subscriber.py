@@ -34,8 +34,8 @@ import zmq
 import zmq.asyncio
 
 from kvreuse.errors import InputFormatError
-from kvreuse.gateway.kv_events import END_OF_REPLAY, EventBatch, MalformedBatch, decode_message
 from kvreuse.gateway.telemetry import ThrottledLog
+from kvreuse.kv_event_codec import END_OF_REPLAY, EventBatch, MalformedBatch, decode_message
 
 log = logging.getLogger("kvreuse.gateway.events")
 

@@ -26,11 +26,11 @@ _EXPORTS = {
     "REUSE_RULES": "kvreuse.lint.reuse",
     "Reuse": "kvreuse.lint.reuse",
     "reuse_under_rules": "kvreuse.lint.reuse",
-    "ChatTemplate": "kvreuse.lint.template",
-    "TemplateRaised": "kvreuse.lint.template",
-    "template_revision": "kvreuse.lint.template",
-    "Encoded": "kvreuse.lint.tokenizer",
-    "Tokenizer": "kvreuse.lint.tokenizer",
+    "ChatTemplate": "kvreuse.tokenizers.chat_template",
+    "TemplateRaised": "kvreuse.tokenizers.chat_template",
+    "template_revision": "kvreuse.tokenizers.chat_template",
+    "Encoded": "kvreuse.tokenizers.contract",
+    "Tokenizer": "kvreuse.tokenizers.contract",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -20,8 +20,8 @@ from kvreuse.errors import KvreuseError
 from kvreuse.lint.paths import common_prefix_chars, differing_paths, splice
 from kvreuse.lint.prompt import Prompt, render_request
 from kvreuse.lint.reuse import Reuse, ReuseRule, reuse_under_rules
-from kvreuse.lint.template import ChatTemplate
-from kvreuse.lint.tokenizer import Tokenizer
+from kvreuse.tokenizers.chat_template import ChatTemplate
+from kvreuse.tokenizers.contract import Tokenizer
 from kvreuse.tokens import common_prefix_tokens, pack
 
 MAX_PROBED_FIELDS = 64

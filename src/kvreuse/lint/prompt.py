@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvreuse.errors import ConfigError, InputFormatError, KvreuseError
-from kvreuse.lint.template import ChatTemplate
-from kvreuse.lint.tokenizer import Encoded, Tokenizer
+from kvreuse.tokenizers.chat_template import ChatTemplate
+from kvreuse.tokenizers.contract import Encoded, Tokenizer
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,7 @@
 routing policy."""
 
 from kvreuse.sim.config import CACHE_KINDS, SCHEDULERS, FleetConfig, ReplicaConfig
-from kvreuse.sim.engine import Arrival, Engine, Finish, KvDelivery, LoadSnapshot, PrefillDone
+from kvreuse.sim.event_loop import Arrival, EventLoop, Finish, KvDelivery, LoadSnapshot, PrefillDone
 from kvreuse.sim.fleet import FleetSimulator
 from kvreuse.sim.replica import Replica
 from kvreuse.sim.requests import FleetRun, RequestRecord, SimRequest
@@ -15,7 +15,7 @@ __all__ = [
     "Arrival",
     "ChatWorkload",
     "DocumentWorkload",
-    "Engine",
+    "EventLoop",
     "Finish",
     "FleetConfig",
     "FleetRun",

@@ -1,7 +1,7 @@
 """The simulator's events: frozen dataclasses, each with the ``PRIORITY`` that breaks ties at
-equal times (the rule is in :mod:`kvreuse.sim.engine`).
+equal times (the rule is in :mod:`kvreuse.sim.event_loop`).
 
-They live apart from the engine because the engine is part of the compiled core
+They live apart from the event loop because the loop is part of the compiled core
 (:mod:`kvreuse.native`) and these classes are not: they stay plain dataclasses (with
 :func:`~kvreuse.frozen.fast_init`), which mypyc cannot build with class-level constants.
 """

@@ -15,8 +15,9 @@ Models: with ``FleetConfig.models`` each replica serves some models, and a reque
 only the replicas serving its model (as the gateway's does), so every policy routes on that
 candidate subset; a policy choosing outside it breaks an invariant (an assertion).
 
-Seeded and deterministic: the workload carries all randomness, policies get a seeded rng, and the
-engine's tie rule (see :mod:`kvreuse.sim.engine`) fixes the order of simultaneous events.
+Seeded and deterministic: the workload carries all randomness, policies get a seeded rng, and
+the event loop's tie rule (see :mod:`kvreuse.sim.event_loop`) fixes the order of simultaneous
+events.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from kvreuse.errors import ConfigError
 from kvreuse.routing.base import FleetView, RoutingPolicy
 from kvreuse.routing.events import KvEvent
 from kvreuse.sim.config import FleetConfig
-from kvreuse.sim.engine import (
-    Engine,
+from kvreuse.sim.event_loop import (
+    EventLoop,
     Finish,
     KvDelivery,
     LoadSnapshot,
@@ -56,7 +57,7 @@ class FleetSimulator:
         self.config = config
         self.policy = policy
         self.check_each_event = check_each_event
-        self.engine = Engine()
+        self.loop = EventLoop()
         lag = config.kv_event_lag_s
         wanted = getattr(policy, "uses_kv_events", True)
         sink: Callable[[KvEvent], None] | None = None
@@ -64,7 +65,7 @@ class FleetSimulator:
             sink = policy.on_kv_event if lag == 0 else self._publish
         self._board = LoadBoard()
         self.replicas = [
-            Replica(i, config.replica, self.engine, self._finished, sink, self._board)
+            Replica(i, config.replica, self.loop, self._finished, sink, self._board)
             for i in range(config.replicas)
         ]
         self._by_id = {r.replica_id: r for r in self.replicas}
@@ -101,7 +102,7 @@ class FleetSimulator:
         self._requests = requests
         self._progress = progress
         self._progress_every = max(progress_every, 1)
-        engine = self.engine
+        loop = self.loop
         handlers: dict[type, Callable[[Any], None]] = {
             PrefillDone: self._on_prefill_done,
             Finish: self._on_finish,
@@ -113,7 +114,7 @@ class FleetSimulator:
             handlers = {kind: self._checked(run) for kind, run in handlers.items()}
             on_arrival = self._checked(on_arrival)
         with collector_paused():  # millions of objects, no cycles (kvreuse.bulk)
-            engine.run(handlers, arrivals, on_arrival)
+            loop.run(handlers, arrivals, on_arrival)
         assert len(self._records) == len(requests), "a request never finished"
         self._records.sort(key=operator.attrgetter("request_id"))
         return FleetRun(
@@ -124,8 +125,8 @@ class FleetSimulator:
             prefill_busy_s=tuple(r.prefill_busy_s for r in self.replicas),
             requests_per_replica=tuple(r.requests_served for r in self.replicas),
             blocked_admissions=tuple(r.blocked_admissions for r in self.replicas),
-            events_processed=engine.processed,
-            end_time_s=engine.now,
+            events_processed=loop.processed,
+            end_time_s=loop.now,
         )
 
     def _checked(self, handler: Callable[[Any], None]) -> Callable[[Any], None]:
@@ -143,15 +144,15 @@ class FleetSimulator:
             lag = self._load_lag
             if self._snapshot is None:
                 self._snapshot = FleetView(self._board.current(), now)
-                self.engine.schedule(now + lag, LoadSnapshot())
+                self.loop.schedule(now + lag, LoadSnapshot())
             return FleetView(self._snapshot.replicas, now)
         return FleetView(self._board.current(), now)
 
     # ------------------------------------------------------------------ handlers
 
     def _arrive(self, index: int) -> None:
-        """Request ``index`` reaches the router (streamed by the engine, in arrival order)."""
-        now = self.engine.now
+        """Request ``index`` reaches the router (streamed by the event loop, in arrival order)."""
+        now = self.loop.now
         request = self._requests[index]
         view = request.view
         fleet = self.fleet_view(now)
@@ -176,31 +177,31 @@ class FleetSimulator:
         replica.enqueue(job, now)
 
     def _on_prefill_done(self, event: PrefillDone) -> None:
-        self.replicas[event.replica].prefill_done(event.job, self.engine.now)
+        self.replicas[event.replica].prefill_done(event.job, self.loop.now)
 
     def _on_finish(self, event: Finish) -> None:
-        self.replicas[event.replica].finish(event.job, self.engine.now)
+        self.replicas[event.replica].finish(event.job, self.loop.now)
 
     def _on_kv_delivery(self, event: KvDelivery) -> None:
         self.policy.on_kv_event(event.event)
 
     def _on_snapshot(self, event: LoadSnapshot) -> None:
-        now = self.engine.now
+        now = self.loop.now
         self._snapshot = FleetView(self._board.current(), now)
-        if self.engine_has_work():
-            self.engine.schedule(now + self.config.load_lag_s, LoadSnapshot())
+        if self.loop_has_work():
+            self.loop.schedule(now + self.config.load_lag_s, LoadSnapshot())
         else:
             self._snapshot = None
 
-    def engine_has_work(self) -> bool:
-        return len(self.engine) > 0
+    def loop_has_work(self) -> bool:
+        return len(self.loop) > 0
 
     # ------------------------------------------------------------------ callbacks
 
     def _publish(self, event: KvEvent) -> None:
         lag = self.config.kv_event_lag_s
         assert lag is not None
-        self.engine.schedule(self.engine.now + lag, KvDelivery(event))
+        self.loop.schedule(self.loop.now + lag, KvDelivery(event))
 
     def _finished(self, job: Job, replica: int, now: float) -> None:
         request = job.request

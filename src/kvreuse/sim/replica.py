@@ -35,7 +35,7 @@ from collections.abc import Callable
 from kvreuse.errors import ConfigError
 from kvreuse.routing.base import ReplicaLoad
 from kvreuse.sim.config import CACHE_KINDS, SCHEDULERS, ReplicaConfig
-from kvreuse.sim.engine import Engine, Finish, PrefillDone
+from kvreuse.sim.event_loop import EventLoop, Finish, PrefillDone
 from kvreuse.sim.memory import Job, KvSink, ReplicaMemory
 from kvreuse.sim.requests import SimRequest
 
@@ -83,7 +83,7 @@ class Replica:
         self,
         index: int,
         config: ReplicaConfig,
-        engine: Engine,
+        loop: EventLoop,
         on_finish: Callable[[Job, int, float], None],
         kv_sink: KvSink | None = None,
         board: LoadBoard | None = None,
@@ -91,7 +91,7 @@ class Replica:
         self.index = index
         self.replica_id = f"r{index}"
         self.config = config
-        self.engine = engine
+        self.loop = loop
         self._on_finish = on_finish
         self.memory: ReplicaMemory = CACHE_KINDS[config.cache_kind](
             self.replica_id, config, kv_sink
@@ -191,7 +191,7 @@ class Replica:
         duration = self._overhead + uncached / self._rate
         self.prefill_busy_s += duration
         self.busy = job
-        self.engine.schedule(now + duration, PrefillDone(self.index, job))
+        self.loop.schedule(now + duration, PrefillDone(self.index, job))
 
     def prefill_done(self, job: Job, now: float) -> None:
         request = job.request
@@ -203,7 +203,7 @@ class Replica:
         if decode_s > 0:
             self.memory.prefilled(job, now)
             self._stale.add(self.index)
-            self.engine.schedule(now + decode_s, Finish(self.index, job))
+            self.loop.schedule(now + decode_s, Finish(self.index, job))
         else:
             self._complete(job, now)
         self._start_next(now)

@@ -14,7 +14,7 @@ from typing import Any
 
 from kvreuse.lint.fingerprint import PrefixFingerprint, Revisions, fingerprint
 from kvreuse.lint.reuse import block_reuse
-from kvreuse.lint.tokenizer import Tokenizer
+from kvreuse.tokenizers.contract import Tokenizer
 
 PromptLike = str | Sequence[int]
 WINDOW = 6

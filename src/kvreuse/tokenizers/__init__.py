@@ -1,4 +1,5 @@
-"""Loading real tokenizers and their chat templates, offline.
+"""Turning a request into token ids: the tokenizer contract (:mod:`.contract`), the chat-template
+renderer (:mod:`.chat_template`), and loading real tokenizers and their templates, offline.
 
 ``load_tokenizer(spec)`` accepts a Hugging Face tokenizer directory (``tokenizer.json`` plus
 ``tokenizer_config.json`` with the chat template), a ``tokenizer.json`` file, or one of the
@@ -15,10 +16,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvreuse.errors import ConfigError
-from kvreuse.lint.tokenizer import Tokenizer
+from kvreuse.tokenizers.contract import Tokenizer
 
 if TYPE_CHECKING:
-    from kvreuse.lint.template import ChatTemplate, DateClock
+    from kvreuse.tokenizers.chat_template import ChatTemplate, DateClock
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +41,7 @@ class TokenizerBundle:
     ) -> ChatTemplate:
         """The template to render with: ``override`` source if given, else the bundle's own one
         chosen as transformers chooses it (``tool_use`` when tools are given and it exists)."""
-        from kvreuse.lint.template import ChatTemplate, select_template
+        from kvreuse.tokenizers.chat_template import ChatTemplate, select_template
 
         if override is not None:
             return ChatTemplate(

@@ -15,7 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from kvreuse.errors import ConfigError
-from kvreuse.lint.tokenizer import Encoded, special_pattern, split_on_specials, starts_from_pieces
+from kvreuse.tokenizers.contract import (
+    Encoded,
+    special_pattern,
+    split_on_specials,
+    starts_from_pieces,
+)
 
 
 class ByteLevelTokenizer:

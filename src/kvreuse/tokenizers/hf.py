@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvreuse.errors import ConfigError, InputFormatError
-from kvreuse.lint.tokenizer import Encoded
+from kvreuse.tokenizers.contract import Encoded
 
 SPECIAL_TOKEN_ATTRIBUTES = (
     "bos_token",
@@ -32,7 +32,8 @@ _REVISION_FILES = ("tokenizer.json", "special_tokens_map.json", "added_tokens.js
 
 
 class HFTokenizer:
-    """A ``tokenizers.Tokenizer`` behind the :class:`~kvreuse.lint.tokenizer.Tokenizer` contract."""
+    """A ``tokenizers.Tokenizer`` behind the :class:`~kvreuse.tokenizers.contract.Tokenizer`
+    contract."""
 
     def __init__(self, backend: Any, name: str, revision: str) -> None:
         self._backend = backend

@@ -19,8 +19,8 @@ from typing import Any, Protocol
 from kvreuse.errors import ConfigError
 from kvreuse.lint.paths import common_prefix_chars
 from kvreuse.lint.prompt import Prompt
-from kvreuse.lint.template import ChatTemplate, DateClock
-from kvreuse.lint.tokenizer import Tokenizer
+from kvreuse.tokenizers.chat_template import ChatTemplate, DateClock
+from kvreuse.tokenizers.contract import Tokenizer
 
 
 class Severity(IntEnum):

@@ -8,7 +8,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvreuse.errors import ConfigError, InputFormatError
-from kvreuse.gateway.kv_events import (
+from kvreuse.index.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvreuse.index.hashing import BlockHash
+from kvreuse.kv_event_codec import (
     decode_event,
     decode_message,
     encode_event,
@@ -16,8 +18,6 @@ from kvreuse.gateway.kv_events import (
     encode_payload,
     normalize_hash,
 )
-from kvreuse.index.events import AllBlocksCleared, BlockRemoved, BlockStored
-from kvreuse.index.hashing import BlockHash
 
 H1 = BlockHash(bytes(range(32)))
 H2 = BlockHash(bytes(range(1, 33)))

@@ -11,12 +11,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvreuse.errors import ConfigError
-from kvreuse.lint.template import ChatTemplate
-from kvreuse.lint.tokenizer import Tokenizer, special_pattern, split_on_specials
 from kvreuse.tokenizers import load_tokenizer
+from kvreuse.tokenizers.chat_template import ChatTemplate
+from kvreuse.tokenizers.contract import Tokenizer, special_pattern, split_on_specials
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-TEMPLATES = Path(__file__).parent / "data" / "templates"
+TEMPLATES = Path(__file__).parents[1] / "data" / "templates"
 SAMPLES = [
     "Hello world, how are you?",
     "  leading spaces and trailing  ",
@@ -137,9 +137,9 @@ def test_mistral_nemo_template_and_tekken_match_mistral_common() -> None:
 def _saved_hf_directory(tmp_path: Path, template: str) -> tuple[Path, object]:
     """A tokenizer directory written by transformers' save_pretrained (GPT-2 vocabulary)."""
     import transformers
-    from tokenizers import Tokenizer as Backend
 
     from kvreuse.tokenizers.hf import load_gpt2
+    from tokenizers import Tokenizer as Backend
 
     backend = Backend.from_str(load_gpt2()._backend.to_str())
     hf = transformers.PreTrainedTokenizerFast(

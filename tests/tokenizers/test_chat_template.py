@@ -9,9 +9,14 @@ from pathlib import Path
 import pytest
 
 from kvreuse.errors import ConfigError, InputFormatError
-from kvreuse.lint.template import ChatTemplate, TemplateRaised, select_template, template_revision
+from kvreuse.tokenizers.chat_template import (
+    ChatTemplate,
+    TemplateRaised,
+    select_template,
+    template_revision,
+)
 
-TEMPLATES = Path(__file__).parent / "data" / "templates"
+TEMPLATES = Path(__file__).parents[1] / "data" / "templates"
 USER = [{"role": "user", "content": "hi"}]
 
 

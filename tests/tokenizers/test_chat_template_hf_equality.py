@@ -1,6 +1,6 @@
 """Byte equality of kvreuse's renderer with transformers' apply_chat_template on real templates.
 
-The templates are real model templates shipped inside PyPI packages (see data/templates/
+The templates are real model templates shipped inside PyPI packages (see tests/data/templates/
 PROVENANCE.md); transformers is a dev-only test dependency and runs offline (no hub access:
 the tokenizer is built in memory).
 """
@@ -17,13 +17,13 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import transformers
-from tokenizers import Tokenizer as Backend
-from tokenizers import models
 from transformers.utils import chat_template_utils
 
-from kvreuse.lint.template import ChatTemplate, TemplateRaised
+from kvreuse.tokenizers.chat_template import ChatTemplate, TemplateRaised
+from tokenizers import Tokenizer as Backend
+from tokenizers import models
 
-TEMPLATES = Path(__file__).parent / "data" / "templates"
+TEMPLATES = Path(__file__).parents[1] / "data" / "templates"
 FIXED_NOW = datetime(2025, 3, 4, 5, 6, 7)
 
 SPECIALS: dict[str, dict[str, str]] = {

@@ -10,7 +10,7 @@ a ``tojson`` filter that neither escapes HTML nor sorts keys (``ensure_ascii=Fal
 
 The renderer reads no clock of its own: ``strftime_now`` calls the injected clock, and a template
 that calls it without one fails with a message saying so. The byte-for-byte equality with
-transformers is proven in ``tests/lint/test_template_hf_equality.py``.
+transformers is proven in ``tests/tokenizers/test_chat_template_hf_equality.py``.
 """
 
 from __future__ import annotations

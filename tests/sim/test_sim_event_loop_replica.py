@@ -1,4 +1,4 @@
-"""The event engine's ordering rule and a replica's memory, scheduling and cache behaviour."""
+"""The event loop's ordering rule and a replica's memory, scheduling and cache behaviour."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from kvreuse.index import RadixIndex
 from kvreuse.routing import CacheMirror, KvEvent, KvRemoved, RequestView, build_policy
 from kvreuse.sim import (
     Arrival,
-    Engine,
+    EventLoop,
     Finish,
     FleetConfig,
     FleetSimulator,
@@ -32,18 +32,18 @@ def make_request(i: int, t: float, tokens: list[int], out: int = 10) -> SimReque
     return SimRequest(i, t, pack(tokens), len(tokens), out)
 
 
-def test_engine_orders_by_time_then_priority_then_seq() -> None:
+def test_event_loop_orders_by_time_then_priority_then_seq() -> None:
     """Simultaneous events run finish < prefill < snapshot < arrival, then in schedule order."""
-    engine = Engine()
+    loop = EventLoop()
     seen: list[Any] = []
-    engine.schedule(1.0, Arrival(1))
-    engine.schedule(1.0, Arrival(2))
-    engine.schedule(1.0, LoadSnapshot())
-    engine.schedule(1.0, PrefillDone(0, "p"))
-    engine.schedule(1.0, Finish(0, "f"))
-    engine.schedule(0.5, Arrival(0))
+    loop.schedule(1.0, Arrival(1))
+    loop.schedule(1.0, Arrival(2))
+    loop.schedule(1.0, LoadSnapshot())
+    loop.schedule(1.0, PrefillDone(0, "p"))
+    loop.schedule(1.0, Finish(0, "f"))
+    loop.schedule(0.5, Arrival(0))
     handlers = {t: seen.append for t in (Arrival, LoadSnapshot, PrefillDone, Finish)}
-    engine.run(handlers)
+    loop.run(handlers)
     assert seen == [
         Arrival(0), Finish(0, "f"), PrefillDone(0, "p"), LoadSnapshot(), Arrival(1), Arrival(2)
     ]
@@ -53,28 +53,28 @@ def test_streamed_arrivals_pop_where_scheduled_arrivals_would() -> None:
     """Streamed arrivals interleave with heap events exactly as Arrival events would."""
 
     def replay(streamed: bool) -> list[Any]:
-        engine = Engine()
+        loop = EventLoop()
         seen: list[Any] = []
         times = [0.5, 1.0, 1.0, 2.0]
 
         def arrive(index: int) -> None:
-            seen.append(("arrival", index, engine.now, len(engine)))
+            seen.append(("arrival", index, loop.now, len(loop)))
             if index == 0:
-                engine.schedule(1.0, PrefillDone(0, "p"))
-                engine.schedule(2.0, Finish(0, "f"))
+                loop.schedule(1.0, PrefillDone(0, "p"))
+                loop.schedule(2.0, Finish(0, "f"))
             if not streamed and index + 1 < len(times):
-                engine.schedule(times[index + 1], Arrival(index + 1))
+                loop.schedule(times[index + 1], Arrival(index + 1))
 
         handlers: dict[type, Any] = {
-            PrefillDone: lambda e: seen.append(("prefill", engine.now)),
-            Finish: lambda e: seen.append(("finish", engine.now)),
+            PrefillDone: lambda e: seen.append(("prefill", loop.now)),
+            Finish: lambda e: seen.append(("finish", loop.now)),
             Arrival: lambda e: arrive(e.index),
         }
         if streamed:
-            engine.run(handlers, times, arrive)
+            loop.run(handlers, times, arrive)
         else:
-            engine.schedule(times[0], Arrival(0))
-            engine.run(handlers)
+            loop.schedule(times[0], Arrival(0))
+            loop.run(handlers)
         return seen
 
     streamed = replay(True)
@@ -85,12 +85,12 @@ def test_streamed_arrivals_pop_where_scheduled_arrivals_would() -> None:
     assert streamed[0][3] == 3  # pending work counts the arrivals not yet streamed
 
 
-def test_engine_refuses_the_past() -> None:
+def test_event_loop_refuses_the_past() -> None:
     """Scheduling before the current time is a broken invariant."""
-    engine = Engine()
-    engine.now = 2.0
+    loop = EventLoop()
+    loop.now = 2.0
     with pytest.raises(AssertionError):
-        engine.schedule(1.0, Arrival(0))
+        loop.schedule(1.0, Arrival(0))
 
 
 def test_six_turn_table_totals() -> None:

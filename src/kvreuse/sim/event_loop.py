@@ -1,4 +1,4 @@
-"""The discrete-event engine: the one owner of simulated time and of the event heap.
+"""The discrete-event loop: the one owner of simulated time and of the event heap.
 
 Ordering rule. Events are popped in increasing ``(time, priority, seq)``:
 
@@ -8,14 +8,14 @@ Ordering rule. Events are popped in increasing ``(time, priority, seq)``:
   same instant (1) picks the next request, KV events due then (2) reach the router before the
   load snapshot (3) it routes with, and arrivals (4) come last, so a request arriving exactly
   when a turn finishes already sees that turn cached;
-* ``seq`` — the order :meth:`Engine.schedule` was called, so equal ``(time, priority)`` events
+* ``seq`` — the order :meth:`EventLoop.schedule` was called, so equal ``(time, priority)`` events
   run first-scheduled first. Nothing else (no object ids, no hashes) can affect the order, which
   is what makes a seeded run repeat exactly.
 
 Events are frozen dataclasses (:mod:`kvreuse.sim.events`); handlers never touch the heap except
 through ``schedule``.
 
-Arrivals may also come as a stream: :meth:`Engine.run` takes the workload's sorted arrival
+Arrivals may also come as a stream: :meth:`EventLoop.run` takes the workload's sorted arrival
 times and hands arrival ``i`` to its handler exactly where an :class:`Arrival` event scheduled
 when arrival ``i - 1`` ran would pop (priority 4, which no other event class has). The order is
 the same; the stream only saves an event object and a heap push and pop per request.
@@ -36,10 +36,10 @@ from kvreuse.sim.events import (
     PrefillDone,
 )
 
-__all__ = ["Arrival", "Engine", "Event", "Finish", "KvDelivery", "LoadSnapshot", "PrefillDone"]
+__all__ = ["Arrival", "Event", "EventLoop", "Finish", "KvDelivery", "LoadSnapshot", "PrefillDone"]
 
 
-class Engine:
+class EventLoop:
     """Clock plus heap. ``run`` pops events in order and hands each to its handler."""
 
     __slots__ = ("_arrivals", "_heap", "_next_arrival", "_seq", "now", "processed")

@@ -1,8 +1,9 @@
-"""The tokenizer contract the prompt tools depend on, and helpers shared by its implementations.
+"""The tokenizer contract the prompt tools and the gateway depend on, and helpers shared by its
+implementations.
 
 Prefix caches key on token ids, not characters, so every prompt tool measures on the ids a real
-tokenizer produces for the *whole* rendered prompt. Implementations live in
-:mod:`kvreuse.tokenizers` (they read files); this module stays pure.
+tokenizer produces for the *whole* rendered prompt. Implementations live beside this module in
+:mod:`kvreuse.tokenizers` (they read files); this module and :mod:`.chat_template` stay pure.
 """
 
 from __future__ import annotations
