@@ -10,7 +10,7 @@ import pytest
 
 from kvreuse.cli.main import main
 
-TEMPLATES = Path(__file__).parents[1] / "lint" / "data" / "templates"
+TEMPLATES = Path(__file__).parents[1] / "data" / "templates"
 QWEN = str(TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja")
 POLICY = "Refunds are possible within 30 days. Shipping is free above 25 EUR. " * 20
 TOOLS = [

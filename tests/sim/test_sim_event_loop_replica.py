@@ -229,3 +229,43 @@ def _stored(buf: TokenBuffer) -> KvEvent:
     from kvreuse.routing import KvStored
 
     return KvStored("r0", buf)
+
+
+class QueueWatcher:
+    """cache_aware that notes the single replica's queued prefill tokens at each arrival."""
+
+    name = "queue_watcher"
+
+    def __init__(self) -> None:
+        self.inner = build_policy("cache_aware")
+        self.uses_kv_events = False
+        self.queued: list[int] = []
+
+    def route(self, request: RequestView, fleet: Any) -> Any:
+        self.queued.append(fleet.replicas[0].queued_prefill_tokens)
+        return self.inner.route(request, fleet)
+
+    def __getattr__(self, name: str) -> Any:  # on_routed, on_finished, on_kv_event
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize(("load_view", "seen"), [("replica", 2001), ("router", 1001)])
+def test_the_load_view_counts_what_the_replica_or_the_router_knows(load_view: str,
+                                                                   seen: int) -> None:
+    """A follow-up queued behind its document's first prefill counts in full on the replica
+    (not cached yet) but as the router's predicted remainder (1 token) in the router view."""
+    replica = ReplicaConfig(pool_tokens=100_000, prefill_tokens_per_s=1000.0, overhead_s=0.0)
+    config = FleetConfig(1, replica, load_view=load_view)
+    doc = list(range(1000))
+    requests = [make_request(0, 0.0, doc, 1), make_request(1, 0.5, [*doc, 1], 1),
+                make_request(2, 0.6, list(range(5000, 5010)), 1)]
+    watcher = QueueWatcher()
+    run = FleetSimulator(config, watcher).run(requests)  # type: ignore[arg-type]
+    assert watcher.queued == [0, 1000, seen]
+    assert run.records[1].cached_tokens == 1000  # the replica's truth is the same either way
+
+
+def test_an_unknown_load_view_is_a_config_error() -> None:
+    """The error names the choices."""
+    with pytest.raises(ConfigError, match="load_view must be one of"):
+        FleetConfig(1, load_view="gateway")

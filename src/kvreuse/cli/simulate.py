@@ -40,7 +40,7 @@ from kvreuse.errors import ConfigError
 from kvreuse.routing import POLICIES, policy_option_names
 from kvreuse.routing.base import CostModel
 from kvreuse.routing.relative_spill import SLACKS
-from kvreuse.sim.config import CACHE_KINDS, SCHEDULERS, FleetConfig, ReplicaConfig
+from kvreuse.sim.config import CACHE_KINDS, LOAD_VIEWS, SCHEDULERS, FleetConfig, ReplicaConfig
 from kvreuse.sim.requests import SimRequest
 from kvreuse.sim.runner import ScenarioRun, Verdict, check, run_spec
 from kvreuse.sim.scenarios import SPILLS, RunSpec, Scenario, get_scenario
@@ -127,6 +127,12 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--kv-lag", type=non_negative_float, help="KV event delay to the router, seconds"
+    )
+    parser.add_argument(
+        "--load-view", choices=LOAD_VIEWS,
+        help="whose queue the router sees: the replica's own (replica, the default) or what a "
+        "gateway knows, the prompts it sent less its predicted hits until each first token "
+        "(router; as kvreuse route counts)",
     )
     parser.set_defaults(func=run)
 
@@ -235,6 +241,8 @@ def _adjust(config: FleetConfig, args: argparse.Namespace, variant: str = "") ->
         config = replace(config, load_lag_s=args.load_lag)
     if args.kv_lag is not None:
         config = replace(config, kv_event_lag_s=args.kv_lag)
+    if args.load_view is not None:
+        config = replace(config, load_view=args.load_view)
     return config
 
 
@@ -307,7 +315,7 @@ def run(args: argparse.Namespace) -> int:
     asked = set(specs)
     if not args.no_baseline:
         specs = _with_baselines(specs)
-    for option in ("cache_kind", "block_size", "scheduling", "load_lag", "kv_lag"):
+    for option in ("cache_kind", "block_size", "scheduling", "load_lag", "kv_lag", "load_view"):
         if getattr(args, option) is not None:
             parameters[option] = getattr(args, option)
     if args.cache_tokens is not None and args.trace is None:
@@ -379,7 +387,7 @@ def run(args: argparse.Namespace) -> int:
             scheduling=args.scheduling,
             # the lab's replicas are radix trees with no information delays
             showable=args.cache_kind in (None, "radix") and args.block_size is None
-            and args.load_lag is None and args.kv_lag is None,
+            and args.load_lag is None and args.kv_lag is None and args.load_view is None,
         )
         write_report(
             args.report, scenario, rows, every_bounds, sweep, parameters, seed=args.seed,
@@ -466,6 +474,7 @@ CHANGE_REASONS: dict[str, str] = {
     "scheduling": "--scheduling {value} changes the replicas' queue order",
     "load_lag": "--load-lag {value} delays the router's view of load",
     "kv_lag": "--kv-lag {value} delays the router's KV events",
+    "load_view": "--load-view {value} changes what the router knows of the queues",
     "seed": "--seed {value} draws other traffic (the ranges were checked with seed 0)",
 }
 """Why a figure may leave the range the scenario states: the flags that change the setup."""
@@ -478,7 +487,8 @@ def _changed_flags(args: argparse.Namespace) -> list[str]:
         reasons.append(
             CHANGE_REASONS["scale"].format(value=f"{args.scale:g}", percent=f"{args.scale:.0%}")
         )
-    for name in ("cache_tokens", "cache_kind", "block_size", "scheduling", "load_lag", "kv_lag"):
+    for name in ("cache_tokens", "cache_kind", "block_size", "scheduling", "load_lag", "kv_lag",
+                 "load_view"):
         value = getattr(args, name)
         if value is not None:
             reasons.append(CHANGE_REASONS[name].format(value=value))

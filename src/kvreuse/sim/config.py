@@ -16,6 +16,7 @@ from kvreuse.sim.block_memory import BlockMemory
 from kvreuse.sim.memory import KvSink, RadixMemory, ReplicaMemory
 
 SCHEDULERS = ("fcfs", "lpm")
+LOAD_VIEWS = ("replica", "router")
 
 MemoryFactory = Callable[[str, "ReplicaConfig", KvSink | None], ReplicaMemory]
 
@@ -65,13 +66,21 @@ class FleetConfig:
 
     ``models``: per replica, the model names it serves (a request, by its identity's
     ``model``, may only go to a replica serving it: the router sees just those); ``None``:
-    every replica serves every model."""
+    every replica serves every model.
+
+    ``load_view``: whose count of queued prefill tokens the router sees. ``"replica"``: each
+    waiting request's uncached prompt as the replica's cache stood at its arrival, corrected
+    when it is picked (what an engine-side scheduler knows). ``"router"``: the prompt less the
+    policy's predicted cached prefix, from routing until the first token, never corrected;
+    what ``kvreuse route`` counts, as it only sees what it sent and the first byte back (a
+    cache-blind policy predicts nothing cached, so it counts whole prompts)."""
 
     replicas: int = 3
     replica: ReplicaConfig = field(default_factory=ReplicaConfig)
     load_lag_s: float = 0.0
     kv_event_lag_s: float | None = None
     models: tuple[tuple[str, ...], ...] | None = None
+    load_view: str = "replica"
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -84,5 +93,7 @@ class FleetConfig:
                 raise ConfigError("every replica must serve at least one model")
         if self.load_lag_s < 0:
             raise ConfigError(f"load_lag_s must be >= 0, got {self.load_lag_s}")
+        if self.load_view not in LOAD_VIEWS:
+            raise ConfigError(f"load_view must be one of {LOAD_VIEWS}, got {self.load_view!r}")
         if self.kv_event_lag_s is not None and self.kv_event_lag_s < 0:
             raise ConfigError(f"kv_event_lag_s must be >= 0 or None, got {self.kv_event_lag_s}")

@@ -65,7 +65,8 @@ class FleetSimulator:
             sink = policy.on_kv_event if lag == 0 else self._publish
         self._board = LoadBoard()
         self.replicas = [
-            Replica(i, config.replica, self.loop, self._finished, sink, self._board)
+            Replica(i, config.replica, self.loop, self._finished, sink, self._board,
+                    config.load_view == "router")
             for i in range(config.replicas)
         ]
         self._by_id = {r.replica_id: r for r in self.replicas}

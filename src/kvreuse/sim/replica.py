@@ -23,6 +23,8 @@ before the next request is picked.
 Queue estimates. ``queued_prefill_tokens`` (the load routers see) counts each waiting request's
 uncached prompt as the cache stood at its arrival, corrected when it is picked; a request that
 arrives at an idle replica is picked at once, so its cache is looked up once, at admission.
+With ``router_view`` it counts instead the prompt less the router's predicted cached prefix,
+uncorrected, until prefill ends (what a gateway knows; ``FleetConfig.load_view``).
 
 Scheduling. ``fcfs``; or ``lpm``, longest cached prefix first (SGLang), which falls back to fcfs
 when more than ``lpm_max_waiting`` (128, SGLang's rule) requests wait.
@@ -87,6 +89,7 @@ class Replica:
         on_finish: Callable[[Job, int, float], None],
         kv_sink: KvSink | None = None,
         board: LoadBoard | None = None,
+        router_view: bool = False,
     ) -> None:
         self.index = index
         self.replica_id = f"r{index}"
@@ -108,6 +111,7 @@ class Replica:
         self._tpot = config.time_per_output_token_s
         self._overhead = config.overhead_s
         self._lpm = config.scheduling == "lpm" and config.prefix_caching
+        self._router_view = router_view
         self._capacity = self.memory.capacity_tokens
         self._board = board if board is not None else LoadBoard()
         self._board.attach(self)
@@ -149,10 +153,13 @@ class Replica:
         has checked (:meth:`check_fits`) that it fits the pool."""
         request = job.request
         memory = self.memory
-        idle = self.busy is None and not self.waiting
-        # An idle replica admits the request right now, which looks the cache up anyway.
-        cached = 0 if idle else memory.peek(request, now)
-        job.estimate = request.prompt_len - cached
+        if self._router_view:
+            job.estimate = max(request.prompt_len - job.predicted, 0)
+        else:
+            idle = self.busy is None and not self.waiting
+            # An idle replica admits the request right now, which looks the cache up anyway.
+            cached = 0 if idle else memory.peek(request, now)
+            job.estimate = request.prompt_len - cached
         self.queued_prefill_tokens += job.estimate
         self.in_flight += 1
         self.waiting.append(job)
@@ -181,8 +188,9 @@ class Replica:
         request = job.request
         admitted = self.memory.admit(job, now)
         uncached = request.prompt_len - job.cached
-        self.queued_prefill_tokens += uncached - job.estimate
-        job.estimate = uncached
+        if not self._router_view:
+            self.queued_prefill_tokens += uncached - job.estimate
+            job.estimate = uncached
         self._stale.add(self.index)
         if not admitted:
             self.blocked_admissions += 1

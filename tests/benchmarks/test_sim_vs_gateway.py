@@ -1,0 +1,35 @@
+"""benchmarks/sim_vs_gateway.py's ranking measure: Kendall's tau-b with a tie band."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from types import ModuleType
+
+BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "sim_vs_gateway.py"
+
+
+def test_tau_is_one_for_the_same_order_and_minus_one_for_the_reverse(bench: ModuleType) -> None:
+    """Exact ties only: same order 1, reversed order -1."""
+    assert bench.kendall_tau([1, 2, 3, 4], [10, 20, 30, 40]) == 1.0
+    assert bench.kendall_tau([1, 2, 3, 4], [40, 30, 20, 10]) == -1.0
+
+
+def test_tau_b_counts_a_pair_tied_on_one_side_against_the_order(bench: ModuleType) -> None:
+    """(1,2,3) against (5,5,6): two concordant pairs, one tied only in b: 2 / sqrt(3 x 2)."""
+    assert math.isclose(bench.kendall_tau([1, 2, 3], [5, 5, 6]), 2 / math.sqrt(6))
+
+
+def test_a_difference_inside_the_band_is_a_tie_on_both_sides(bench: ModuleType) -> None:
+    """A swap of two figures closer than the band does not count against the ranking."""
+    def band(x: float, y: float) -> float:
+        return 0.05 * max(x, y)
+
+    gateway, simulator = [100.0, 102.0, 150.0], [101.0, 99.0, 149.0]
+    assert bench.kendall_tau(gateway, simulator) < 0.5
+    assert bench.kendall_tau(gateway, simulator, band, band) == 1.0
+
+
+def test_tau_is_nan_when_no_pair_is_ordered(bench: ModuleType) -> None:
+    """Everything tied in both samples: no ranking to compare."""
+    assert math.isnan(bench.kendall_tau([1.0, 1.0], [2.0, 2.0]))
