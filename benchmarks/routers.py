@@ -47,6 +47,7 @@ from kvreuse.testing.loadgen import (
     Call,
     EngineCounters,
     LatencySummary,
+    engine_mean_ttft_s,
     fleet_hits,
     run_calls,
     scrape,
@@ -139,6 +140,9 @@ class RunRow:
     # The router's fixed cost per request (HTTP hops, parsing, routing) at no load: median TTFT
     # of the probe's unique prompts minus what the engines spend on them (transport_probe).
     transport_ms: float = float("nan")
+    # The same under the run's own load: the clients' mean TTFT over the measured requests
+    # minus the engines' own mean (vllm:time_to_first_token_seconds, warm-up to the end).
+    router_ms: float = float("nan")
 
 
 def reset_caches(engines: Sequence[Process]) -> None:
@@ -237,6 +241,10 @@ def measure(fleet: Fleet, engines: Sequence[Process], router: str, scenario: str
     after = scrape(urls)
     hits = fleet_hits(snapshots.get("warm") or snapshots["start"], after)
     latency = LatencySummary.of(results)
+    ttfts = [r.ttft_s for r in results
+             if r.call.measured and r.ttft_s is not None and not r.error]
+    engine_ttft_s = engine_mean_ttft_s(snapshots.get("warm") or snapshots["start"], after)
+    router_ms = (sum(ttfts) / len(ttfts) - engine_ttft_s) * 1000 if ttfts else float("nan")
     surge = float("nan")
     if snapshots.get("surge") and snapshots.get("surge_end"):
         surge = fleet_hits(snapshots["surge"], snapshots["surge_end"]).hit_rate
@@ -244,7 +252,7 @@ def measure(fleet: Fleet, engines: Sequence[Process], router: str, scenario: str
         fleet.forget(proc)
     return RunRow(scenario, router, hits.hit_rate, latency.p50_ms, latency.p95_ms,
                   hits.max_over_mean_load, latency.count, latency.lost,
-                  surge_hit_rate=surge, transport_ms=transport)
+                  surge_hit_rate=surge, transport_ms=transport, router_ms=router_ms)
 
 
 # ---------------------------------------------------------------------------- gateway cost

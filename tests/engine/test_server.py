@@ -106,3 +106,27 @@ def test_kv_events_reach_a_subscriber(shape: str) -> None:
     assert isinstance(events[0], BlockStored) and events[0].token_ids[:1] == (
         int.from_bytes(b"zzzz", "little"),)
     assert events[-1] == AllBlocksCleared()
+
+
+def test_ttft_histogram_counts_each_request_in_vllms_buckets() -> None:
+    """vllm:time_to_first_token_seconds: one observation per request, in the bucket of its
+    queue plus prefill (here 0.05 s of prefill: above 0.04, within 0.06), sum in seconds."""
+    from kvreuse.hitrate.prometheus import parse_exposition
+
+    slow = {**FAST, "prefill_tokens_per_s": 400.0}  # 20 tokens: 0.05 s
+    app = build_engine(EngineConfig(model="sim", **slow), TextApproximation())  # type: ignore[arg-type]
+    server = ServerThread(app.app).start()
+    try:
+        httpx.post(server.url + "/v1/completions",
+                   json={"model": "sim", "prompt": "z" * 80, "max_tokens": 1})
+        text = httpx.get(server.url + "/metrics").text
+    finally:
+        server.stop()
+    samples = parse_exposition(text, only=("vllm:time_to_first_token_seconds_bucket",
+                                           "vllm:time_to_first_token_seconds_count",
+                                           "vllm:time_to_first_token_seconds_sum"))
+    buckets = {s.label("le"): s.value for s in samples if s.name.endswith("_bucket")}
+    totals = {s.name.rsplit("_", 1)[1]: s.value for s in samples
+              if not s.name.endswith("_bucket")}
+    assert buckets["0.04"] == 0 and buckets["0.06"] == 1 and buckets["+Inf"] == 1
+    assert totals["count"] == 1 and 0.05 <= totals["sum"] < 0.06

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvreuse.errors import ConfigError, InputFormatError
 from kvreuse.identity import CacheIdentity
@@ -72,15 +72,34 @@ class Prefilled:
     prefill_s: float
 
 
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                  5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+"""vLLM's bucket bounds for ``vllm:time_to_first_token_seconds`` (v1 metrics), in seconds."""
+
+
 @dataclass(slots=True)
 class Counters:
-    """Monotonic counters behind /metrics."""
+    """Monotonic counters behind /metrics. ``ttft_buckets[i]``: requests whose time to first
+    token (arrival at the replica to the end of prefill) was at most ``TTFT_BUCKETS_S[i]`` and
+    more than the bound before (not cumulative; the exposition sums them)."""
 
     queries: int = 0
     hits: int = 0
     requests: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    ttft_sum_s: float = 0.0
+    ttft_count: int = 0
+    ttft_buckets: list[int] = field(default_factory=lambda: [0] * len(TTFT_BUCKETS_S))
+
+    def observe_ttft(self, seconds: float) -> None:
+        """One request's first token, ``seconds`` after it reached the replica. O(buckets)."""
+        self.ttft_sum_s += seconds
+        self.ttft_count += 1
+        for i, bound in enumerate(TTFT_BUCKETS_S):
+            if seconds <= bound:
+                self.ttft_buckets[i] += 1
+                return
 
 
 class SimulatedReplica:
@@ -156,6 +175,7 @@ class SimulatedReplica:
                 await asyncio.sleep(prefill_s)
                 self.cache.cache_blocks(request_id, tokens)
                 await self._flush(loop.time())
+                self.counters.observe_ttft(loop.time() - arrived)
         except BaseException:
             if request_id in self.cache.requests:
                 self.cache.free_request(request_id)

@@ -22,14 +22,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvreuse.engine.publisher import EventPublisher
-from kvreuse.engine.replica import EngineConfig, SimulatedReplica
+from kvreuse.engine.replica import TTFT_BUCKETS_S, EngineConfig, SimulatedReplica
 from kvreuse.errors import InputFormatError
 from kvreuse.gateway.asgi import (
     ASGIApp,
@@ -174,6 +179,16 @@ class _VllmMetrics:
             gauge = GaugeMetricFamily(name, doc, labels=labels)
             gauge.add_metric(values, float(gauge_value))
             out.append(gauge)
+        ttft = HistogramMetricFamily("vllm:time_to_first_token_seconds",
+                                     "Histogram of time to first token in seconds.",
+                                     labels=labels)
+        cumulative, buckets = 0, []
+        for bound, count in zip(TTFT_BUCKETS_S, counters.ttft_buckets, strict=True):
+            cumulative += count
+            buckets.append((repr(bound), float(cumulative)))
+        buckets.append(("+Inf", float(counters.ttft_count)))
+        ttft.add_metric(values, buckets, counters.ttft_sum_s)
+        out.append(ttft)
         # vLLM's info metric for its CacheConfig (labels only; value 1): gateways read the KV
         # capacity, num_gpu_blocks x block_size, from it.
         config = replica.config

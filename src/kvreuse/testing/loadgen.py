@@ -264,17 +264,26 @@ class _Pacer:
 
 @dataclass(frozen=True, slots=True)
 class EngineCounters:
-    """An engine's prefix-cache counters (vLLM's meaning: tokens looked up / served)."""
+    """An engine's prefix-cache counters (vLLM's meaning: tokens looked up / served) and its
+    time-to-first-token histogram's sum (seconds) and count."""
 
     queries: float = 0.0
     hits: float = 0.0
+    ttft_sum_s: float = 0.0
+    ttft_count: float = 0.0
 
     def minus(self, other: EngineCounters) -> EngineCounters:
-        return EngineCounters(self.queries - other.queries, self.hits - other.hits)
+        return EngineCounters(self.queries - other.queries, self.hits - other.hits,
+                              self.ttft_sum_s - other.ttft_sum_s,
+                              self.ttft_count - other.ttft_count)
+
+
+SCRAPED = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+           "vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count")
 
 
 def scrape(urls: Sequence[str], timeout_s: float = 5.0) -> dict[str, EngineCounters]:
-    """Each engine's ``vllm:prefix_cache_{queries,hits}_total`` now (missing: zeros)."""
+    """Each engine's :data:`SCRAPED` counters now (missing: zeros)."""
     out = {}
     for url in urls:
         try:
@@ -282,10 +291,17 @@ def scrape(urls: Sequence[str], timeout_s: float = 5.0) -> dict[str, EngineCount
         except (OSError, http.client.HTTPException):
             out[url] = EngineCounters()
             continue
-        values = parse_prometheus(text)
-        out[url] = EngineCounters(values.get("vllm:prefix_cache_queries_total", 0.0),
-                                  values.get("vllm:prefix_cache_hits_total", 0.0))
+        values = parse_prometheus(text, SCRAPED)
+        out[url] = EngineCounters(*(values.get(name, 0.0) for name in SCRAPED))
     return out
+
+
+def engine_mean_ttft_s(before: Mapping[str, EngineCounters],
+                       after: Mapping[str, EngineCounters]) -> float:
+    """The engines' own mean time to first token between two scrapes (NaN without one)."""
+    deltas = [after[u].minus(before.get(u, EngineCounters())) for u in after]
+    count = sum(d.ttft_count for d in deltas)
+    return sum(d.ttft_sum_s for d in deltas) / count if count else math.nan
 
 
 @dataclass(frozen=True, slots=True)
