@@ -48,6 +48,7 @@ from types import ModuleType
 
 NATIVE_MODULES: tuple[str, ...] = (
     "kvreuse.tokens",
+    "kvreuse.index.trie",
     "kvreuse.index.radix",
     "kvreuse.index.radix_node",
     "kvreuse.index.eviction",

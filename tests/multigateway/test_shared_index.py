@@ -21,12 +21,11 @@ from kvreuse.gateway.shared_index import (
     RoutedRecord,
     SharedPrefixIndex,
     attach,
-    block_chain,
     decode_record,
     encode_record,
 )
 from kvreuse.identity import CacheIdentity
-from kvreuse.routing import RequestView
+from kvreuse.routing import RequestView, block_chain
 from kvreuse.testing.processes import Fleet, Process, wait_http
 from kvreuse.tokens import pack
 

@@ -38,15 +38,11 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NewType
-
-import xxhash
+from typing import TYPE_CHECKING, Any, NewType, cast
 
 from kvreuse.errors import ConfigError, InputFormatError
 from kvreuse.gateway.asgi import Receive, Scope, Send
-from kvreuse.identity import CacheIdentity
-from kvreuse.routing import KvEvent, ReplicaId, RequestView
-from kvreuse.tokens import TOKEN_BYTES, TokenBuffer
+from kvreuse.routing import KvEvent, ReplicaId, RequestView, block_chain
 
 if TYPE_CHECKING:
     from kvreuse.gateway.app import Gateway
@@ -55,19 +51,6 @@ log = logging.getLogger("kvreuse.gateway.shared_index")
 
 ChainHash = NewType("ChainHash", int)
 """A chained block hash: names the prefix that ends with this block, identity included."""
-
-
-def block_chain(tokens: TokenBuffer, identity: CacheIdentity, block_size: int) -> list[ChainHash]:
-    """Chained xxh3-64 hashes of the full blocks of ``tokens`` under ``identity``: entry b names
-    the first (b+1)·block_size tokens. O(n)."""
-    step = block_size * TOKEN_BYTES
-    seed = xxhash.xxh3_64_intdigest(repr(identity).encode())
-    chain: list[ChainHash] = []
-    digest = xxhash.xxh3_64_intdigest
-    for b in range(len(tokens) // step):
-        seed = digest(tokens[b * step : (b + 1) * step], seed=seed)
-        chain.append(ChainHash(seed))
-    return chain
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +90,7 @@ class SharedPrefixIndex:
     ) -> dict[ReplicaId, int]:
         """Each replica's longest recorded prefix of the prompt, in whole blocks. Stops at the
         first missing block (an engine's hit rule). O(n) to hash plus O(matched) lookups."""
-        chain = block_chain(request.tokens, request.identity, self.block_size)
+        chain = self._chain(request)
         out: dict[ReplicaId, int] = {}
         for rid in replicas:
             held = self._blocks.get(rid)
@@ -122,7 +105,7 @@ class SharedPrefixIndex:
 
     def record(self, request: RequestView, replica: ReplicaId, now: float) -> None:
         """The local router sent ``request`` to ``replica``: remember it and share it. O(n)."""
-        chain = tuple(block_chain(request.tokens, request.identity, self.block_size))
+        chain = tuple(self._chain(request))
         if not chain:
             return
         self.merge(RoutedRecord(replica, chain, self.origin))
@@ -140,6 +123,10 @@ class SharedPrefixIndex:
     def cached_blocks(self, replica: ReplicaId) -> int:
         """Blocks recorded for ``replica``. O(1)."""
         return len(self._blocks.get(replica, ()))
+
+    def _chain(self, request: RequestView) -> list[ChainHash]:
+        return cast("list[ChainHash]",
+                    block_chain(request.tokens, request.identity, self.block_size))
 
     # ------------------------------------------------------------------ shared records
 

@@ -8,25 +8,27 @@ removes unreferenced leaves in policy order, and a parent left childless joins t
 shared trunks outlive the private tails hanging off them.
 
 Every cache identity (model, adapter, salt, extra keys) has its own root: different identities
-never share a node.
+never share a node. The tree itself (roots, walks, splits) is the kernel of
+:mod:`kvreuse.index.trie`; this module adds locks, access history and eviction.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from kvreuse.errors import ConfigError, IndexStateError
-from kvreuse.identity import DEFAULT_IDENTITY, CacheIdentity
+from kvreuse.identity import CacheIdentity
 from kvreuse.index.base import Clock
 from kvreuse.index.eviction import EvictionKey, eviction_policy
 from kvreuse.index.radix_node import Match, RadixNode
-from kvreuse.tokens import TOKEN_BYTES, Tokens, as_buffer, common_prefix_tokens
+from kvreuse.index.trie import PrefixTrie
+from kvreuse.tokens import TOKEN_BYTES, Tokens, as_buffer
 
 __all__ = ["Match", "RadixIndex", "RadixNode"]
 
 
-class RadixIndex:
+class RadixIndex(PrefixTrie[RadixNode]):
     """Radix-tree prefix cache. See the module docstring for semantics.
 
     ``capacity_tokens`` (optional) bounds the tokens held; an insert that would exceed it first
@@ -50,6 +52,7 @@ class RadixIndex:
             raise ConfigError(f"page_size must be >= 1, got {page_size}")
         if capacity_tokens is not None and capacity_tokens < 0:
             raise ConfigError(f"capacity_tokens must be >= 0 or None, got {capacity_tokens}")
+        super().__init__(page_size)
         self.page_size = page_size
         self.capacity_tokens = capacity_tokens
         self.eviction = eviction
@@ -57,12 +60,7 @@ class RadixIndex:
         self._clock = clock
         self._on_evict = on_evict
         self._tick = 0.0
-        self._page_bytes = page_size * TOKEN_BYTES
-        self._roots: dict[CacheIdentity, RadixNode] = {}
-        self._last_identity: CacheIdentity | None = None
-        self._last_root: RadixNode | None = None
         self._next_id = 0
-        self._num_nodes = 0
         self._total = 0
         self._protected = 0
         self._evicted_total = 0
@@ -95,23 +93,9 @@ class RadixIndex:
         """Non-root nodes."""
         return self._num_nodes
 
-    def identities(self) -> list[CacheIdentity]:
-        """Identities that have a root."""
-        return list(self._roots)
-
-    def root(self, identity: CacheIdentity | None = None) -> RadixNode:
-        """The root of ``identity``'s tree, created on first use. O(1)."""
-        # Callers pass the same identity object request after request; an identity check skips
-        # hashing the dataclass (about 0.3 µs) on that common path.
-        if identity is self._last_identity and self._last_root is not None:
-            return self._last_root
-        ident = DEFAULT_IDENTITY if identity is None else identity
-        root = self._roots.get(ident)
-        if root is None:
-            root = RadixNode(b"", None, ident, self._new_id(), 0.0)
-            root.lock_ref = 1  # the root is never evicted
-            self._roots[ident] = root
-        self._last_identity, self._last_root = identity, root
+    def _new_root(self, identity: CacheIdentity) -> RadixNode:
+        root = RadixNode(b"", None, identity, self._new_id(), 0.0)
+        root.lock_ref = 1  # the root is never evicted
         return root
 
     # ------------------------------------------------------------------ operations
@@ -272,26 +256,13 @@ class RadixIndex:
 
     def reset(self) -> None:
         """Drop everything, locks included (an engine restart, vLLM's AllBlocksCleared)."""
-        for root in self._roots.values():
-            for node in self._iter_subtree(root):
-                node.removed = node is not root
-            root.children.clear()
+        for _identity, node in self.nodes():
+            node.removed = True
+        self._clear_roots()
         self._heap.clear()
-        self._total = self._protected = self._num_nodes = 0
+        self._total = self._protected = 0
 
     # ------------------------------------------------------------------ inspection
-
-    def walk(self, identity: CacheIdentity | None = None) -> Iterator[tuple[int, RadixNode]]:
-        """Yield ``(depth, node)`` in depth-first order under ``identity``'s root (root
-        excluded). O(n)."""
-        root = self._roots.get(DEFAULT_IDENTITY if identity is None else identity)
-        if root is None:
-            return
-        stack = [(1, child) for child in reversed(list(root.children.values()))]
-        while stack:
-            depth, node = stack.pop()
-            yield depth, node
-            stack.extend((depth + 1, c) for c in reversed(list(node.children.values())))
 
     def check_invariants(self) -> None:
         """O(n + h) self-check of structure, counters, locks and the eviction heap."""
@@ -299,24 +270,19 @@ class RadixIndex:
         for key, node_id, _, _node in self._heap:
             if node_id not in heap_min or key < heap_min[node_id]:
                 heap_min[node_id] = key
-        total = protected = count = 0
+        self._check_structure()
+        total = protected = 0
         for identity, root in self._roots.items():
             assert root.identity == identity, "root filed under the wrong identity"
-            assert root.lock_ref >= 1 and not root.key, "root must be empty and locked"
-            for node in self._iter_subtree(root):
+            assert root.lock_ref >= 1, "root must be locked"
+            for node in self._subtree(root):
                 child_locks = 0
-                for first, child in node.children.items():
-                    assert child.parent is node, f"{child!r} has the wrong parent"
+                for child in node.children.values():
                     assert not child.removed, f"{child!r} is removed but still linked"
-                    assert child.key[: self._page_bytes] == first, f"{child!r} filed wrongly"
                     assert child.identity == identity, f"{child!r} crossed identities"
                     child_locks += child.lock_ref
                 if node is root:
                     continue
-                count += 1
-                assert node.key and len(node.key) % self._page_bytes == 0, (
-                    f"{node!r} edge is empty or not whole pages"
-                )
                 assert node.lock_ref >= child_locks, f"{node!r} holds fewer locks than children"
                 total += node.num_tokens
                 if node.lock_ref:
@@ -327,7 +293,6 @@ class RadixIndex:
                     assert heap_key <= self._key_of(node), f"heap key of {node!r} is ahead of it"
         assert total == self._total, f"total_tokens {self._total} != {total}"
         assert protected == self._protected, f"protected_tokens {self._protected} != {protected}"
-        assert count == self._num_nodes, f"num_nodes {self._num_nodes} != {count}"
         if self.capacity_tokens is not None:
             assert self._total <= max(self.capacity_tokens, self._protected), "over capacity"
 
@@ -356,37 +321,25 @@ class RadixIndex:
     ) -> tuple[RadixNode, int]:
         """Follow ``buf`` from byte ``start`` down from ``node`` (which ends at ``start``);
         returns the deepest node reached and the byte offset matched, splitting an edge the walk
-        ends inside. Called with positional arguments, which CPython 3.11 binds faster than
-        keywords: it runs several times per simulated request."""
+        ends inside, and touches every node it passed. Called with positional arguments, which
+        CPython 3.11 binds faster than keywords: it runs several times per simulated request."""
         page = self._page_bytes
-        end = len(buf) - len(buf) % page
-        pos = start
-        children_get = node.children.get
-        while pos < end:
-            child = children_get(buf[pos : pos + page])
-            if child is None:
-                break
-            key = child.key
-            klen = len(key)
-            if buf.startswith(key, pos):
-                pos += klen
-                child.last_access = when
-                child.hit_count += hit
-                if priority > child.priority:
-                    child.priority = priority
-                node = child
-                children_get = node.children.get
-                continue
-            common = common_prefix_tokens(key, buf[pos : pos + klen]) * TOKEN_BYTES
-            common -= common % page
-            node = self._split(child, common)
-            node.last_access = when
-            node.hit_count += hit
-            if priority > node.priority:
-                node.priority = priority
+        end, pos, diverging = self._descend(node, buf, start, len(buf) - len(buf) % page)
+        if diverging is not None:
+            # Filed under its first page, the diverging edge shares at least that page.
+            common = self._common(diverging, buf, pos)
+            end = self._split(diverging, common)
             pos += common
-            break
-        return node, pos
+        reached = end
+        while end is not node:
+            end.last_access = when
+            end.hit_count += hit
+            if priority > end.priority:
+                end.priority = priority
+            parent = end.parent
+            assert parent is not None
+            end = parent
+        return reached, pos
 
     def _attach(
         self, node: RadixNode, buf: bytes, pos: int, when: float, priority: int
@@ -404,26 +357,17 @@ class RadixIndex:
         self._next_id += 1
         leaf = RadixNode(buf[pos : pos + remaining], node, node.identity, self._next_id, when)
         leaf.priority = priority
-        node.children[leaf.key[: self._page_bytes]] = leaf
-        self._num_nodes += 1
+        self._link(node, leaf)
         self._total += remaining // TOKEN_BYTES
         self._push(leaf)
         return leaf
 
-    def _split(self, child: RadixNode, at: int) -> RadixNode:
-        """Split ``child``'s edge ``at`` bytes in; returns the new upper node. O(edge)."""
-        parent = child.parent
-        assert parent is not None and 0 < at < len(child.key), "split outside the edge"
-        upper = RadixNode(child.key[:at], parent, child.identity, self._new_id(), child.created)
+    def _cut(self, child: RadixNode, key: bytes) -> RadixNode:
+        upper = RadixNode(key, child.parent, child.identity, self._new_id(), child.created)
         upper.last_access = child.last_access
         upper.hit_count = child.hit_count
         upper.priority = child.priority
         upper.lock_ref = child.lock_ref
-        child.key = child.key[at:]
-        child.parent = upper
-        upper.children[child.key[: self._page_bytes]] = child
-        parent.children[upper.key[: self._page_bytes]] = upper
-        self._num_nodes += 1
         return upper
 
     def _make_room(self, node: RadixNode, wanted: int) -> int:
@@ -444,13 +388,11 @@ class RadixIndex:
     def _detach_leaf(self, node: RadixNode) -> RadixNode:
         """Unlink an evictable leaf and update the counters; returns its parent, which the
         caller must push if that left it an evictable leaf. O(1)."""
-        parent = node.parent
-        assert parent is not None and not node.children and not node.lock_ref, "bad eviction"
+        assert not node.children and not node.lock_ref, "bad eviction"
         if self._on_evict is not None:
             self._on_evict(node)
-        del parent.children[node.key[: self._page_bytes]]
+        parent = self._unlink(node)
         node.removed = True
-        self._num_nodes -= 1
         self._total -= len(node.key) // TOKEN_BYTES
         return parent
 
@@ -471,11 +413,3 @@ class RadixIndex:
         # In place: evict() holds a reference to the list while it may trigger a compaction.
         self._heap[:] = fresh.values()
         heapq.heapify(self._heap)
-
-    @staticmethod
-    def _iter_subtree(root: RadixNode) -> Iterator[RadixNode]:
-        stack = [root]
-        while stack:
-            node = stack.pop()
-            yield node
-            stack.extend(node.children.values())

@@ -8,25 +8,23 @@ from mypy_extensions import mypyc_attr
 
 from kvreuse.frozen import fast_init
 from kvreuse.identity import CacheIdentity
-from kvreuse.tokens import TOKEN_BYTES, unpack
+from kvreuse.index.trie import TrieNode
+from kvreuse.tokens import unpack
 
 
-# Picklable and copyable when compiled too. Built only by compiled code: mypyc (2.4) skips
-# __init__ of a serializable class called from interpreted code.
+# Picklable when compiled too; so only compiled code may construct it (kvreuse.index.trie).
 @mypyc_attr(serializable=True)
-class RadixNode:
-    """One edge of the tree and the node it leads to. Owned by its :class:`RadixIndex`."""
+class RadixNode(TrieNode["RadixNode"]):
+    """One edge of the tree and the node it leads to, with its lock count and the access
+    history eviction orders by. Owned by its :class:`RadixIndex`."""
 
     __slots__ = (
-        "children",
         "created",
         "hit_count",
         "identity",
-        "key",
         "last_access",
         "lock_ref",
         "node_id",
-        "parent",
         "priority",
         "removed",
     )
@@ -39,11 +37,9 @@ class RadixNode:
         node_id: int,
         now: float,
     ) -> None:
-        self.key = key
-        self.parent = parent
+        super().__init__(key, parent)
         self.identity = identity
         self.node_id = node_id
-        self.children: dict[bytes, RadixNode] = {}
         self.last_access = now
         self.created = now
         self.hit_count = 0
@@ -52,34 +48,12 @@ class RadixNode:
         self.removed = False
 
     @property
-    def num_tokens(self) -> int:
-        """Tokens on the edge into this node."""
-        return len(self.key) // TOKEN_BYTES
-
-    @property
     def is_root(self) -> bool:
         return self.parent is None
 
     def token_ids(self) -> list[int]:
         """The edge's token ids as ints (for display and tests)."""
         return unpack(self.key)
-
-    def path_key(self) -> bytes:
-        """The packed tokens from the root to the end of this node. O(depth + tokens)."""
-        parts: list[bytes] = []
-        node: RadixNode | None = self
-        while node is not None and node.parent is not None:
-            parts.append(node.key)
-            node = node.parent
-        return b"".join(reversed(parts))
-
-    def depth_tokens(self) -> int:
-        """Tokens from the root to the end of this node. O(depth)."""
-        total, node = 0, self
-        while node.parent is not None:
-            total += len(node.key)
-            node = node.parent
-        return total // TOKEN_BYTES
 
     def __repr__(self) -> str:
         return f"RadixNode(id={self.node_id}, tokens={self.num_tokens}, lock={self.lock_ref})"

@@ -21,7 +21,7 @@ from kvreuse.routing.base import (
 )
 from kvreuse.routing.cache_aware import CacheAware, CacheAwareSGLang, Exact
 from kvreuse.routing.cost import CostRouting
-from kvreuse.routing.estimators import ApproxTrees, block_chain
+from kvreuse.routing.estimators import ApproxTrees
 from kvreuse.routing.events import KvCleared, KvEvent, KvRemoved, KvStored
 from kvreuse.routing.mirror import CacheMirror
 from kvreuse.routing.peers import DynamoKvCost, LlmdScorers
@@ -35,7 +35,7 @@ from kvreuse.routing.registry import (
     policy_option_names,
 )
 from kvreuse.routing.relative_spill import RelativeSpill
-from kvreuse.routing.ring import ConsistentRing, prefix_key, stable_hash
+from kvreuse.routing.ring import ConsistentRing, block_chain, prefix_key, stable_hash
 from kvreuse.routing.simple import LeastLoad, RandomChoice, RoundRobin
 
 __all__ = [

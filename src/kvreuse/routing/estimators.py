@@ -11,12 +11,11 @@ Two sources, in seed 000's order of accuracy and cost:
   replicas publish (:mod:`kvreuse.routing.events`), so it tracks real contents up to the event
   lag; matches rounded down to blocks.
 
-Both keep one shared tree whose edges carry a bit mask of the replicas holding them (as
-sgl-router's tree keeps per-tenant timestamps), so a prediction is one walk for the whole fleet.
-Both honour :class:`~kvreuse.routing.base.CacheEstimator`:
+Both keep one shared tree (on the kernel of :mod:`kvreuse.index.trie`) whose edges carry a bit
+mask of the replicas holding them (as sgl-router's tree keeps per-tenant timestamps), so a
+prediction is one walk for the whole fleet. Both honour
+:class:`~kvreuse.routing.base.CacheEstimator`:
 ``predict(request, replica_ids, now) -> dict[replica, cached tokens]``.
-
-:func:`block_chain` (chained 64-bit block hashes) is kept for callers that key blocks by hash.
 """
 
 from __future__ import annotations
@@ -24,32 +23,29 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable
 
-import xxhash
 from mypy_extensions import mypyc_attr
 
 from kvreuse.errors import ConfigError
 from kvreuse.identity import CacheIdentity
+from kvreuse.index.trie import PrefixTrie, TrieNode
 from kvreuse.routing.base import ReplicaId, RequestView
 from kvreuse.routing.events import KvEvent
 from kvreuse.routing.fleet_masks import FleetPlan, fleet_plan
-from kvreuse.routing.ring import identity_seed, stable_hash
-from kvreuse.tokens import TOKEN_BYTES, TokenBuffer, common_prefix_tokens
+from kvreuse.tokens import TOKEN_BYTES
 
 
-# Picklable and copyable when compiled too. Built only by compiled code: mypyc (2.4) skips
-# __init__ of a serializable class called from interpreted code.
+# Picklable when compiled too; so only compiled code may construct it (kvreuse.index.trie).
 @mypyc_attr(serializable=True)
-class _Node:
+class _Node(TrieNode["_Node"]):
     """An edge of the shared tree: tokens, the replicas holding them, each one's last use, and
-    how many children each replica holds (a replica's leaf is a node with none)."""
+    how many children each replica holds (a replica's leaf is a node with none). A node
+    nobody holds any more is unlinked and loses its parent."""
 
-    __slots__ = ("below", "children", "holders", "key", "node_id", "parent", "stamp")
+    __slots__ = ("below", "holders", "node_id", "stamp")
 
     def __init__(self, key: bytes, parent: _Node | None, node_id: int) -> None:
-        self.key = key
-        self.parent = parent
+        super().__init__(key, parent)
         self.node_id = node_id
-        self.children: dict[bytes, _Node] = {}
         self.holders = 0
         self.stamp: dict[int, float] = {}  # replica bit -> last access
         self.below: dict[int, int] = {}  # replica bit -> children holding it
@@ -58,7 +54,7 @@ class _Node:
 _Entry = tuple[float, int, _Node]
 
 
-class ApproxTrees:
+class ApproxTrees(PrefixTrie[_Node]):
     """Per-replica trees of what the router sent (SGLang's approximate tree), stored as one.
 
     Semantics per replica are those of a separate LRU radix tree: :meth:`record` inserts the
@@ -84,18 +80,15 @@ class ApproxTrees:
             raise ConfigError(f"max_tree_tokens must be >= 0, got {max_tree_tokens}")
         if capacity_tokens is not None and capacity_tokens < 0:
             raise ConfigError(f"capacity_tokens must be >= 0 or None, got {capacity_tokens}")
+        super().__init__()
         self.eviction_interval_s = eviction_interval_s
         self.max_tree_tokens = max_tree_tokens
         self.capacity_tokens = capacity_tokens
         self._next_eviction: float | None = None
-        self._roots: dict[CacheIdentity, _Node] = {}
-        # Hashing a CacheIdentity costs ~0.5 µs; requests of one tenant share one instance.
-        self._last: tuple[CacheIdentity | None, _Node | None] = (None, None)
         self._bits: dict[ReplicaId, int] = {}
         self._tokens: dict[int, int] = {}
         self._heaps: dict[int, list[_Entry]] = {}
         self._next_id = 0
-        self._num_nodes = 0
         self._singles: dict[int, tuple[int, ...]] = {}
         self._plans: dict[tuple[ReplicaId, ...], FleetPlan] = {}
         self._caps: dict[int, int] = {}  # replica bit -> its own cap (set_capacity)
@@ -140,7 +133,7 @@ class ApproxTrees:
         O(n) bytes compared plus O(depth × replicas)."""
         self._maybe_evict(now)
         ids = replicas if type(replicas) is tuple else tuple(replicas)
-        root = self._root(request.identity, create=False)
+        root = self.find_root(request.identity)
         if root is None:
             return dict.fromkeys(ids, 0)
         # The fleet's mask and bit -> replica names, kept per replica set (routers pass the
@@ -166,8 +159,7 @@ class ApproxTrees:
             key = child.key
             whole = buf.startswith(key, pos)
             if not whole:  # the match ends inside this edge: split so the touch is exact
-                common = common_prefix_tokens(key, buf[pos : pos + len(key)]) * TOKEN_BYTES
-                child = self._split(child, common)
+                child = self._split(child, self._common(child, buf, pos))
             stamp = child.stamp
             for low in singles.get(alive) or self._split_mask(alive):
                 stamp[low] = now
@@ -189,30 +181,30 @@ class ApproxTrees:
         """The router sent ``request`` to ``replica``: remember its prompt there, then evict
         that replica's LRU leaves past ``capacity_tokens``. O(n) plus O(log h) per eviction."""
         bit = self._bit(replica)
-        root = self._root(request.identity, create=True)
-        assert root is not None
+        root = self.root(request.identity)
         buf = request.tokens
         end = len(buf) - len(buf) % TOKEN_BYTES
-        node, pos = root, 0
-        while pos < end:
-            first = buf[pos : pos + TOKEN_BYTES]
-            child = node.children.get(first)
-            if child is None:
-                child = node.children[first] = _Node(buf[pos:end], node, self._new_id())
-                self._num_nodes += 1
-            elif not buf.startswith(child.key, pos):
-                key = child.key
-                common = common_prefix_tokens(key, buf[pos : pos + len(key)]) * TOKEN_BYTES
-                child = self._split(child, common)
-            if not child.holders & bit:
-                child.holders |= bit
-                self._tokens[bit] += len(child.key) // TOKEN_BYTES
-                node.below[bit] = node.below.get(bit, 0) + 1
-            child.stamp[bit] = now
-            node = child
-            pos += len(child.key)
+        node, pos, diverging = self._descend(root, buf, 0, end)
+        if diverging is not None:
+            node = self._split(diverging, self._common(diverging, buf, pos))
+            pos += len(node.key)
+        if pos < end:
+            node = self._link(node, _Node(buf[pos:end], node, self._new_id()))
         if node is root:
             return
+        # Hold and touch the path, leaf to root.
+        gained = 0
+        edge = node
+        while edge is not root:
+            above = edge.parent
+            assert above is not None
+            if not edge.holders & bit:
+                edge.holders |= bit
+                gained += len(edge.key)
+                above.below[bit] = above.below.get(bit, 0) + 1
+            edge.stamp[bit] = now
+            edge = above
+        self._tokens[bit] += gained // TOKEN_BYTES
         if not node.below.get(bit):
             self._push(bit, node)
         cap = self._caps.get(bit, self.capacity_tokens) if self._caps else self.capacity_tokens
@@ -268,24 +260,14 @@ class ApproxTrees:
             if parent.parent is not None:
                 self._push(bit, parent)  # the parent is now one of this replica's leaves
         if not node.holders and not node.children:
-            del parent.children[node.key[:TOKEN_BYTES]]
+            self._unlink(node)
             node.parent = None
-            self._num_nodes -= 1
         return tokens
 
     # ------------------------------------------------------------------ structure
 
-    def _root(self, identity: CacheIdentity, *, create: bool) -> _Node | None:
-        last, root = self._last
-        if identity is last:
-            return root
-        root = self._roots.get(identity)
-        if root is None:
-            if not create:
-                return None
-            root = self._roots[identity] = _Node(b"", None, self._new_id())
-        self._last = (identity, root)
-        return root
+    def _new_root(self, identity: CacheIdentity) -> _Node:
+        return _Node(b"", None, self._new_id())
 
     def _bit(self, replica: ReplicaId) -> int:
         bit = self._bits.get(replica)
@@ -312,19 +294,11 @@ class ApproxTrees:
         self._singles[mask] = singles = tuple(bits)
         return singles
 
-    def _split(self, child: _Node, at: int) -> _Node:
-        """Cut ``child``'s edge ``at`` bytes in; returns the new upper node. O(edge)."""
-        parent = child.parent
-        assert parent is not None and 0 < at < len(child.key), "split outside the edge"
-        upper = _Node(child.key[:at], parent, self._new_id())
+    def _cut(self, child: _Node, key: bytes) -> _Node:
+        upper = _Node(key, child.parent, self._new_id())
         upper.holders = child.holders
         upper.stamp = dict(child.stamp)
         upper.below = dict.fromkeys(child.stamp, 1)
-        child.key = child.key[at:]
-        child.parent = upper
-        upper.children[child.key[:TOKEN_BYTES]] = child
-        parent.children[upper.key[:TOKEN_BYTES]] = upper
-        self._num_nodes += 1
         return upper
 
     def _push(self, bit: int, node: _Node) -> None:
@@ -341,7 +315,8 @@ class ApproxTrees:
             heapq.heapify(heap)
 
     def check_invariants(self) -> None:
-        """O(tree + heaps) self-check: links, per-replica counts, every leaf in its heap."""
+        """O(tree + heaps) self-check: structure, per-replica counts, every leaf in its heap."""
+        self._check_structure()
         tokens = dict.fromkeys(self._tokens, 0)
         queued = {bit: {n.node_id for _, _, n in heap} for bit, heap in self._heaps.items()}
         for root in self._roots.values():
@@ -349,8 +324,7 @@ class ApproxTrees:
             while stack:
                 node = stack.pop()
                 below: dict[int, int] = {}
-                for first, child in node.children.items():
-                    assert child.parent is node and child.key[:TOKEN_BYTES] == first, "bad link"
+                for child in node.children.values():
                     assert child.holders & ~node.holders == 0 or node.parent is None, (
                         "a replica holds an edge without its parent"
                     )
@@ -370,16 +344,3 @@ class ApproxTrees:
                             assert node.node_id in queued[bit], "a leaf missing from its heap"
         assert tokens == self._tokens, f"tokens {self._tokens} != {tokens}"
 
-
-def block_chain(tokens: TokenBuffer, identity: CacheIdentity, block_size: int) -> list[int]:
-    """Chained 64-bit hashes of the full blocks of ``tokens``: entry b names the prefix of
-    (b+1)·block_size tokens under ``identity``. O(n)."""
-    step = block_size * TOKEN_BYTES
-    full = len(tokens) // step
-    digest = xxhash.xxh3_64_intdigest
-    h = stable_hash(identity_seed(identity))
-    chain = []
-    for b in range(full):
-        h = digest(tokens[b * step : (b + 1) * step], seed=h)
-        chain.append(h)
-    return chain

@@ -22,40 +22,40 @@ Semantics, stated:
   radix cache), and events arriving late (the simulator's ``kv_event_lag_s``) simply make the
   mirror an older copy of the cache.
 
+The tree is the kernel of :mod:`kvreuse.index.trie`; this module adds the holder masks.
+
 Costs: an event or a prediction is O(n) bytes compared plus O(depth) dict lookups for an n-token
 path, independent of the number of replicas but for a bit operation per edge.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 from mypy_extensions import mypyc_attr
 
 from kvreuse.errors import ConfigError
 from kvreuse.identity import CacheIdentity
+from kvreuse.index.trie import PrefixTrie, TrieNode
 from kvreuse.routing.base import ReplicaId, RequestView
 from kvreuse.routing.events import KvCleared, KvEvent, KvStored
 from kvreuse.routing.fleet_masks import FleetPlan, fleet_plan
-from kvreuse.tokens import TOKEN_BYTES, common_prefix_tokens
+from kvreuse.tokens import TOKEN_BYTES
 
 
-# Picklable and copyable when compiled too. Built only by compiled code: mypyc (2.4) skips
-# __init__ of a serializable class called from interpreted code.
+# Picklable when compiled too; so only compiled code may construct it (kvreuse.index.trie).
 @mypyc_attr(serializable=True)
-class _Edge:
-    """A run of tokens and the replicas that hold all of them."""
+class _Edge(TrieNode["_Edge"]):
+    """A run of tokens and the replicas that hold all of them. Unlinked, it loses its parent."""
 
-    __slots__ = ("children", "holders", "key", "parent")
+    __slots__ = ("holders",)
 
     def __init__(self, key: bytes, parent: _Edge | None, holders: int) -> None:
-        self.key = key
-        self.parent = parent
+        super().__init__(key, parent)
         self.holders = holders
-        self.children: dict[bytes, _Edge] = {}
 
 
-class CacheMirror:
+class CacheMirror(PrefixTrie[_Edge]):
     """Per-replica cache contents from KV events only; see the module docstring."""
 
     uses_kv_events = True
@@ -63,16 +63,11 @@ class CacheMirror:
     def __init__(self, block_size: int = 16) -> None:
         if block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {block_size}")
+        super().__init__()
         self.block_size = block_size
-        self.events_applied = 0
-        self._roots: dict[CacheIdentity, _Edge] = {}
-        # Hashing a CacheIdentity costs ~0.5 µs; requests of one tenant share one instance.
-        self._last_identity: CacheIdentity | None = None
-        self._last_root: _Edge | None = None
         self._bits: dict[ReplicaId, int] = {}
         self._plans: dict[tuple[ReplicaId, ...], FleetPlan] = {}
         self._held: dict[int, int] = {}  # bit -> tokens held
-        self._num_edges = 0
 
     # ------------------------------------------------------------------ queries
 
@@ -87,7 +82,7 @@ class CacheMirror:
 
     @property
     def num_edges(self) -> int:
-        return self._num_edges
+        return self._num_nodes
 
     def predict(
         self, request: RequestView, replicas: Iterable[ReplicaId], now: float
@@ -95,7 +90,7 @@ class CacheMirror:
         """Each replica's longest held prefix of the prompt, in whole blocks. One walk for all
         replicas: O(n) bytes compared plus O(depth) lookups."""
         ids = replicas if type(replicas) is tuple else tuple(replicas)
-        root = self._root(request.identity, create=False)
+        root = self.find_root(request.identity)
         if root is None:
             return dict.fromkeys(ids, 0)
         # The fleet's mask and bit -> replica names, kept per replica set: routers pass the same
@@ -121,7 +116,7 @@ class CacheMirror:
                 pos += klen
                 children_get = child.children.get
                 continue
-            pos += common_prefix_tokens(key, buf[pos : pos + klen]) * TOKEN_BYTES
+            pos += self._common(child, buf, pos)
             break
         # Whole blocks only: floor to a multiple of block_size bytes-of-tokens in one step.
         step, size = self.block_size * TOKEN_BYTES, self.block_size
@@ -144,41 +139,33 @@ class CacheMirror:
 
     def apply(self, event: KvEvent) -> None:
         """Fold one event into the mirror. O(n) in the event's tokens (a clear: O(tree))."""
-        self.events_applied += 1
         bit = self._bits.get(event.replica) or self._bit(event.replica)
         if isinstance(event, KvCleared):
             self._clear(bit)
             return
-        # The identity check skips hashing a CacheIdentity: a tenant's events share one.
-        identity = event.identity
-        root = (self._last_root if identity is self._last_identity
-                else self._root(identity, create=True))
-        assert root is not None
+        root = self.root(event.identity)
         if isinstance(event, KvStored):
             self._store(root, event.tokens, bit)
         else:
             self._remove(root, event.tokens, event.keep_tokens * TOKEN_BYTES, bit)
 
     def _store(self, root: _Edge, buf: bytes, bit: int) -> None:
-        node, pos, end = root, 0, len(buf) - len(buf) % TOKEN_BYTES
+        end = len(buf) - len(buf) % TOKEN_BYTES
+        node, pos, diverging = self._descend(root, buf, 0, end)
+        if diverging is not None:
+            node = self._split(diverging, self._common(diverging, buf, pos))
+            pos += len(node.key)
         gained = 0
-        while pos < end:
-            first = buf[pos : pos + TOKEN_BYTES]
-            child = node.children.get(first)
-            if child is None:
-                node.children[first] = _Edge(buf[pos:end], node, bit)
-                self._num_edges += 1
-                gained += end - pos
-                break
-            key = child.key
-            if not buf.startswith(key, pos):
-                common = common_prefix_tokens(key, buf[pos : pos + len(key)]) * TOKEN_BYTES
-                child = self._split(child, common)
-            if not child.holders & bit:
-                child.holders |= bit
-                gained += len(child.key)
-            node = child
-            pos += len(child.key)
+        if pos < end:
+            self._link(node, _Edge(buf[pos:end], node, bit))
+            gained = end - pos
+        while node is not root:  # hold the path, leaf to root
+            if not node.holders & bit:
+                node.holders |= bit
+                gained += len(node.key)
+            above = node.parent
+            assert above is not None
+            node = above
         self._held[bit] += gained // TOKEN_BYTES
 
     def _remove(self, root: _Edge, buf: bytes, keep: int, bit: int) -> None:
@@ -188,9 +175,8 @@ class CacheMirror:
             child = node.children.get(buf[pos : pos + TOKEN_BYTES])
             if child is None:
                 break
-            key = child.key
-            if not buf.startswith(key, pos):
-                common = common_prefix_tokens(key, buf[pos : pos + len(key)]) * TOKEN_BYTES
+            if not buf.startswith(child.key, pos):
+                common = self._common(child, buf, pos)
                 if pos + common <= keep:
                     break  # the path leaves the tree before the removed range
                 child = self._split(child, common)
@@ -206,25 +192,17 @@ class CacheMirror:
 
     def _clear(self, bit: int) -> None:
         for root in self._roots.values():
-            for node in _subtree(root):
+            for node in self._subtree(root):
                 node.holders &= ~bit
-            for node in list(_subtree(root)):
+            for node in list(self._subtree(root)):
                 if node.parent is not None and not node.children:
                     self._prune(node)
         self._held[bit] = 0
 
     # ------------------------------------------------------------------ structure
 
-    def _root(self, identity: CacheIdentity, *, create: bool) -> _Edge | None:
-        if identity is self._last_identity:
-            return self._last_root
-        root = self._roots.get(identity)
-        if root is None:
-            if not create:
-                return None
-            root = self._roots[identity] = _Edge(b"", None, 0)
-        self._last_identity, self._last_root = identity, root
-        return root
+    def _new_root(self, identity: CacheIdentity) -> _Edge:
+        return _Edge(b"", None, 0)
 
     def _bit(self, replica: ReplicaId) -> int:
         bit = self._bits.get(replica)
@@ -233,26 +211,15 @@ class CacheMirror:
             self._held[bit] = 0
         return bit
 
-    def _split(self, child: _Edge, at: int) -> _Edge:
-        """Cut ``child``'s edge ``at`` bytes in; returns the new upper edge. O(edge)."""
-        parent = child.parent
-        assert parent is not None and 0 < at < len(child.key), "split outside the edge"
-        upper = _Edge(child.key[:at], parent, child.holders)
-        child.key = child.key[at:]
-        child.parent = upper
-        upper.children[child.key[:TOKEN_BYTES]] = child
-        parent.children[upper.key[:TOKEN_BYTES]] = upper
-        self._num_edges += 1
-        return upper
+    def _cut(self, child: _Edge, key: bytes) -> _Edge:
+        return _Edge(key, child.parent, child.holders)
 
     def _prune(self, node: _Edge) -> None:
         """Drop held-by-nobody leaves upward from ``node``, then rejoin edges cut in two whose
         halves are held alike, so the splits removals make do not pile up. O(depth)."""
         while node.parent is not None and not node.holders and not node.children:
-            parent = node.parent
-            del parent.children[node.key[:TOKEN_BYTES]]
+            parent = self._unlink(node)
             node.parent = None
-            self._num_edges -= 1
             node = parent
         if node.parent is None:
             return
@@ -269,36 +236,16 @@ class CacheMirror:
         (lower,) = upper.children.values()
         if lower.holders != upper.holders or not upper.holders:
             return  # a hole (held by nobody) is left alone: pruning may still remove it
-        upper.key += lower.key
-        upper.children = lower.children
-        for child in upper.children.values():
-            child.parent = upper
-        lower.parent = None
-        self._num_edges -= 1
+        self._absorb(upper)
 
     def check_invariants(self) -> None:
-        """O(tree) self-check: links, key filing, token counts per replica, no dead leaves."""
+        """O(tree) self-check: structure, token counts per replica, no dead leaves."""
+        self._check_structure()
         held = dict.fromkeys(self._held, 0)
-        count = 0
-        for root in self._roots.values():
-            for node in _subtree(root):
-                for first, child in node.children.items():
-                    assert child.parent is node, "edge with the wrong parent"
-                    assert child.key[:TOKEN_BYTES] == first and child.key, "edge filed wrongly"
-                if node.parent is None:
-                    continue
-                count += 1
-                assert node.holders or node.children, "a leaf nobody holds was kept"
-                for bit in held:
-                    if node.holders & bit:
-                        held[bit] += len(node.key) // TOKEN_BYTES
+        for _identity, node in self.nodes():
+            assert node.holders or node.children, "a leaf nobody holds was kept"
+            for bit in held:
+                if node.holders & bit:
+                    held[bit] += len(node.key) // TOKEN_BYTES
         assert held == self._held, f"held tokens {self._held} != {held}"
-        assert count == self._num_edges, f"num_edges {self._num_edges} != {count}"
 
-
-def _subtree(root: _Edge) -> Iterator[_Edge]:
-    stack = [root]
-    while stack:
-        node = stack.pop()
-        yield node
-        stack.extend(node.children.values())

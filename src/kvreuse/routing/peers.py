@@ -71,7 +71,8 @@ from kvreuse.routing.base import (
     RequestView,
     RoutingDecision,
 )
-from kvreuse.routing.estimators import ApproxTrees, block_chain
+from kvreuse.routing.estimators import ApproxTrees
+from kvreuse.routing.ring import block_chain
 from kvreuse.tokens import TOKEN_BYTES, TokenBuffer
 
 LLMD_PREFIX_WEIGHT = 3.0

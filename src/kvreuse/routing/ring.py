@@ -35,6 +35,21 @@ def prefix_key(tokens: TokenBuffer, k: int, identity: CacheIdentity) -> int:
     return stable_hash(identity_seed(identity) + tokens[: k * TOKEN_BYTES])
 
 
+def block_chain(tokens: TokenBuffer, identity: CacheIdentity, block_size: int) -> list[int]:
+    """Chained 64-bit hashes of the full blocks of ``tokens`` under ``identity``: entry b names
+    the first (b+1)·block_size tokens (the chain starts from :func:`identity_seed`'s hash), so
+    equal entries mean equal prefixes. llm-d's scorers and the gateways' shared index key blocks
+    by it. O(n)."""
+    step = block_size * TOKEN_BYTES
+    digest = xxhash.xxh3_64_intdigest
+    h = stable_hash(identity_seed(identity))
+    chain = []
+    for b in range(len(tokens) // step):
+        h = digest(tokens[b * step : (b + 1) * step], seed=h)
+        chain.append(h)
+    return chain
+
+
 class ConsistentRing:
     """A hash ring over replica ids. Insertion order of ids does not affect placement."""
 
