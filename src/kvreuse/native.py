@@ -7,9 +7,10 @@ per second on belgavi (issue 3). mypyc compiles the very same source, which alre
 ``mypy --strict``, into C extension modules: attribute reads become struct loads and calls
 between compiled classes direct C calls, about twice as fast (docs/performance.md).
 
-What. :data:`NATIVE_MODULES`: the radix index, the token helpers, the engine, fleet, replica
-and memory of the simulator, the fleet-wide estimators (KV-event mirror, approximate trees,
-masks, the hash ring), the TTFT formula and the cache-aware load rules. The routing policies
+What. :data:`NATIVE_MODULES`: the prefix-trie kernel and the radix index on it, the token
+helpers, the engine, fleet, replica and memory of the simulator, the fleet-wide estimators
+(KV-event mirror, approximate trees, masks, the hash ring), the TTFT formula, the cache-aware
+load rules and the gateway's KV-event index (a layer on the kernel). The routing policies
 stay interpreted: they are the classes users subclass, and the registry reads their
 ``__init__`` signatures, which compiled classes lack.
 
@@ -62,6 +63,7 @@ NATIVE_MODULES: tuple[str, ...] = (
     "kvreuse.routing.ring",
     "kvreuse.routing.ttft",
     "kvreuse.routing.load_rules",
+    "kvreuse.gateway.event_index",
 )
 """Modules compiled by ``make native``, by import name."""
 

@@ -237,3 +237,20 @@ def test_set_budget_trims_now_and_returns_what_went() -> None:
     assert index.tree_tokens == 4 and len(events) == 2
     assert all(isinstance(e, KvRemoved) for e in events)
     index.check_invariants()
+
+
+def test_blocks_of_another_size_start_the_tree_over() -> None:
+    """The tree is filed by whole blocks: a store of another block size (a restarted engine
+    with another --block-size, or a forged event) clears it and tells the policy so, instead
+    of filing blocks of two sizes side by side."""
+    index = EventIndex("r0")
+    index.apply(store([1, 2], [10, 11, 12, 13]))
+    applied = index.apply(store([5], [10, 11, 12, 13], size=4))
+    assert isinstance(applied.routing_events[0], KvCleared)
+    assert isinstance(applied.routing_events[1], KvStored)
+    assert index.num_blocks == 1 and index.block_size == 4
+    assert index.match(pack([10, 11, 12, 13, 14])) == 4
+    index.check_invariants()
+    # A removal naming a block of the old tree is unknown now, not a crash.
+    assert index.apply(BlockRemoved((h(2),))).unknown_removals == 1
+    index.check_invariants()

@@ -20,17 +20,21 @@ stays a hit while any copy remains; the index therefore counts copies per hash. 
 it the counts run high until ``AllBlocksCleared``.)
 
 Each applied event is also translated into the path-based events of :mod:`kvreuse.routing.events`
-(full token paths), which is what the routing policies consume.
+(full token paths), which is what the routing policies consume. The tree is the kernel of
+:mod:`kvreuse.index.trie` with one block per node (blocks never split), compiled with it
+(:mod:`kvreuse.native`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
+
+from mypy_extensions import mypyc_attr
 
 from kvreuse.identity import DEFAULT_IDENTITY, CacheIdentity
 from kvreuse.index.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kvreuse.index.hashing import BlockHash
+from kvreuse.index.trie import PrefixTrie, TrieNode
 from kvreuse.routing.events import KvCleared, KvEvent, KvRemoved, KvStored
 from kvreuse.tokens import TOKEN_BYTES, TokenBuffer, pack
 
@@ -38,17 +42,20 @@ CACHED_MEDIA = ("GPU",)
 """Events about other media (a CPU or disk offload tier) do not change what prefix caching hits."""
 
 
-class _Block:
-    __slots__ = ("children", "end", "hashes", "identity", "key", "parent")
+# Built only by compiled code: mypyc (2.4) skips __init__ of a serializable class called from
+# interpreted code (tests/index/test_compiled_only_nodes.py).
+@mypyc_attr(serializable=True)
+class _Block(TrieNode["_Block"]):
+    """One block: its tokens, where it ends, and the hashes naming its cached copies."""
+
+    __slots__ = ("end", "hashes", "identity")
 
     def __init__(
         self, key: bytes, parent: _Block | None, end: int, identity: CacheIdentity
     ) -> None:
-        self.key = key
+        super().__init__(key, parent)
         self.identity = identity
-        self.parent = parent
         self.end = end  # tokens from the first prompt token to the end of this block
-        self.children: dict[bytes, _Block] = {}
         self.hashes: dict[BlockHash, int] = {}  # hash -> cached copies
 
     @property
@@ -77,15 +84,15 @@ def salt_of(extra_keys: tuple[object, ...] | None, lora_name: str | None) -> str
     return strings[0] if strings else None
 
 
-class EventIndex:
+class EventIndex(PrefixTrie[_Block]):
     """The cache contents of upstream ``replica`` as its events describe them."""
 
     def __init__(self, replica: str, budget_tokens: int | None = None) -> None:
+        super().__init__(0)  # children are filed under their whole block, once its size is known
         self.replica = replica
         self.block_size = 0  # learned from the first BlockStored
         self.budget_tokens = budget_tokens
         self.trimmed_blocks = 0
-        self._roots: dict[CacheIdentity, _Block] = {}
         self._by_hash: dict[BlockHash, _Block] = {}
         self._present_tokens = 0
         self._tree_tokens = 0  # every block in the tree, holes included
@@ -111,21 +118,21 @@ class EventIndex:
         """Tokens of ``tokens`` the upstream would serve from cache, by vLLM's rules. O(n/B)
         dict lookups on B-token slices (memcmp speed)."""
         size = self.block_size
-        root = self._roots.get(identity)
+        root = self.find_root(identity)
         if root is None or size == 0:
             return 0
         step = size * TOKEN_BYTES
         max_blocks = max(len(tokens) // TOKEN_BYTES - 1, 0) // size
         node, matched = root, 0
         while matched < max_blocks:
-            child = node.children.get(tokens[matched * step : (matched + 1) * step])
+            child: _Block | None = node.children.get(tokens[matched * step : (matched + 1) * step])
             if child is None or not child.hashes:
                 break
             node, matched = child, matched + 1
         return matched * size
 
-    def identities(self) -> list[CacheIdentity]:
-        return list(self._roots)
+    def _new_root(self, identity: CacheIdentity) -> _Block:
+        return _Block(b"", None, 0, identity)
 
     # ------------------------------------------------------------------ updates
 
@@ -148,7 +155,7 @@ class EventIndex:
 
     def reset(self) -> None:
         """Forget everything (AllBlocksCleared, or a sequence gap that cannot be replayed)."""
-        self._roots.clear()
+        self._drop_roots()
         self._by_hash.clear()
         self._present_tokens = 0
         self._tree_tokens = 0
@@ -169,40 +176,41 @@ class EventIndex:
         out: list[KvEvent] = []
         while self._tree_tokens > budget and self._by_hash:
             block_hash = next(iter(self._by_hash))
-            block = self._by_hash[block_hash]
-            path, identity = self._path(block), self._identity(block)
-            self._drop_hash(block, block_hash, all_copies=True)
             self.trimmed_blocks += 1
-            if not block.hashes:
-                keep = block.end - self._size(block)
-                out.append(KvRemoved(self.replica, path, keep, identity, now))
+            self._forget(self._by_hash[block_hash], block_hash, now, out, all_copies=True)
         return tuple(out)
 
     def _stored(self, event: BlockStored, now: float) -> Applied:
         hashes = event.block_hashes
+        size = len(event.token_ids) // len(hashes)
+        cleared: tuple[KvEvent, ...] = ()
+        if size * TOKEN_BYTES != self._page_bytes:
+            # Blocks of another size (a restarted engine, a forged event): the tree is filed by
+            # whole blocks of the old size, so it starts over.
+            if self._roots:
+                self.reset()
+                cleared = (KvCleared(self.replica, now),)
+            self._page_bytes = size * TOKEN_BYTES
+        parent: _Block
         if event.parent_block_hash is None:
             first_keys = event.extra_keys[0] if event.extra_keys else None
-            identity = CacheIdentity(
+            parent = self.root(CacheIdentity(
                 adapter=event.lora_name, cache_salt=salt_of(first_keys, event.lora_name)
-            )
-            parent = self._roots.get(identity)
-            if parent is None:
-                parent = self._roots[identity] = _Block(b"", None, 0, identity)
+            ))
         else:
             found = self._by_hash.get(event.parent_block_hash)
             if found is None:
-                return Applied(orphan_blocks=len(hashes))
+                return Applied(cleared, orphan_blocks=len(hashes))
             parent = found
-        size = len(event.token_ids) // len(hashes)
         self.block_size = event.block_size
         packed = pack(event.token_ids)
         step = size * TOKEN_BYTES
         node = parent
         for i, block_hash in enumerate(hashes):
             key = packed[i * step : (i + 1) * step]
-            child = node.children.get(key)
+            child: _Block | None = node.children.get(key)
             if child is None:
-                child = node.children[key] = _Block(key, node, node.end + size, node.identity)
+                child = self._link(node, _Block(key, node, node.end + size, node.identity))
                 self._tree_tokens += size
             if not child.hashes:
                 self._present_tokens += size
@@ -213,7 +221,8 @@ class EventIndex:
             child.hashes[block_hash] = child.hashes.get(block_hash, 0) + 1
             self._by_hash[block_hash] = child
             node = child
-        return Applied((KvStored(self.replica, self._path(node), self._identity(node), now),))
+        path = TokenBuffer(node.path_key())
+        return Applied((*cleared, KvStored(self.replica, path, node.identity, now)))
 
     def _removed(self, event: BlockRemoved, now: float) -> Applied:
         out: list[KvEvent] = []
@@ -223,12 +232,17 @@ class EventIndex:
             if block is None:
                 unknown += 1
                 continue
-            path, identity = self._path(block), self._identity(block)
-            self._drop_hash(block, block_hash)
-            if not block.hashes:
-                keep = block.end - self._size(block)
-                out.append(KvRemoved(self.replica, path, keep, identity, now))
+            self._forget(block, block_hash, now, out)
         return Applied(tuple(out), unknown_removals=unknown)
+
+    def _forget(self, block: _Block, block_hash: BlockHash, now: float, out: list[KvEvent], *,
+                all_copies: bool = False) -> None:
+        """Drop a copy (or all) of ``block_hash``; a block left with none goes to ``out`` as a
+        :class:`KvRemoved` (an unlinked block keeps its path to the root for that)."""
+        self._drop_hash(block, block_hash, all_copies=all_copies)
+        if not block.hashes:
+            out.append(KvRemoved(self.replica, TokenBuffer(block.path_key()),
+                                 block.end - block.num_tokens, block.identity, now))
 
     def _drop_hash(self, block: _Block, block_hash: BlockHash, *, all_copies: bool = False) -> None:
         copies = block.hashes[block_hash] - 1
@@ -239,37 +253,15 @@ class EventIndex:
         del block.hashes[block_hash]
         if block.hashes:
             return
-        self._present_tokens -= self._size(block)
+        self._present_tokens -= block.num_tokens
         # Prune absent leaves upward; an absent block with cached children stays as a hole.
-        node: _Block | None = block
-        while node is not None and node.parent is not None and not node.hashes:
-            if node.children:
-                break
-            del node.parent.children[node.key]
-            self._tree_tokens -= self._size(node)
-            node = node.parent
-        if node is not None and node.parent is None and not node.children:
+        node = block
+        while node.parent is not None and not node.hashes and not node.children:
+            self._tree_tokens -= node.num_tokens
+            node = self._unlink(node)
+        if node.parent is None and not node.children:
             # An emptied namespace goes too: caller-chosen salts must not pile up roots.
-            self._roots.pop(node.identity, None)
-
-    # ------------------------------------------------------------------ helpers
-
-    @staticmethod
-    def _size(block: _Block) -> int:
-        return len(block.key) // TOKEN_BYTES
-
-    @staticmethod
-    def _path(block: _Block) -> TokenBuffer:
-        keys = []
-        node: _Block | None = block
-        while node is not None and node.parent is not None:
-            keys.append(node.key)
-            node = node.parent
-        return TokenBuffer(b"".join(reversed(keys)))
-
-    @staticmethod
-    def _identity(block: _Block) -> CacheIdentity:
-        return block.identity
+            self._drop_root(node.identity)
 
     def routing_snapshot(self, now: float = 0.0) -> list[KvEvent]:
         """The index's contents as routing events: a :class:`KvStored` per present block with
@@ -277,46 +269,26 @@ class EventIndex:
         what it would have been told event by event. O(blocks + tokens of the stored paths)."""
         stored: list[KvEvent] = []
         holes: list[KvEvent] = []
-        for root in self._roots.values():
-            stack = list(root.children.values())
-            while stack:
-                node = stack.pop()
-                stack.extend(node.children.values())
-                if not node.present:
-                    holes.append(KvRemoved(self.replica, self._path(node),
-                                           node.end - self._size(node), node.identity, now))
-                elif not any(child.present for child in node.children.values()):
-                    stored.append(KvStored(self.replica, self._path(node), node.identity, now))
+        for _identity, node in self.nodes():
+            if not node.present:
+                holes.append(KvRemoved(self.replica, TokenBuffer(node.path_key()),
+                                       node.end - node.num_tokens, node.identity, now))
+            elif not any(child.present for child in node.children.values()):
+                stored.append(KvStored(self.replica, TokenBuffer(node.path_key()),
+                                       node.identity, now))
         return stored + holes
-
-    def walk(self) -> Iterator[tuple[CacheIdentity, int, bool]]:
-        """``(identity, end, present)`` for every block, depth first (tests, debugging). O(n)."""
-        for identity, root in self._roots.items():
-            stack = list(root.children.values())
-            while stack:
-                node = stack.pop()
-                yield identity, node.end, node.present
-                stack.extend(node.children.values())
 
     def check_invariants(self) -> None:
         """O(n): hash map and tree agree, token totals add up, no absent leaf lingers."""
-        present = 0
-        seen = 0
-        tree = 0
-        for root in self._roots.values():
-            stack = list(root.children.values())
-            while stack:
-                node = stack.pop()
-                assert node.parent is not None and node.parent.children.get(node.key) is node, (
-                    "block filed under the wrong parent"
-                )
-                assert node.present or node.children, "absent leaf was not pruned"
-                for block_hash in node.hashes:
-                    assert self._by_hash.get(block_hash) is node, "hash map disagrees with tree"
-                seen += len(node.hashes)
-                present += self._size(node) if node.present else 0
-                tree += self._size(node)
-                stack.extend(node.children.values())
+        self._check_structure()
+        present = seen = tree = 0
+        for _identity, node in self.nodes():
+            assert node.present or node.children, "absent leaf was not pruned"
+            for block_hash in node.hashes:
+                assert self._by_hash.get(block_hash) is node, "hash map disagrees with tree"
+            seen += len(node.hashes)
+            present += node.num_tokens if node.present else 0
+            tree += node.num_tokens
         assert seen == len(self._by_hash), f"{len(self._by_hash)} hashes, {seen} in the tree"
         assert present == self._present_tokens, f"cached_tokens {self._present_tokens} != {present}"
         assert tree == self._tree_tokens, f"tree_tokens {self._tree_tokens} != {tree}"

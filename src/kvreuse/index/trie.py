@@ -1,26 +1,20 @@
 """The prefix-trie kernel the token trees of kvreuse are built on.
 
-A trie holds, per cache identity, a root whose edges are runs of packed token ids
-(:data:`~kvreuse.tokens.TokenBuffer` bytes) filed under their first page (``page_tokens`` tokens).
-This module owns the structure alone: nodes and their links, the per-identity roots (with the
-last identity remembered, since callers pass one identity object request after request), the
-walk down whole edges to where a path diverges, the split of an edge, attaching and unlinking
-nodes, subtree iteration and the structural invariants. What a node *means* is its layer's:
+Per cache identity, a root whose edges are runs of packed token ids filed under their first page
+(``page_tokens`` tokens). The kernel owns the structure: links, the per-identity roots (the last
+identity remembered: callers pass one identity object request after request), the walk down whole
+edges to where a path diverges, splits (with a payload hook), linking and unlinking, subtree
+iteration and the structural invariants. What a node *means* is its layer's:
+:class:`~kvreuse.index.radix.RadixIndex` (locks, access times, eviction order),
+:class:`~kvreuse.routing.estimators.ApproxTrees` (which replicas were sent a prefix, and when),
+:class:`~kvreuse.routing.mirror.CacheMirror` (which replicas' KV events say they hold it) and
+:class:`~kvreuse.gateway.event_index.EventIndex` (one upstream's blocks and their copies). A layer
+subclasses :class:`TrieNode` and :class:`PrefixTrie`; walks that update a payload edge by edge
+stay in the layer's loop, on these primitives, since they are the compiled core's hot paths.
 
-* :class:`~kvreuse.index.radix.RadixIndex`: locks, access times and eviction order;
-* :class:`~kvreuse.routing.estimators.ApproxTrees`: which replicas were sent a prefix, and when;
-* :class:`~kvreuse.routing.mirror.CacheMirror`: which replicas' KV events say they hold it.
-
-A layer subclasses :class:`TrieNode` for its payload and :class:`PrefixTrie` for its rules,
-giving the kernel two hooks: :meth:`PrefixTrie._new_root` and :meth:`PrefixTrie._cut` (the upper
-half of a split edge, carrying the payload the layer wants it to inherit). Walks that update a
-payload edge by edge stay in the layer's own loop, on these primitives: they are the hot paths
-of the compiled core (:mod:`kvreuse.native`), where every call between compiled classes is a C
-call.
-
-Node classes are marked ``mypyc_attr(serializable=True)`` so indexes pickle when compiled;
-mypyc 2.4 then skips ``__init__`` when *interpreted* code calls such a class, so only compiled
-modules may construct them (``tests/index/test_compiled_only_nodes.py`` checks the sources).
+Node classes are marked ``mypyc_attr(serializable=True)`` so indexes pickle when compiled; mypyc
+2.4 then skips ``__init__`` when *interpreted* code calls such a class, so only compiled modules
+may construct them (``tests/index/test_compiled_only_nodes.py`` checks the sources).
 """
 
 from __future__ import annotations
@@ -64,13 +58,8 @@ class TrieNode(Generic[N]):
         return b"".join(reversed(parts))
 
     def depth_tokens(self) -> int:
-        """Tokens from the root to the end of this node. O(depth)."""
-        total = 0
-        node: TrieNode[N] | None = self
-        while node is not None and node.parent is not None:
-            total += len(node.key)
-            node = node.parent
-        return total // TOKEN_BYTES
+        """Tokens from the root to the end of this node. O(depth + tokens)."""
+        return len(self.path_key()) // TOKEN_BYTES
 
 
 class PrefixTrie(Generic[N]):
@@ -107,18 +96,16 @@ class PrefixTrie(Generic[N]):
     def root(self, identity: CacheIdentity | None = None) -> N:
         """The root of ``identity``'s trie (``None``: the default identity), created on first
         use. O(1)."""
-        # An identity check skips hashing the dataclass (about 0.3 µs) on the common path.
-        if identity is self._last_identity and self._last_root is not None:
-            return self._last_root
-        ident = DEFAULT_IDENTITY if identity is None else identity
-        root = self._roots.get(ident)
+        root = self.find_root(identity)
         if root is None:
+            ident = DEFAULT_IDENTITY if identity is None else identity
             root = self._roots[ident] = self._new_root(ident)
-        self._last_identity, self._last_root = identity, root
+            self._last_identity, self._last_root = identity, root
         return root
 
     def find_root(self, identity: CacheIdentity | None) -> N | None:
         """:meth:`root` without creating one: ``None`` when ``identity`` has none. O(1)."""
+        # An identity check skips hashing the dataclass (about 0.3 µs) on the common path.
         if identity is self._last_identity and self._last_root is not None:
             return self._last_root
         root = self._roots.get(DEFAULT_IDENTITY if identity is None else identity)
@@ -201,6 +188,12 @@ class PrefixTrie(Generic[N]):
         lower.parent = None
         self._num_nodes -= 1
 
+    def _drop_roots(self) -> None:
+        """Forget every trie, roots included. O(1)."""
+        self._roots.clear()
+        self._last_identity, self._last_root = None, None
+        self._num_nodes = 0
+
     def _clear_roots(self) -> None:
         """Empty every trie (roots stay). O(1) per root."""
         for root in self._roots.values():
@@ -211,8 +204,7 @@ class PrefixTrie(Generic[N]):
 
     @staticmethod
     def _subtree(root: N) -> Iterator[N]:
-        """``root`` and every node below it, depth first (children before siblings' subtrees
-        is not promised). O(subtree)."""
+        """``root`` and every node below it, depth first. O(subtree)."""
         stack = [root]
         while stack:
             node = stack.pop()

@@ -27,10 +27,10 @@ from mypy_extensions import mypyc_attr
 
 from kvreuse.errors import ConfigError
 from kvreuse.identity import CacheIdentity
-from kvreuse.index.trie import PrefixTrie, TrieNode
+from kvreuse.index.trie import TrieNode
 from kvreuse.routing.base import ReplicaId, RequestView
 from kvreuse.routing.events import KvEvent
-from kvreuse.routing.fleet_masks import FleetPlan, fleet_plan
+from kvreuse.routing.fleet_masks import FleetTrie
 from kvreuse.tokens import TOKEN_BYTES
 
 
@@ -54,7 +54,7 @@ class _Node(TrieNode["_Node"]):
 _Entry = tuple[float, int, _Node]
 
 
-class ApproxTrees(PrefixTrie[_Node]):
+class ApproxTrees(FleetTrie[_Node]):
     """Per-replica trees of what the router sent (SGLang's approximate tree), stored as one.
 
     Semantics per replica are those of a separate LRU radix tree: :meth:`record` inserts the
@@ -85,12 +85,9 @@ class ApproxTrees(PrefixTrie[_Node]):
         self.max_tree_tokens = max_tree_tokens
         self.capacity_tokens = capacity_tokens
         self._next_eviction: float | None = None
-        self._bits: dict[ReplicaId, int] = {}
-        self._tokens: dict[int, int] = {}
         self._heaps: dict[int, list[_Entry]] = {}
         self._next_id = 0
         self._singles: dict[int, tuple[int, ...]] = {}
-        self._plans: dict[tuple[ReplicaId, ...], FleetPlan] = {}
         self._caps: dict[int, int] = {}  # replica bit -> its own cap (set_capacity)
 
     # ------------------------------------------------------------------ budgets
@@ -113,11 +110,6 @@ class ApproxTrees(PrefixTrie[_Node]):
 
     # ------------------------------------------------------------------ queries
 
-    def tree_tokens(self, replica: ReplicaId) -> int:
-        """Tokens the router believes ``replica`` holds. O(1)."""
-        bit = self._bits.get(replica)
-        return 0 if bit is None else self._tokens[bit]
-
     def cached_blocks(self, replica: ReplicaId) -> int:
         """:meth:`tree_tokens`: these trees predict in tokens (CacheEstimator's own unit)."""
         return self.tree_tokens(replica)
@@ -136,10 +128,7 @@ class ApproxTrees(PrefixTrie[_Node]):
         root = self.find_root(request.identity)
         if root is None:
             return dict.fromkeys(ids, 0)
-        # The fleet's mask and bit -> replica names, kept per replica set (routers pass the
-        # same set request after request): no per-replica loop for replicas still matching.
-        plan = self._plans.get(ids) or fleet_plan(self._plans, ids, self._bit)
-        alive, name_of = plan
+        alive, name_of = self._plan(ids)
         drops: list[tuple[int, int]] = []  # (replicas that dropped out, bytes matched then)
         buf = request.tokens
         end = len(buf) - len(buf) % TOKEN_BYTES
@@ -167,13 +156,7 @@ class ApproxTrees(PrefixTrie[_Node]):
             node = child
             if not whole:
                 break
-        # Replicas still alive share the final position; those that dropped out overwrite
-        # theirs (dict order stays the order of ``ids``).
-        out = dict.fromkeys(ids, pos // TOKEN_BYTES if alive else 0)
-        for dropped, at in drops:
-            for low in singles.get(dropped) or self._split_mask(dropped):
-                out[name_of[low]] = at // TOKEN_BYTES
-        return out
+        return self._answer(ids, name_of, alive, pos, drops, 1)
 
     # ------------------------------------------------------------------ updates
 
@@ -269,13 +252,8 @@ class ApproxTrees(PrefixTrie[_Node]):
     def _new_root(self, identity: CacheIdentity) -> _Node:
         return _Node(b"", None, self._new_id())
 
-    def _bit(self, replica: ReplicaId) -> int:
-        bit = self._bits.get(replica)
-        if bit is None:
-            bit = self._bits[replica] = 1 << len(self._bits)
-            self._tokens[bit] = 0
-            self._heaps[bit] = []
-        return bit
+    def _new_bit(self, bit: int) -> None:
+        self._heaps[bit] = []
 
     def _new_id(self) -> int:
         self._next_id += 1

@@ -5,13 +5,19 @@ give every replica one bit and keep, on each tree edge, the mask of replicas hol
 walk of the prompt answers for every replica. A router asks about the same replica set request
 after request; :func:`fleet_plan` turns that set into its mask and a bit -> name table once and
 remembers it, so a walk needs no per-replica Python loop except for the replicas that drop out.
+:class:`FleetTrie` is what both build on: the prefix-trie kernel plus the replicas' bits.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, TypeVar
 
+from kvreuse.index.trie import PrefixTrie, TrieNode
 from kvreuse.routing.base import ReplicaId
+from kvreuse.tokens import TOKEN_BYTES
+
+N = TypeVar("N", bound="TrieNode[Any]")
 
 FleetPlan = tuple[int, dict[int, ReplicaId]]
 """The set's mask (every member's bit) and each bit's replica name."""
@@ -42,3 +48,52 @@ def fleet_plan(
         plans.clear()
     plan = plans[ids] = (everyone, name_of)
     return plan
+
+
+class FleetTrie(PrefixTrie[N]):
+    """A prefix trie (:mod:`kvreuse.index.trie`) whose edges a layer marks with the bits of the
+    replicas holding them: each replica's bit, the plans of replica sets, the tokens each
+    holds, and the answer of one walk for the whole fleet."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._bits: dict[ReplicaId, int] = {}
+        self._plans: dict[tuple[ReplicaId, ...], FleetPlan] = {}
+        self._tokens: dict[int, int] = {}  # replica bit -> tokens it holds
+
+    def tree_tokens(self, replica: ReplicaId) -> int:
+        """Tokens ``replica`` holds (is believed to hold), over all identities. O(1)."""
+        bit = self._bits.get(replica)
+        return 0 if bit is None else self._tokens[bit]
+
+    def _bit(self, replica: ReplicaId) -> int:
+        """``replica``'s bit, given the first time it is seen. O(1)."""
+        bit = self._bits.get(replica)
+        if bit is None:
+            bit = self._bits[replica] = 1 << len(self._bits)
+            self._tokens[bit] = 0
+            self._new_bit(bit)
+        return bit
+
+    def _new_bit(self, bit: int) -> None:
+        """Called when a replica gets ``bit``, for the layer's own per-replica state."""
+
+    def _plan(self, ids: tuple[ReplicaId, ...]) -> FleetPlan:
+        """The plan of ``ids`` (routers pass the same set request after request). O(1)."""
+        return self._plans.get(ids) or fleet_plan(self._plans, ids, self._bit)
+
+    @staticmethod
+    def _answer(ids: tuple[ReplicaId, ...], name_of: dict[int, ReplicaId], alive: int, pos: int,
+                drops: list[tuple[int, int]], block_tokens: int) -> dict[ReplicaId, int]:
+        """Each replica's match after one walk, in whole blocks of ``block_tokens``: those still
+        ``alive`` at byte ``pos``, the others where they dropped out (``drops``: masks and
+        bytes). Dict order stays the order of ``ids``. O(replicas)."""
+        step = block_tokens * TOKEN_BYTES
+        out = dict.fromkeys(ids, pos // step * block_tokens if alive else 0)
+        for dropped, at in drops:
+            blocks = at // step * block_tokens
+            while dropped:
+                low = dropped & -dropped
+                out[name_of[low]] = blocks
+                dropped ^= low
+        return out

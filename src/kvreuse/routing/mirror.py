@@ -36,10 +36,10 @@ from mypy_extensions import mypyc_attr
 
 from kvreuse.errors import ConfigError
 from kvreuse.identity import CacheIdentity
-from kvreuse.index.trie import PrefixTrie, TrieNode
+from kvreuse.index.trie import TrieNode
 from kvreuse.routing.base import ReplicaId, RequestView
 from kvreuse.routing.events import KvCleared, KvEvent, KvStored
-from kvreuse.routing.fleet_masks import FleetPlan, fleet_plan
+from kvreuse.routing.fleet_masks import FleetTrie
 from kvreuse.tokens import TOKEN_BYTES
 
 
@@ -55,7 +55,7 @@ class _Edge(TrieNode["_Edge"]):
         self.holders = holders
 
 
-class CacheMirror(PrefixTrie[_Edge]):
+class CacheMirror(FleetTrie[_Edge]):
     """Per-replica cache contents from KV events only; see the module docstring."""
 
     uses_kv_events = True
@@ -65,16 +65,8 @@ class CacheMirror(PrefixTrie[_Edge]):
             raise ConfigError(f"block_size must be >= 1, got {block_size}")
         super().__init__()
         self.block_size = block_size
-        self._bits: dict[ReplicaId, int] = {}
-        self._plans: dict[tuple[ReplicaId, ...], FleetPlan] = {}
-        self._held: dict[int, int] = {}  # bit -> tokens held
 
     # ------------------------------------------------------------------ queries
-
-    def tree_tokens(self, replica: ReplicaId) -> int:
-        """Tokens the replica holds, over all identities. O(1)."""
-        bit = self._bits.get(replica)
-        return 0 if bit is None else self._held[bit]
 
     def cached_blocks(self, replica: ReplicaId) -> int:
         """Held tokens in whole blocks (the size SGLang's rule compares). O(1)."""
@@ -93,10 +85,7 @@ class CacheMirror(PrefixTrie[_Edge]):
         root = self.find_root(request.identity)
         if root is None:
             return dict.fromkeys(ids, 0)
-        # The fleet's mask and bit -> replica names, kept per replica set: routers pass the same
-        # set request after request, and per-replica Python loops cost more than the walk.
-        plan = self._plans.get(ids) or fleet_plan(self._plans, ids, self._bit)
-        alive, name_of = plan
+        alive, name_of = self._plan(ids)
         drops: list[tuple[int, int]] = []  # (replicas that dropped out, bytes matched then)
         buf = request.tokens
         end = len(buf)
@@ -118,18 +107,7 @@ class CacheMirror(PrefixTrie[_Edge]):
                 continue
             pos += self._common(child, buf, pos)
             break
-        # Whole blocks only: floor to a multiple of block_size bytes-of-tokens in one step.
-        step, size = self.block_size * TOKEN_BYTES, self.block_size
-        # Replicas still alive share the final position; the ones that dropped out overwrite
-        # theirs (dict order stays the order of ``ids``).
-        out = dict.fromkeys(ids, pos // step * size if alive else 0)
-        for dropped, at in drops:
-            blocks = at // step * size
-            while dropped:
-                low = dropped & -dropped
-                out[name_of[low]] = blocks
-                dropped ^= low
-        return out
+        return self._answer(ids, name_of, alive, pos, drops, self.block_size)
 
     def record(self, request: RequestView, replica: ReplicaId, now: float) -> None:
         """Routing alone teaches the mirror nothing: only events do."""
@@ -166,7 +144,7 @@ class CacheMirror(PrefixTrie[_Edge]):
             above = node.parent
             assert above is not None
             node = above
-        self._held[bit] += gained // TOKEN_BYTES
+        self._tokens[bit] += gained // TOKEN_BYTES
 
     def _remove(self, root: _Edge, buf: bytes, keep: int, bit: int) -> None:
         node, pos, end = root, 0, len(buf) - len(buf) % TOKEN_BYTES
@@ -187,7 +165,7 @@ class CacheMirror(PrefixTrie[_Edge]):
                 lost += len(child.key)
             node = child
             pos += len(child.key)
-        self._held[bit] -= lost // TOKEN_BYTES
+        self._tokens[bit] -= lost // TOKEN_BYTES
         self._prune(node)
 
     def _clear(self, bit: int) -> None:
@@ -197,19 +175,12 @@ class CacheMirror(PrefixTrie[_Edge]):
             for node in list(self._subtree(root)):
                 if node.parent is not None and not node.children:
                     self._prune(node)
-        self._held[bit] = 0
+        self._tokens[bit] = 0
 
     # ------------------------------------------------------------------ structure
 
     def _new_root(self, identity: CacheIdentity) -> _Edge:
         return _Edge(b"", None, 0)
-
-    def _bit(self, replica: ReplicaId) -> int:
-        bit = self._bits.get(replica)
-        if bit is None:
-            bit = self._bits[replica] = 1 << len(self._bits)
-            self._held[bit] = 0
-        return bit
 
     def _cut(self, child: _Edge, key: bytes) -> _Edge:
         return _Edge(key, child.parent, child.holders)
@@ -241,11 +212,11 @@ class CacheMirror(PrefixTrie[_Edge]):
     def check_invariants(self) -> None:
         """O(tree) self-check: structure, token counts per replica, no dead leaves."""
         self._check_structure()
-        held = dict.fromkeys(self._held, 0)
+        held = dict.fromkeys(self._tokens, 0)
         for _identity, node in self.nodes():
             assert node.holders or node.children, "a leaf nobody holds was kept"
             for bit in held:
                 if node.holders & bit:
                     held[bit] += len(node.key) // TOKEN_BYTES
-        assert held == self._held, f"held tokens {self._held} != {held}"
+        assert held == self._tokens, f"held tokens {self._tokens} != {held}"
 
