@@ -8,7 +8,7 @@ per second on belgavi (issue 3). mypyc compiles the very same source, which alre
 between compiled classes direct C calls, about twice as fast (docs/performance.md).
 
 What. :data:`NATIVE_MODULES`: the prefix-trie kernel and the radix index on it, the token
-helpers, the engine, fleet, replica and memory of the simulator, the fleet-wide estimators
+helpers, the event loop, fleet, replica and memory of the simulator, the fleet-wide estimators
 (KV-event mirror, approximate trees, masks, the hash ring), the TTFT formula, the cache-aware
 load rules and the gateway's KV-event index (a layer on the kernel). The routing policies
 stay interpreted: they are the classes users subclass, and the registry reads their
@@ -59,7 +59,7 @@ NATIVE_MODULES: tuple[str, ...] = (
     "kvreuse.sim.memory",
     "kvreuse.routing.mirror",
     "kvreuse.routing.fleet_masks",
-    "kvreuse.routing.estimators",
+    "kvreuse.routing.approx_trees",
     "kvreuse.routing.ring",
     "kvreuse.routing.ttft",
     "kvreuse.routing.load_rules",

@@ -79,14 +79,14 @@ def test_the_node_classes_are_found() -> None:
     compiled = compiled_only()
     assert "TrieNode" in compiled["kvreuse.index.trie"]
     assert "RadixNode" in compiled["kvreuse.index.radix_node"]
-    assert "_Node" in compiled["kvreuse.routing.estimators"]
+    assert "_Node" in compiled["kvreuse.routing.approx_trees"]
 
 
 def test_the_lint_catches_the_trap() -> None:
     compiled = compiled_only()
     bad = (
         "from kvreuse.index.radix_node import RadixNode as RN\n"
-        "import kvreuse.routing.estimators as est\n"
+        "import kvreuse.routing.approx_trees as est\n"
         "from kvreuse.index import trie\n"
         "RN(b'', None, None, 1, 0.0)\n"
         "est._Node(b'', None, 1)\n"
@@ -95,7 +95,7 @@ def test_the_lint_catches_the_trap() -> None:
     )
     assert forbidden_calls(bad, compiled) == [
         "4: RadixNode",
-        "5: kvreuse.routing.estimators._Node",
+        "5: kvreuse.routing.approx_trees._Node",
         "6: kvreuse.index.trie.TrieNode",
         "7: kvreuse.index.radix_node.RadixNode",
     ]

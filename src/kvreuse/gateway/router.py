@@ -53,8 +53,8 @@ from kvreuse.routing import (
     RoutingDecision,
     RoutingPolicy,
 )
+from kvreuse.routing.approx_trees import ApproxTrees
 from kvreuse.routing.cache_aware import CacheAware
-from kvreuse.routing.estimators import ApproxTrees
 from kvreuse.routing.index_health import SUSPECT, HealthSettings, IndexHealth
 from kvreuse.tokens import TokenBuffer, num_tokens
 

@@ -6,7 +6,7 @@ identity remembered: callers pass one identity object request after request), th
 edges to where a path diverges, splits (with a payload hook), linking and unlinking, subtree
 iteration and the structural invariants. What a node *means* is its layer's:
 :class:`~kvreuse.index.radix.RadixIndex` (locks, access times, eviction order),
-:class:`~kvreuse.routing.estimators.ApproxTrees` (which replicas were sent a prefix, and when),
+:class:`~kvreuse.routing.approx_trees.ApproxTrees` (which replicas were sent a prefix, and when),
 :class:`~kvreuse.routing.mirror.CacheMirror` (which replicas' KV events say they hold it) and
 :class:`~kvreuse.gateway.event_index.EventIndex` (one upstream's blocks and their copies). A layer
 subclasses :class:`TrieNode` and :class:`PrefixTrie`; walks that update a payload edge by edge

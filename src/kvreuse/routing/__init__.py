@@ -6,6 +6,7 @@ Policies by name: :data:`POLICIES`, built with :func:`build_policy` (their estim
 """
 
 from kvreuse.routing.affinity import PrefixHash, SessionAffinity
+from kvreuse.routing.approx_trees import ApproxTrees
 from kvreuse.routing.base import (
     CacheEstimator,
     CostModel,
@@ -21,7 +22,6 @@ from kvreuse.routing.base import (
 )
 from kvreuse.routing.cache_aware import CacheAware, CacheAwareSGLang, Exact
 from kvreuse.routing.cost import CostRouting
-from kvreuse.routing.estimators import ApproxTrees
 from kvreuse.routing.events import KvCleared, KvEvent, KvRemoved, KvStored
 from kvreuse.routing.mirror import CacheMirror
 from kvreuse.routing.peers import DynamoKvCost, LlmdScorers

@@ -125,7 +125,7 @@ class CostModel:
 @runtime_checkable
 class CacheEstimator(Protocol):
     """What a cache-aware policy believes each replica holds, from what the router sent there
-    (:class:`~kvreuse.routing.estimators.ApproxTrees`; the gateway's Redis-shared
+    (:class:`~kvreuse.routing.approx_trees.ApproxTrees`; the gateway's Redis-shared
     :class:`~kvreuse.gateway.shared_index.SharedPrefixIndex`) or from the replicas' KV events
     (:class:`~kvreuse.routing.mirror.CacheMirror`). The registry builds a policy's estimator
     (:func:`~kvreuse.routing.registry.build_estimator`); the policy calls it from its hooks, and

@@ -32,12 +32,13 @@ requests it cannot serve in time, and affinity stays on for every other request 
 
 The cache estimate (a :class:`~kvreuse.routing.base.CacheEstimator`) is the router's own
 approximate trees (``cache_aware``) or the replicas' KV events (``exact``); see
-:mod:`kvreuse.routing.estimators`. The rules themselves are in :mod:`kvreuse.routing.load_rules`.
+:mod:`kvreuse.routing.approx_trees`. The rules themselves are in :mod:`kvreuse.routing.load_rules`.
 """
 
 from __future__ import annotations
 
 from kvreuse.errors import ConfigError
+from kvreuse.routing.approx_trees import ApproxTrees
 from kvreuse.routing.base import (
     REPLICA_ID,
     CacheEstimator,
@@ -48,7 +49,6 @@ from kvreuse.routing.base import (
     RequestView,
     RoutingDecision,
 )
-from kvreuse.routing.estimators import ApproxTrees
 from kvreuse.routing.load_rules import bounded_rule, sglang_rule
 
 BALANCE_RULES = ("bounded", "sglang", "smg")

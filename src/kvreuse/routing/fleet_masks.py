@@ -1,6 +1,6 @@
 """Replica sets as bit masks, for the estimators that match one prompt for a whole fleet.
 
-:class:`~kvreuse.routing.mirror.CacheMirror` and :class:`~kvreuse.routing.estimators.ApproxTrees`
+:class:`~kvreuse.routing.mirror.CacheMirror` and :class:`~kvreuse.routing.approx_trees.ApproxTrees`
 give every replica one bit and keep, on each tree edge, the mask of replicas holding it, so one
 walk of the prompt answers for every replica. A router asks about the same replica set request
 after request; :func:`fleet_plan` turns that set into its mask and a bit -> name table once and

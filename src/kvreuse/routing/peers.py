@@ -17,7 +17,7 @@ random):
   (256) whole blocks of ``hash_block_size`` (64) tokens; score = leading blocks the server holds
   / blocks hashed (0 for a prompt shorter than a block). The router remembers the blocks it sent
   to each server in an LRU of ``lru_capacity_per_server`` (31,250) blocks; it never hears of
-  evictions. Here: :class:`~kvreuse.routing.estimators.ApproxTrees` capped at 31,250 × 64
+  evictions. Here: :class:`~kvreuse.routing.approx_trees.ApproxTrees` capped at 31,250 × 64
   tokens per replica, fed the hashed part of each prompt.
 * queue-scorer: ``(max_q - q) / (max_q - min_q)`` over the candidates, 1 for all when equal,
   with ``q`` the server's waiting requests (``vllm:num_requests_waiting``); here
@@ -62,6 +62,7 @@ import random
 from collections.abc import Callable
 
 from kvreuse.errors import ConfigError
+from kvreuse.routing.approx_trees import ApproxTrees
 from kvreuse.routing.base import (
     REPLICA_ID,
     CacheEstimator,
@@ -71,7 +72,6 @@ from kvreuse.routing.base import (
     RequestView,
     RoutingDecision,
 )
-from kvreuse.routing.estimators import ApproxTrees
 from kvreuse.routing.ring import block_chain
 from kvreuse.tokens import TOKEN_BYTES, TokenBuffer
 

@@ -9,10 +9,10 @@ from typing import Any
 
 from kvreuse.errors import ConfigError
 from kvreuse.routing.affinity import PrefixHash, SessionAffinity
+from kvreuse.routing.approx_trees import ApproxTrees
 from kvreuse.routing.base import CacheEstimator, CostModel, ReplicaId, RoutingPolicy
 from kvreuse.routing.cache_aware import CacheAware, CacheAwareSGLang, CacheAwareSmg, Exact
 from kvreuse.routing.cost import CostRouting
-from kvreuse.routing.estimators import ApproxTrees
 from kvreuse.routing.mirror import CacheMirror
 from kvreuse.routing.peers import DynamoKvCost, LlmdScorers
 from kvreuse.routing.pinning import TenantPinned
