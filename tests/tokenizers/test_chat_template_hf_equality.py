@@ -17,11 +17,11 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import transformers
+from tokenizers import Tokenizer as Backend
+from tokenizers import models
 from transformers.utils import chat_template_utils
 
 from kvreuse.tokenizers.chat_template import ChatTemplate, TemplateRaised
-from tokenizers import Tokenizer as Backend
-from tokenizers import models
 
 TEMPLATES = Path(__file__).parents[1] / "data" / "templates"
 FIXED_NOW = datetime(2025, 3, 4, 5, 6, 7)

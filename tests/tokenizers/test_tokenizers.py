@@ -137,9 +137,9 @@ def test_mistral_nemo_template_and_tekken_match_mistral_common() -> None:
 def _saved_hf_directory(tmp_path: Path, template: str) -> tuple[Path, object]:
     """A tokenizer directory written by transformers' save_pretrained (GPT-2 vocabulary)."""
     import transformers
+    from tokenizers import Tokenizer as Backend
 
     from kvreuse.tokenizers.hf import load_gpt2
-    from tokenizers import Tokenizer as Backend
 
     backend = Backend.from_str(load_gpt2()._backend.to_str())
     hf = transformers.PreTrainedTokenizerFast(

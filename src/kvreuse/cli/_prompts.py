@@ -84,7 +84,6 @@ def require_lint_extra() -> None:
     """Rendering and tokenizing need the ``lint`` extra; say so instead of a traceback."""
     try:
         import jinja2  # noqa: F401
-
         import tokenizers  # noqa: F401
     except ImportError as exc:
         raise ConfigError(

@@ -148,8 +148,9 @@ class HFPromptTokenizer:
 
     def __init__(self, directory: str | Path, *, memo_entries: int = 65_536,
                  memo_bytes: int = 64 * 1024 * 1024) -> None:
-        from kvreuse.tokenizers import load_tokenizer
         from tokenizers import Tokenizer
+
+        from kvreuse.tokenizers import load_tokenizer
 
         path = Path(directory)
         bundle = load_tokenizer(path)
