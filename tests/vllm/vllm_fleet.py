@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from kvreuse.testing.servers import free_port
+from kvreuse.testing.servers import free_listen_port, free_port
 
 BLOCK_SIZE = 32  # the CPU attention backend wants multiples of 32 (its default is 128)
 MODEL_NAME = "tiny-llama"
@@ -65,7 +65,9 @@ def launch(name: str, python: str, model_dir: Path, log_dir: Path,
            served: tuple[str, ...] = (MODEL_NAME,)) -> Replica:
     """Start one replica serving the model under the ``served`` names; returns at once (see
     :func:`wait_ready`)."""
-    port, events_port, replay_port = free_port(), free_port(), free_port()
+    # The gateway binds the events endpoint after vLLM starts connecting to it (see
+    # free_listen_port); vLLM binds its own HTTP and replay ports.
+    port, events_port, replay_port = free_port(), free_listen_port(), free_port()
     events = f"tcp://127.0.0.1:{events_port}"
     replay = f"tcp://127.0.0.1:{replay_port}"
     kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events,

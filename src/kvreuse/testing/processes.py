@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import shutil
 import signal
 import socket
@@ -26,33 +25,10 @@ from types import TracebackType
 import httpx
 
 from kvreuse.routing import build_policy
+from kvreuse.testing.servers import free_listen_port, free_port
 
 REPO = Path(__file__).resolve().parents[3]
 PEERS_VENV = Path(os.environ.get("KVREUSE_PEERS_VENV", REPO / ".venv-peers"))
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def free_listen_port() -> int:
-    """A free port below Linux's ephemeral range, for an endpoint that peers keep *connecting*
-    to before it listens: ZeroMQ retries such connects, and a retry from an ephemeral source
-    port equal to the target port connects the socket to itself and takes the port."""
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(20_000, 32_000)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port between 20000 and 32000 on 127.0.0.1")
 
 
 @dataclass

@@ -8,6 +8,7 @@ real HTTP (an in-process transport would buffer them).
 from __future__ import annotations
 
 import asyncio
+import random
 import socket
 import threading
 import time
@@ -16,11 +17,27 @@ from typing import Any
 
 
 def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1 (for ZeroMQ endpoints)."""
+    """A TCP port that was free a moment ago on 127.0.0.1."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+def free_listen_port() -> int:
+    """A free port below Linux's ephemeral range, for an endpoint that peers keep *connecting*
+    to before it listens: ZeroMQ retries such connects, and a retry from an ephemeral source
+    port equal to the target port connects the socket to itself and takes the port."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20_000, 32_000)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port between 20000 and 32000 on 127.0.0.1")
 
 
 class ServerThread:
