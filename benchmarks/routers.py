@@ -34,8 +34,8 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import httpx
@@ -137,11 +137,9 @@ class RunRow:
     lost: int
     error: str = ""
     surge_hit_rate: float = float("nan")  # surge scenario: the hit rate while the surge lasts
-    # The router's fixed cost per request (HTTP hops, parsing, routing) at no load: median TTFT
-    # of the probe's unique prompts minus what the engines spend on them (transport_probe).
-    transport_ms: float = float("nan")
-    # The same under the run's own load: the clients' mean TTFT over the measured requests
-    # minus the engines' own mean (vllm:time_to_first_token_seconds, warm-up to the end).
+    # The router's own time per request under the run's load (HTTP hops, parsing, routing,
+    # its CPU): the clients' mean TTFT over the measured requests minus the engines' own mean
+    # (vllm:time_to_first_token_seconds, warm-up to the end).
     router_ms: float = float("nan")
 
 
@@ -173,38 +171,11 @@ def surge_window(warmup_s: float, duration_s: float) -> tuple[float, float]:
     return start, start + duration_s / 3
 
 
-PROBE_PROMPTS = 12
-PROBE_TOKENS = 2_000
-PROBE_GAP_S = 0.25
-
-
-def transport_probe(target: Callable[[int, Call], str], prefill_tokens_per_s: float) -> float:
-    """Milliseconds a router adds to TTFT with nothing queued: unique ``PROBE_TOKENS``-token
-    completions, one every ``PROBE_GAP_S`` (longer than each takes, so none waits), through the
-    router; the median client TTFT minus the engine's own time for them (``kvreuse engine``'s
-    15 ms overhead plus the prompt at the prefill rate). Prompts the size of the scenarios' so
-    a router whose cost grows with the prompt (parsing, a character tree) pays it here too."""
-    from kvreuse.testing.loadgen import tokens_text
-    from kvreuse.tokens import pack
-
-    calls = []
-    for i in range(PROBE_PROMPTS):
-        start = 5_000_000 + i * PROBE_TOKENS  # ids no scenario uses: nothing cached
-        body = {"model": MODEL, "prompt": tokens_text(pack(range(start, start + PROBE_TOKENS))),
-                "max_tokens": 1, "stream": True}
-        calls.append(Call(i * PROBE_GAP_S, "/v1/completions", json.dumps(body).encode(),
-                          measured=i >= 2))  # the first two open connections
-    latency = LatencySummary.of(asyncio.run(run_calls(calls, target)))
-    return latency.p50_ms - (15.0 + PROBE_TOKENS / prefill_tokens_per_s * 1000)
-
-
 def measure(fleet: Fleet, engines: Sequence[Process], router: str, scenario: str,
             calls: Sequence[Call], warmup_s: float, gateway_args: Sequence[str] = (),
             block_size: int = 16, model: str = MODEL,
-            window: tuple[float, float] | None = None,
-            prefill_tokens_per_s: float | None = 20_000.0) -> RunRow:
-    """One router on one scenario; ``prefill_tokens_per_s`` None: engines whose time is not
-    ``kvreuse engine``'s model (real vLLM), so no transport probe."""
+            window: tuple[float, float] | None = None) -> RunRow:
+    """One router on one scenario."""
     reset_caches(engines)
     try:
         proc = start_router(fleet, router, engines, gateway_args, block_size, model)
@@ -220,10 +191,6 @@ def measure(fleet: Fleet, engines: Sequence[Process], router: str, scenario: str
 
         def pick(i: int, call: Call) -> str:
             return target
-    transport = float("nan")
-    if prefill_tokens_per_s is not None:
-        transport = transport_probe(pick, prefill_tokens_per_s)
-        reset_caches(engines)
     snapshots: dict[str, dict[str, EngineCounters]] = {"start": scrape(urls)}
     checkpoints = {"warm": warmup_s}
     if window is not None:
@@ -252,7 +219,7 @@ def measure(fleet: Fleet, engines: Sequence[Process], router: str, scenario: str
         fleet.forget(proc)
     return RunRow(scenario, router, hits.hit_rate, latency.p50_ms, latency.p95_ms,
                   hits.max_over_mean_load, latency.count, latency.lost,
-                  surge_hit_rate=surge, transport_ms=transport, router_ms=router_ms)
+                  surge_hit_rate=surge, router_ms=router_ms)
 
 
 # ---------------------------------------------------------------------------- gateway cost
@@ -456,7 +423,7 @@ def vllm_section(fleet: Fleet, args: argparse.Namespace, routers: Sequence[str]
     for router in chosen:
         row = measure(fleet, replicas, router, "vllm-chat", calls, args.warmup,
                       gateway_args=["--tokenizer", str(model)], block_size=32,
-                      model=VLLM_MODEL, prefill_tokens_per_s=None)
+                      model=VLLM_MODEL)
         rows.append(row)
         print_table_row(row)
     for replica in replicas:
@@ -519,7 +486,8 @@ def verdicts_from(path: Path, candidate: str) -> int:
     """The verdicts of a saved run, its ceilings recomputed from the same seeded traffic."""
     data = json.loads(path.read_text())
     saved = data["args"]
-    rows = [RunRow(**row) for row in data["runs"]]
+    known = {f.name for f in fields(RunRow)}  # files from older runs carry other figures
+    rows = [RunRow(**{k: v for k, v in row.items() if k in known}) for row in data["runs"]]
     ceilings = {}
     for scenario in dict.fromkeys(r.scenario for r in rows):
         calls = scenario_calls(scenario, rate=float(saved["rate"]),
@@ -569,7 +537,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       else None)
             for router in routers:
                 row = measure(fleet, engines, router, scenario, calls, args.warmup,
-                              window=window, prefill_tokens_per_s=args.prefill_tokens_per_s)
+                              window=window)
                 rows.append(row)
                 if len(rows) == 1:
                     print_table([])

@@ -163,19 +163,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             # What the simulator does not model, the router's own path (HTTP hops, parsing,
             # its CPU under load) and the engines' HTTP handling, delays every first token:
             # routers.py measures it under the run's load (client mean TTFT minus the
-            # engines' own), or, in older files, at no load (its probe).
-            transport_ms = row.get("router_ms", float("nan"))
-            if transport_ms != transport_ms:
-                transport_ms = row.get("transport_ms", float("nan"))
-            transport_ms = 0.0 if transport_ms != transport_ms else max(transport_ms, 0.0)
-            p95_ms = summary.ttft_p95_s * 1000 + transport_ms
+            # engines' own).
+            router_ms = row.get("router_ms", float("nan"))
+            router_ms = 0.0 if router_ms != router_ms else max(router_ms, 0.0)
+            p95_ms = summary.ttft_p95_s * 1000 + router_ms
             hit_diff = summary.token_hit_rate - row["hit_rate"]
             ratio = p95_ms / row["p95_ms"]
             within = abs(hit_diff) <= HIT_POINTS and abs(ratio - 1) <= P95_SHARE
             ok_all &= within
             pairs.append((row["hit_rate"], summary.token_hit_rate, row["p95_ms"], p95_ms))
             print(f"| {scenario} | {router} | {row['hit_rate']:.1%} / {row['p95_ms']:.0f} ms "
-                  f"| {summary.token_hit_rate:.1%} / {p95_ms:.0f} ms ({transport_ms:.1f}) "
+                  f"| {summary.token_hit_rate:.1%} / {p95_ms:.0f} ms ({router_ms:.1f}) "
                   f"| {hit_diff * 100:+.1f} pts | {ratio:.2f} | {'yes' if within else 'NO'} |",
                   flush=True)
         if len(pairs) >= 2:
