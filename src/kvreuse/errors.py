@@ -36,3 +36,10 @@ class InputFormatError(KvreuseError, ValueError):
     def __init__(self, message: str, where: str | None = None) -> None:
         self.where = where
         super().__init__(f"{where}: {message}" if where else message)
+
+
+def require_at_least(name: str, value: float, bound: int) -> None:
+    """Raise :class:`ConfigError` ``"{name} must be >= {bound}, got {value}"`` when ``value`` is
+    below ``bound``: the one wording of every lower-bound check on a parameter. O(1)."""
+    if value < bound:
+        raise ConfigError(f"{name} must be >= {bound}, got {value}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kvreuse.errors import ConfigError
+from kvreuse.errors import require_at_least
 
 DESCRIPTION = """\
 An OpenAI-compatible stand-in for one vLLM replica. The prefix cache is a real block index with
@@ -68,8 +68,7 @@ def run(args: argparse.Namespace) -> int:
     from kvreuse.gateway.telemetry import configure_logging
 
     configure_logging(args.log_level)
-    if args.block_size < 1:
-        raise ConfigError(f"--block-size must be >= 1, got {args.block_size}")
+    require_at_least("--block-size", args.block_size, 1)
     num_blocks = args.num_blocks
     if num_blocks is None:
         num_blocks = args.cache_tokens // args.block_size + 1

@@ -36,7 +36,7 @@ from kvreuse.cli.args import (
     split_policies,
 )
 from kvreuse.cli.tables import make_console, print_table
-from kvreuse.errors import ConfigError
+from kvreuse.errors import ConfigError, require_at_least
 from kvreuse.routing import POLICIES, policy_option_names
 from kvreuse.routing.base import CostModel
 from kvreuse.routing.relative_spill import SLACKS
@@ -148,8 +148,7 @@ def _replica_counts(text: str | None) -> list[int]:
             value = int(part)
         except ValueError:
             raise ConfigError(f"--replicas takes integers like 3,6; got {part!r}") from None
-        if value < 1:
-            raise ConfigError(f"--replicas must be >= 1, got {value}")
+        require_at_least("--replicas", value, 1)
         counts.append(value)
     return counts
 

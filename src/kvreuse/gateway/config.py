@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvreuse.errors import ConfigError
+from kvreuse.errors import ConfigError, require_at_least
 from kvreuse.trace.format import DEFAULT_BLOCK_TOKENS
 
 CALLER_SALT_MODES = ("reject", "strip")
@@ -153,8 +153,7 @@ class GatewayConfig:
                      "kv_events_max_frame_bytes", "kv_events_seq_window", "max_response_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.retries < 0:
-            raise ConfigError(f"retries must be >= 0, got {self.retries}")
+        require_at_least("retries", self.retries, 0)
         if self.metrics_interval_s < 0:
             raise ConfigError(f"metrics_interval_s must be >= 0 (0: no scraping), got "
                               f"{self.metrics_interval_s}")

@@ -37,7 +37,7 @@ from typing import IO
 
 from prometheus_client.core import CounterMetricFamily, Metric
 
-from kvreuse.errors import ConfigError
+from kvreuse.errors import ConfigError, require_at_least
 from kvreuse.gateway.telemetry import RequestRecord
 from kvreuse.tokens import TOKEN_BYTES
 from kvreuse.trace.format import DEFAULT_BLOCK_TOKENS, MAX_TEXT_FIELD, TraceRecord, record_json
@@ -59,12 +59,10 @@ class RecorderSettings:
     reorder_s: float = 30.0
 
     def __post_init__(self) -> None:
-        if self.max_bytes < 1024:
-            raise ConfigError(f"record_max_bytes must be >= 1024, got {self.max_bytes}")
+        require_at_least("record_max_bytes", self.max_bytes, 1024)
         if not self.rotate_s > 0 or not self.reorder_s >= 0:
             raise ConfigError("record_rotate_s must be > 0 and record_reorder_s >= 0")
-        if self.queue_size < 1:
-            raise ConfigError(f"record_queue must be >= 1, got {self.queue_size}")
+        require_at_least("record_queue", self.queue_size, 1)
 
 
 def load_secret(path: str | None) -> tuple[bytes, bool]:

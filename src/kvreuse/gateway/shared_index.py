@@ -40,7 +40,7 @@ from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NewType, cast
 
-from kvreuse.errors import ConfigError, InputFormatError
+from kvreuse.errors import ConfigError, InputFormatError, require_at_least
 from kvreuse.gateway.asgi import Receive, Scope, Send
 from kvreuse.routing import KvEvent, ReplicaId, RequestView, block_chain
 
@@ -72,10 +72,8 @@ class SharedPrefixIndex:
 
     def __init__(self, *, block_size: int = 16, capacity_blocks: int = 1 << 20,
                  origin: str | None = None) -> None:
-        if block_size < 1:
-            raise ConfigError(f"shared index block_size must be >= 1, got {block_size}")
-        if capacity_blocks < 1:
-            raise ConfigError(f"shared index capacity_blocks must be >= 1, got {capacity_blocks}")
+        require_at_least("shared index block_size", block_size, 1)
+        require_at_least("shared index capacity_blocks", capacity_blocks, 1)
         self.block_size = block_size
         self.capacity_blocks = capacity_blocks
         self.origin = origin or uuid.uuid4().hex[:12]

@@ -41,7 +41,7 @@ import time
 from collections.abc import Mapping
 from urllib.parse import urlsplit
 
-from kvreuse.errors import ConfigError
+from kvreuse.errors import ConfigError, require_at_least
 from kvreuse.gateway.http1 import (
     HIGH_WATER_BYTES,
     Http1Connection,
@@ -81,8 +81,7 @@ class UpstreamPool:
         idle_timeout_s: float = IDLE_TIMEOUT_S,
         headers: Mapping[str, str] | None = None,
     ) -> None:
-        if max_connections < 1:
-            raise ConfigError(f"max_connections must be >= 1, got {max_connections}")
+        require_at_least("max_connections", max_connections, 1)
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ConfigError(f"upstream url must be http(s)://HOST[:PORT][/PATH], got {url!r}")

@@ -31,7 +31,7 @@ from typing import NewType, cast
 import cbor2
 import xxhash
 
-from kvreuse.errors import ConfigError
+from kvreuse.errors import ConfigError, require_at_least
 from kvreuse.index.extra_keys import (
     NO_EXTRA_KEYS,
     ExtraKeys,
@@ -242,8 +242,7 @@ class BlockHasher:
     def _blocks(
         tokens: Tokens, block_size: int, parent: bytes | None, start: int, max_blocks: int | None
     ) -> Iterator[tuple[int, ...]]:
-        if block_size < 1:
-            raise ConfigError(f"block_size must be >= 1, got {block_size}")
+        require_at_least("block_size", block_size, 1)
         if start < 0 or start % block_size or (start > 0) != (parent is not None):
             raise ConfigError(
                 "pass parent (the previous block's hash) exactly when start > 0, and make start "

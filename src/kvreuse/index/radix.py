@@ -17,7 +17,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable
 
-from kvreuse.errors import ConfigError, IndexStateError
+from kvreuse.errors import ConfigError, IndexStateError, require_at_least
 from kvreuse.identity import CacheIdentity
 from kvreuse.index.base import Clock
 from kvreuse.index.eviction import EvictionKey, eviction_policy
@@ -48,8 +48,7 @@ class RadixIndex(PrefixTrie[RadixNode]):
         clock: Clock | None = None,
         on_evict: Callable[[RadixNode], None] | None = None,
     ) -> None:
-        if page_size < 1:
-            raise ConfigError(f"page_size must be >= 1, got {page_size}")
+        require_at_least("page_size", page_size, 1)
         if capacity_tokens is not None and capacity_tokens < 0:
             raise ConfigError(f"capacity_tokens must be >= 0 or None, got {capacity_tokens}")
         super().__init__(page_size)

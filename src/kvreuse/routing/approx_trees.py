@@ -25,7 +25,7 @@ from collections.abc import Iterable
 
 from mypy_extensions import mypyc_attr
 
-from kvreuse.errors import ConfigError
+from kvreuse.errors import ConfigError, require_at_least
 from kvreuse.identity import CacheIdentity
 from kvreuse.index.trie import TrieNode
 from kvreuse.routing.base import ReplicaId, RequestView
@@ -76,8 +76,7 @@ class ApproxTrees(FleetTrie[_Node]):
     ) -> None:
         if eviction_interval_s <= 0:
             raise ConfigError(f"eviction_interval_s must be > 0, got {eviction_interval_s}")
-        if max_tree_tokens < 0:
-            raise ConfigError(f"max_tree_tokens must be >= 0, got {max_tree_tokens}")
+        require_at_least("max_tree_tokens", max_tree_tokens, 0)
         if capacity_tokens is not None and capacity_tokens < 0:
             raise ConfigError(f"capacity_tokens must be >= 0 or None, got {capacity_tokens}")
         super().__init__()

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from kvreuse.errors import ConfigError
+from kvreuse.errors import ConfigError, require_at_least
 from kvreuse.frozen import fast_init
 from kvreuse.identity import DEFAULT_IDENTITY, CacheIdentity
 from kvreuse.routing.events import KvEvent
@@ -111,8 +111,7 @@ class CostModel:
             raise ConfigError(
                 f"prefill_tokens_per_s must be > 0, got {self.prefill_tokens_per_s}"
             )
-        if self.overhead_s < 0:
-            raise ConfigError(f"overhead_s must be >= 0, got {self.overhead_s}")
+        require_at_least("overhead_s", self.overhead_s, 0)
 
     def queue_delay_s(self, load: ReplicaLoad) -> float:
         return queue_delay_s(load.queued_prefill_tokens, load.queued_requests,

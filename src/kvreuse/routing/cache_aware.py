@@ -37,7 +37,7 @@ approximate trees (``cache_aware``) or the replicas' KV events (``exact``); see
 
 from __future__ import annotations
 
-from kvreuse.errors import ConfigError
+from kvreuse.errors import ConfigError, require_at_least
 from kvreuse.routing.approx_trees import ApproxTrees
 from kvreuse.routing.base import (
     REPLICA_ID,
@@ -76,10 +76,8 @@ class CacheAware(EstimatorPolicy):
             raise ConfigError(f"balance must be one of {BALANCE_RULES}, got {balance!r}")
         if not 0.0 <= cache_threshold <= 1.0:
             raise ConfigError(f"cache_threshold must be in [0, 1], got {cache_threshold}")
-        if spill_threshold_s < 0:
-            raise ConfigError(f"spill_threshold_s must be >= 0, got {spill_threshold_s}")
-        if balance_rel_threshold < 1.0:
-            raise ConfigError(f"balance_rel_threshold must be >= 1, got {balance_rel_threshold}")
+        require_at_least("spill_threshold_s", spill_threshold_s, 0)
+        require_at_least("balance_rel_threshold", balance_rel_threshold, 1)
         self.balance = balance
         self.cache_threshold = cache_threshold
         self.spill_threshold_s = spill_threshold_s

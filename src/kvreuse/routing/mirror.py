@@ -34,7 +34,7 @@ from collections.abc import Iterable
 
 from mypy_extensions import mypyc_attr
 
-from kvreuse.errors import ConfigError
+from kvreuse.errors import require_at_least
 from kvreuse.identity import CacheIdentity
 from kvreuse.index.trie import TrieNode
 from kvreuse.routing.base import ReplicaId, RequestView
@@ -61,8 +61,7 @@ class CacheMirror(FleetTrie[_Edge]):
     uses_kv_events = True
 
     def __init__(self, block_size: int = 16) -> None:
-        if block_size < 1:
-            raise ConfigError(f"block_size must be >= 1, got {block_size}")
+        require_at_least("block_size", block_size, 1)
         super().__init__()
         self.block_size = block_size
 

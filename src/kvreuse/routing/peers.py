@@ -61,7 +61,7 @@ import math
 import random
 from collections.abc import Callable
 
-from kvreuse.errors import ConfigError
+from kvreuse.errors import ConfigError, require_at_least
 from kvreuse.routing.approx_trees import ApproxTrees
 from kvreuse.routing.base import (
     REPLICA_ID,
@@ -109,8 +109,7 @@ class LlmdScorers(EstimatorPolicy):
             raise ConfigError(
                 "hash_block_size, max_prefix_blocks and lru_capacity_per_server must be >= 1"
             )
-        if kv_capacity_tokens < 1:
-            raise ConfigError(f"kv_capacity_tokens must be >= 1, got {kv_capacity_tokens}")
+        require_at_least("kv_capacity_tokens", kv_capacity_tokens, 1)
         self.prefix_weight = prefix_weight
         self.queue_weight = queue_weight
         self.kv_cache_weight = kv_cache_weight
@@ -207,12 +206,9 @@ class DynamoKvCost(EstimatorPolicy):
         rng: random.Random | None = None,
         seed: int = 0,
     ) -> None:
-        if overlap_score_weight < 0:
-            raise ConfigError(f"overlap_score_weight must be >= 0, got {overlap_score_weight}")
-        if router_temperature < 0:
-            raise ConfigError(f"router_temperature must be >= 0, got {router_temperature}")
-        if block_size < 1:
-            raise ConfigError(f"block_size must be >= 1, got {block_size}")
+        require_at_least("overlap_score_weight", overlap_score_weight, 0)
+        require_at_least("router_temperature", router_temperature, 0)
+        require_at_least("block_size", block_size, 1)
         self.overlap_score_weight = overlap_score_weight
         self.router_temperature = router_temperature
         self.block_size = block_size

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator
 
 import xxhash
 
-from kvreuse.errors import ConfigError
+from kvreuse.errors import require_at_least
 from kvreuse.identity import CacheIdentity
 from kvreuse.tokens import TOKEN_BYTES, TokenBuffer
 
@@ -54,8 +54,7 @@ class ConsistentRing:
     """A hash ring over replica ids. Insertion order of ids does not affect placement."""
 
     def __init__(self, replica_ids: Iterable[str] = (), vnodes: int = 160) -> None:
-        if vnodes < 1:
-            raise ConfigError(f"vnodes must be >= 1, got {vnodes}")
+        require_at_least("vnodes", vnodes, 1)
         self.vnodes = vnodes
         self._members: set[str] = set()
         self._points: list[int] = []

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvreuse.errors import ConfigError
+from kvreuse.errors import ConfigError, require_at_least
 from kvreuse.sim.block_memory import BlockMemory
 from kvreuse.sim.memory import KvSink, RadixMemory, ReplicaMemory
 
@@ -56,8 +56,7 @@ class ReplicaConfig:
             raise ConfigError(
                 f"cache_kind must be one of {tuple(CACHE_KINDS)}, got {self.cache_kind!r}"
             )
-        if self.block_size < 1:
-            raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
+        require_at_least("block_size", self.block_size, 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,16 +82,14 @@ class FleetConfig:
     load_view: str = "replica"
 
     def __post_init__(self) -> None:
-        if self.replicas < 1:
-            raise ConfigError(f"replicas must be >= 1, got {self.replicas}")
+        require_at_least("replicas", self.replicas, 1)
         if self.models is not None:
             if len(self.models) != self.replicas:
                 raise ConfigError(f"models lists {len(self.models)} replicas' models for "
                                   f"{self.replicas} replicas; give one tuple per replica")
             if not all(self.models):
                 raise ConfigError("every replica must serve at least one model")
-        if self.load_lag_s < 0:
-            raise ConfigError(f"load_lag_s must be >= 0, got {self.load_lag_s}")
+        require_at_least("load_lag_s", self.load_lag_s, 0)
         if self.load_view not in LOAD_VIEWS:
             raise ConfigError(f"load_view must be one of {LOAD_VIEWS}, got {self.load_view!r}")
         if self.kv_event_lag_s is not None and self.kv_event_lag_s < 0:

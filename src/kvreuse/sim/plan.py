@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvreuse.errors import ConfigError
+from kvreuse.errors import ConfigError, require_at_least
 from kvreuse.routing import POLICIES
 from kvreuse.routing.base import CostModel
 from kvreuse.sim.config import FleetConfig, ReplicaConfig
@@ -168,11 +168,9 @@ def grid(
             (None,) if entry is None else (tuple(knob_values) if knob_values else entry[1])
         )
         for n in replicas:
-            if n < 1:
-                raise ConfigError(f"--replicas must be >= 1, got {n}")
+            require_at_least("--replicas", n, 1)
             for cache in cache_tokens:
-                if cache < 1:
-                    raise ConfigError(f"--cache-tokens must be >= 1, got {cache}")
+                require_at_least("--cache-tokens", cache, 1)
                 for value in values:
                     cells.append(Cell(policy, n, cache, value))
     return cells

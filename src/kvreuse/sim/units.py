@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvreuse.errors import ConfigError
+from kvreuse.errors import require_at_least
 from kvreuse.routing.base import CostModel
 from kvreuse.routing.registry import policy_defaults
 from kvreuse.sim.config import FleetConfig
@@ -38,8 +38,7 @@ class TraceUnits:
     prompt_tokens: Mapping[int, int] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.tokens_per_unit < 1:
-            raise ConfigError(f"tokens per unit must be >= 1, got {self.tokens_per_unit}")
+        require_at_least("tokens per unit", self.tokens_per_unit, 1)
 
     def units(self, tokens: int) -> int:
         """``tokens`` in whole units, rounded down but at least one (pools, block sizes)."""

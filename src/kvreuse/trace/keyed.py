@@ -16,7 +16,7 @@ from __future__ import annotations
 import hmac
 from collections.abc import Iterator
 
-from kvreuse.errors import ConfigError
+from kvreuse.errors import ConfigError, require_at_least
 from kvreuse.tokens import TOKEN_BYTES
 
 _LABEL = b"kvreuse-trace-v1"
@@ -33,8 +33,7 @@ class KeyedIds:
             raise ConfigError(
                 f"the trace secret must be at least {MIN_SECRET_BYTES} bytes, got {len(secret)}"
             )
-        if block < 1:
-            raise ConfigError(f"--record-block-size must be >= 1, got {block}")
+        require_at_least("--record-block-size", block, 1)
         self._secret = secret
         self.block = block
         self._root = hmac.digest(secret, _LABEL, "sha256")

@@ -15,7 +15,7 @@ import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvreuse.errors import ConfigError
+from kvreuse.errors import ConfigError, require_at_least
 from kvreuse.trace.format import TraceRecord
 
 
@@ -24,8 +24,7 @@ class PromptSynthesizer:
     from (all of ``[first_token, vocab_size)`` without a tokenizer)."""
 
     def __init__(self, block: int, alphabet: Sequence[int]) -> None:
-        if block < 1:
-            raise ConfigError(f"block must be >= 1, got {block}")
+        require_at_least("block", block, 1)
         if len(alphabet) < 2:
             raise ConfigError("prompts need at least 2 distinct tokens to draw from")
         self.block = block

@@ -39,7 +39,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from kvreuse import defaults
-from kvreuse.errors import ConfigError, InputFormatError
+from kvreuse.errors import ConfigError, InputFormatError, require_at_least
 from kvreuse.json_input import parse_json
 from kvreuse.web.controls import LIMITS, ControlChoices, LabControls, parse_controls, parse_query
 from kvreuse.web.missions import Mission, mission_to_json
@@ -117,8 +117,7 @@ class RunSlots:
     ``timeout_s``. :meth:`acquire` returns False (backpressure) when no slot came."""
 
     def __init__(self, size: int, waiting: int, timeout_s: float) -> None:
-        if size < 1:
-            raise ConfigError(f"max_concurrent_runs must be >= 1, got {size}")
+        require_at_least("max_concurrent_runs", size, 1)
         self.size = size
         self.waiting_limit = waiting
         self.timeout_s = timeout_s
