@@ -147,6 +147,24 @@ def location(prompt: Prompt, field: str | None) -> str:
     return f"{prompt.label}: {field}" if field else prompt.label
 
 
+def rule_finding(rule: Any, severity: Severity, prompt: Prompt, field: str, token: int,
+                 cost: int, message: str) -> Finding:
+    """A finding of ``rule`` (its id, name and fix) in ``prompt`` at ``field``, pricing the
+    ``cost`` stable tokens from ``token`` on."""
+    return Finding(
+        rule_id=rule.id,
+        rule_name=rule.name,
+        severity=severity,
+        sample=prompt.label,
+        location=location(prompt, field),
+        message=message,
+        fix=rule.fix,
+        tokens_cost=cost,
+        token_index=token,
+        char_offset=prompt.char_offset(token),
+    )
+
+
 def pairs(prompts: Sequence[Prompt]) -> list[tuple[Prompt, Prompt]]:
     """Sample pairs worth comparing: each sample against the next (O(n) pairs, not O(n^2))."""
     return list(itertools.pairwise(prompts))

@@ -10,7 +10,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from kvreuse.lint.audit.base import AuditInput, Finding, Severity, location, stable_end_char
+from kvreuse.lint.audit.base import (
+    AuditInput,
+    Finding,
+    Severity,
+    rule_finding,
+    stable_end_char,
+)
 from kvreuse.tokens import common_prefix_tokens, pack
 
 
@@ -38,21 +44,11 @@ class TokenBoundaryRule:
             cost = len(stable_ids) - shared
             if worst is None or cost > worst.tokens_cost:
                 tail = prompt.text[max(0, end - 12) : end + 12]
-                worst = Finding(
-                    rule_id=self.id,
-                    rule_name=self.name,
-                    severity=Severity.WARNING,
-                    sample=prompt.label,
-                    location=location(prompt, f"stable part end (character {end})"),
-                    message=(
-                        f"the stable part ends inside a token ({tail!r}): its last {cost} "
-                        f"token(s) merge with the variable text, so token {shared} onwards "
-                        "differs per request"
-                    ),
-                    fix=self.fix,
-                    tokens_cost=cost,
-                    token_index=shared,
-                    char_offset=prompt.char_offset(shared),
+                worst = rule_finding(
+                    self, Severity.WARNING, prompt, f"stable part end (character {end})", shared,
+                    cost, f"the stable part ends inside a token ({tail!r}): its last {cost} "
+                    f"token(s) merge with the variable text, so token {shared} onwards "
+                    "differs per request",
                 )
         if worst is None:
             return []

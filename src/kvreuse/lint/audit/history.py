@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvreuse.errors import KvreuseError
-from kvreuse.lint.audit.base import AuditInput, Finding, Severity, location
+from kvreuse.lint.audit.base import AuditInput, Finding, Severity, rule_finding
 from kvreuse.lint.diff import shared_prefix
 from kvreuse.lint.paths import differing_paths, format_path
 from kvreuse.lint.prompt import Prompt, build_prompt
@@ -75,24 +75,11 @@ class RewrittenHistoryRule:
                 field = format_path(("messages", *path.keys))
                 shared = shared_prefix(earlier, later)
                 cost = max(0, len(earlier) - shared)
-                findings.append(
-                    Finding(
-                        rule_id=self.id,
-                        rule_name=self.name,
-                        severity=Severity.ERROR,
-                        sample=later.label,
-                        location=location(later, field),
-                        message=(
-                            f"{later.label} continues {earlier.label} but changed {field}; the "
-                            f"{cost} tokens of the earlier prompt after token {shared} are "
-                            "recomputed"
-                        ),
-                        fix=self.fix,
-                        tokens_cost=cost,
-                        token_index=shared,
-                        char_offset=later.char_offset(shared),
-                    )
-                )
+                findings.append(rule_finding(
+                    self, Severity.ERROR, later, field, shared, cost,
+                    f"{later.label} continues {earlier.label} but changed {field}; the {cost} "
+                    f"tokens of the earlier prompt after token {shared} are recomputed",
+                ))
         return findings
 
 
@@ -188,49 +175,41 @@ def _template_probe(audit: AuditInput) -> Finding | None:
         and first.text.find(system) != second.text.find(system)
     )
     system_text = system if isinstance(system, str) else ""
-    where = f"{audit.template_label}: rendering"
+    rule: type[RewrittenHistoryRule | MovingSystemPromptRule]
     if moved:
-        cost = len(first) - shared
-        return Finding(
-            rule_id=MovingSystemPromptRule.id,
-            rule_name=MovingSystemPromptRule.name,
-            severity=Severity.ERROR,
-            sample=audit.template_label,
-            location=where,
-            message=(
-                "the system prompt sits at character "
-                f"{first.text.find(system_text)} on turn 1 and {second.text.find(system_text)} on "
-                f"turn 2; "
-                f"turn 2 shares only {shared} tokens with turn 1, so {cost} tokens of turn 1 are "
-                "recomputed on every turn"
-            ),
-            fix=MovingSystemPromptRule.fix,
-            tokens_cost=cost,
-            token_index=shared,
-            char_offset=second.char_offset(shared),
-        )
-    cost = len(cached) - shared
-    if reasoning:
-        how = (
-            "on turn 2 the template renders the earlier answer without its reasoning, so the "
-            "cache of turn 1 (prompt and generated reasoning)"
+        rule, severity, cost = MovingSystemPromptRule, Severity.ERROR, len(first) - shared
+        message = (
+            "the system prompt sits at character "
+            f"{first.text.find(system_text)} on turn 1 and {second.text.find(system_text)} on "
+            f"turn 2; "
+            f"turn 2 shares only {shared} tokens with turn 1, so {cost} tokens of turn 1 are "
+            "recomputed on every turn"
         )
     else:
-        how = (
-            "on turn 2 the template renders earlier turns differently from turn 1's prompt "
-            "and generated answer, so the cache of turn 1"
-        )
-    return Finding(
-        rule_id=RewrittenHistoryRule.id,
-        rule_name=RewrittenHistoryRule.name,
-        severity=Severity.ERROR if shared < len(first) else Severity.WARNING,
-        sample=audit.template_label,
-        location=where,
-        message=(
+        rule, cost = RewrittenHistoryRule, len(cached) - shared
+        severity = Severity.ERROR if shared < len(first) else Severity.WARNING
+        if reasoning:
+            how = (
+                "on turn 2 the template renders the earlier answer without its reasoning, so "
+                "the cache of turn 1 (prompt and generated reasoning)"
+            )
+        else:
+            how = (
+                "on turn 2 the template renders earlier turns differently from turn 1's prompt "
+                "and generated answer, so the cache of turn 1"
+            )
+        message = (
             f"{how} stops matching at token {shared}: {cost} cached tokens per turn are "
             "recomputed"
-        ),
-        fix=RewrittenHistoryRule.fix,
+        )
+    return Finding(
+        rule_id=rule.id,
+        rule_name=rule.name,
+        severity=severity,
+        sample=audit.template_label,
+        location=f"{audit.template_label}: rendering",
+        message=message,
+        fix=rule.fix,
         tokens_cost=cost,
         token_index=shared,
         char_offset=second.char_offset(shared),

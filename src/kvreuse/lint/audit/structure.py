@@ -18,8 +18,8 @@ from kvreuse.lint.audit.base import (
     AuditInput,
     Finding,
     Severity,
-    location,
     pairs,
+    rule_finding,
     stable_end_char,
     stable_end_token,
     token_at,
@@ -55,22 +55,6 @@ def _volatile_only(a: object, b: object) -> bool:
     return a == b
 
 
-def _finding(rule: Any, severity: Severity, prompt: Prompt, field: str, token: int, cost: int,
-             message: str) -> Finding:
-    return Finding(
-        rule_id=rule.id,
-        rule_name=rule.name,
-        severity=severity,
-        sample=prompt.label,
-        location=location(prompt, field),
-        message=message,
-        fix=rule.fix,
-        tokens_cost=cost,
-        token_index=token,
-        char_offset=prompt.char_offset(token),
-    )
-
-
 class PerUserFieldRule:
     id = "KV103"
     name = "per-request-field-before-stable-content"
@@ -104,7 +88,7 @@ class PerUserFieldRule:
             except (KeyError, IndexError, TypeError):
                 pass
             if field not in seen or seen[field].tokens_cost < cost:
-                seen[field] = _finding(
+                seen[field] = rule_finding(
                     self, Severity.WARNING, a, field, shared, cost,
                     f"{field} differs between {a.label} and {b.label} at token {shared}, ahead of "
                     f"{cost} tokens both share; none of them can be reused",
@@ -161,7 +145,7 @@ class ToolSchemaOrderRule:
             names_a = [_tool_name(t) for t in tools_a]
             names_b = [_tool_name(t) for t in tools_b]
             if names_a != names_b and Counter(names_a) == Counter(names_b):
-                findings.setdefault("tools", _finding(
+                findings.setdefault("tools", rule_finding(
                     self, Severity.ERROR, a, "tools", shared, cost,
                     f"the same {len(names_a)} tools arrive in a different order in {a.label} and "
                     f"{b.label}; {cost} stable tokens after token {shared} are recomputed",
@@ -176,7 +160,7 @@ class ToolSchemaOrderRule:
                 if path is None:
                     continue
                 field = format_path(("tools", index, *path.keys))
-                findings.setdefault(field, _finding(
+                findings.setdefault(field, rule_finding(
                     self, Severity.ERROR, a, field, shared, cost,
                     f"tool {_tool_name(tool)!r} has the same schema with keys in another order in "
                     f"{b.label}; {cost} stable tokens after token {shared} are recomputed",
@@ -212,7 +196,7 @@ class RetrievalOrderRule:
             if cost == 0:
                 continue
             for field in _reordered_fields(a.request, b.request):
-                findings.setdefault(field, _finding(
+                findings.setdefault(field, rule_finding(
                     self, Severity.WARNING, a, field, shared, cost,
                     f"{field} holds the same chunks in another order in {b.label}; sharing stops "
                     f"at token {shared} and {cost} stable tokens are recomputed",
