@@ -96,7 +96,6 @@ class TokenTally:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     predicted_tokens: int = 0
-    requests_with_usage: int = 0
 
     @property
     def hit_rate(self) -> float | None:

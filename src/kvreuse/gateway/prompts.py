@@ -156,7 +156,6 @@ class HFPromptTokenizer:
         bundle = load_tokenizer(path)
         self.name = bundle.tokenizer.name
         self.revision = bundle.tokenizer.revision
-        self._bundle = bundle
         self._template = bundle.chat_template() if bundle.templates else None
         try:
             self._backend = Tokenizer.from_file(str(path / "tokenizer.json"))
@@ -181,7 +180,6 @@ class HFPromptTokenizer:
         # Entries alone do not bound memory: 65,536 pieces of 4,000-token prompts are ~2 GB.
         self._memo_bytes = memo_bytes
         self._memo_size = 0  # characters + packed id bytes held
-        self.memo_hits = 0
         self.memo_misses = 0
         if self._pattern is not None and splitters and not self._pieces_agree(splitters):
             # e.g. a Metaspace pre-tokenizer with prepend_scheme="first" treats the start of
@@ -197,7 +195,7 @@ class HFPromptTokenizer:
         ok = pack(whole) == self.encode(probe)
         self._memo.clear()
         self._memo_size = 0
-        self.memo_hits = self.memo_misses = 0
+        self.memo_misses = 0
         return ok
 
     def encode(self, text: str) -> TokenBuffer:
@@ -223,7 +221,6 @@ class HFPromptTokenizer:
     def _piece(self, piece: str) -> bytes:
         found = self._memo.get(piece)
         if found is not None:
-            self.memo_hits += 1
             self._memo.move_to_end(piece)
             return found
         self.memo_misses += 1

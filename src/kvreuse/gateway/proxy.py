@@ -319,7 +319,6 @@ class Forwarder:
             tally.prompt_tokens += counted[0]
             tally.cached_tokens += counted[1]
             tally.predicted_tokens += candidate.predicted_cached_tokens
-            tally.requests_with_usage += 1
             self.router.realized(candidate, counted[0], counted[1])
 
     async def _whole(self, reply: ClientReply, plan: Plan, candidate: Candidate,

@@ -66,7 +66,6 @@ class StreamStats:
     events: int = 0
     malformed_events: int = 0
     malformed_batches: int = 0
-    duplicates: int = 0
     gaps: int = 0
     repaired_gaps: int = 0
     replayed_batches: int = 0
@@ -291,8 +290,6 @@ class EventSubscriber:
             return
         verdict = self.tracker.check(batch.seq)
         if not verdict.apply:
-            if verdict.drop == "duplicate_batch":
-                self.stats.duplicates += 1
             self.stats.drop(verdict.drop)
             if verdict.drop != "duplicate_batch":
                 self._problem(verdict.drop, f"batch {batch.seq} dropped ({verdict.drop}); the "

@@ -71,10 +71,6 @@ class CacheMirror(FleetTrie[_Edge]):
         """Held tokens in whole blocks (the size SGLang's rule compares). O(1)."""
         return self.tree_tokens(replica) // self.block_size
 
-    @property
-    def num_edges(self) -> int:
-        return self._num_nodes
-
     def predict(
         self, request: RequestView, replicas: Iterable[ReplicaId], now: float
     ) -> dict[ReplicaId, int]:

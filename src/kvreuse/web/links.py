@@ -17,7 +17,6 @@ from kvreuse.web.controls import LabControls
 
 DEFAULT_HOST = LAB_HOST
 DEFAULT_PORT = LAB_PORT
-DEFAULT_BASE_URL = lab_base_url()
 
 
 def _text(value: Any) -> str:
