@@ -11,7 +11,7 @@ import html
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvreuse.cli.simreport import _png, _pyplot
+from kvreuse.cli.simreport import _png, _pyplot, figures_html, report_page
 from kvreuse.sim.plan import CellResult, Slo
 
 
@@ -99,19 +99,10 @@ def write_plan_report(
         f"<p>Reproduce: <code>{esc(command or '')}</code></p>"
         if winner is not None else f"<p><b>No cell meets {esc(wanted)}.</b></p>"
     )
-    figures = "".join(
-        f"<h2>{esc(title)}</h2><img alt='{esc(title)}' src='data:image/png;base64,{data}'>"
-        for title, data in images
-    )
-    page = f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>kvreuse plan: {esc(trace)}</title>
-<style>body{{font-family:sans-serif;max-width:1200px;margin:auto}}
-td,th{{border:1px solid #ccc;padding:2px 6px;font-size:13px}}table{{border-collapse:collapse}}
-img{{max-width:100%}}</style></head><body>
+    page = report_page(f"kvreuse plan: {trace}", f"""
 <h1>kvreuse plan: {esc(trace)}</h1>{verdict}
 <h2>Pareto front</h2><table>{head}{"".join(row(r) for r in front)}</table>
-{figures}
+{figures_html(images)}
 <h2>Every cell</h2><table>{head}{"".join(row(r) for r in results)}</table>
-</body></html>
-"""
+""")
     path.write_text(page, encoding="utf-8")

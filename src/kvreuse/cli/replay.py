@@ -222,7 +222,7 @@ def _report(path: Path, trace: str, target: str, summary: ReplaySummary,
             results: Sequence[Any]) -> None:
     import html
 
-    from kvreuse.cli.simreport import _png, _pyplot
+    from kvreuse.cli.simreport import _png, _pyplot, report_page
 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(10, 4))
@@ -235,11 +235,7 @@ def _report(path: Path, trace: str, target: str, summary: ReplaySummary,
     esc = html.escape
     rows = "".join(f"<tr><td>{esc(k)}</td><td>{esc(json.dumps(v))}</td></tr>"
                    for k, v in summary.as_dict().items())
-    path.write_text(f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>kvreuse replay: {esc(trace)}</title>
-<style>body{{font-family:sans-serif;max-width:1200px;margin:auto}}
-td{{border:1px solid #ccc;padding:2px 6px;font-size:13px}}table{{border-collapse:collapse}}
-img{{max-width:100%}}</style></head><body><h1>{esc(trace)} to {esc(target)}</h1>
+    body = f"""<h1>{esc(trace)} to {esc(target)}</h1>
 <table>{rows}</table><h2>TTFT over time</h2>
-<img alt="TTFT over time" src="data:image/png;base64,{image}"></body></html>
-""", encoding="utf-8")
+<img alt="TTFT over time" src="data:image/png;base64,{image}">"""
+    path.write_text(report_page(f"kvreuse replay: {trace}", body, cells="td"), encoding="utf-8")

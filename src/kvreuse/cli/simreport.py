@@ -42,6 +42,26 @@ def _png(fig: Any) -> str:
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
+def report_page(title: str, body: str, cells: str = "td,th") -> str:
+    """The reports' self-contained HTML page: ``title`` (escaped here) and ``body`` (HTML) in
+    the shared style; ``cells`` selects the bordered table cells."""
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
+<style>body{{font-family:sans-serif;max-width:1200px;margin:auto}}
+{cells}{{border:1px solid #ccc;padding:2px 6px;font-size:13px}}table{{border-collapse:collapse}}
+img{{max-width:100%}}</style></head><body>{body}</body></html>
+"""
+
+
+def figures_html(images: Sequence[tuple[str, str]]) -> str:
+    """Each ``(title, base64 PNG)`` as a heading and its inline image."""
+    esc = html.escape
+    return "".join(
+        f"<h2>{esc(title)}</h2><img alt='{esc(title)}' src='data:image/png;base64,{data}'>"
+        for title, data in images
+    )
+
+
 def _labels(rows: Sequence[ScenarioRun]) -> list[str]:
     from kvreuse.cli.simulate import run_label
 
@@ -255,15 +275,7 @@ def write_report(
     ) if scenario.params else "".join(
         f"<tr><td>{esc(k)}</td><td>{esc(str(v))}</td><td></td></tr>" for k, v in parameters.items()
     )
-    figures = "".join(
-        f"<h2>{esc(title)}</h2><img alt='{esc(title)}' src='data:image/png;base64,{data}'>"
-        for title, data in images
-    )
-    page = f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>kvreuse simulate: {esc(scenario.name)}</title>
-<style>body{{font-family:sans-serif;max-width:1200px;margin:auto}}
-td,th{{border:1px solid #ccc;padding:2px 6px;font-size:13px}}table{{border-collapse:collapse}}
-img{{max-width:100%}}</style></head><body>
+    page = report_page(f"kvreuse simulate: {scenario.name}", f"""
 <h1>{esc(scenario.name)}</h1><p>{esc(scenario.summary)}</p>
 <table><tr><th>run</th><th>replicas</th><th>token hit</th><th>request hit</th>
 <th>prefill GPU-s/1k</th><th>TTFT p50 s</th><th>TTFT p95 s</th><th>max/mean load</th>
@@ -273,10 +285,9 @@ img{{max-width:100%}}</style></head><body>
 address, <code>kvreuse lab --port N</code> and <code>kvreuse simulate --lab-url
 http://127.0.0.1:N/</code>).</p>
 <p>Hit-rate references: {"<br>".join(esc(line) for line in bounds_text(every_bounds))}</p>
-<ul>{verdicts}</ul>{figures}
+<ul>{verdicts}</ul>{figures_html(images)}
 <h2>Parameters</h2><table><tr><th>name</th><th>value</th><th>source</th></tr>{params}</table>
-</body></html>
-"""
+""")
     try:
         path.write_text(page, encoding="utf-8")
     except OSError as exc:

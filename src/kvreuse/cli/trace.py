@@ -151,7 +151,7 @@ def _print_stats(console: Any, name: str, stats: TraceStats) -> None:
 def _write_stats_report(path: Path, name: str, stats: TraceStats) -> None:
     import html
 
-    from kvreuse.cli.simreport import _png, _pyplot
+    from kvreuse.cli.simreport import _png, _pyplot, figures_html, report_page
 
     plt = _pyplot()
     images = []
@@ -182,17 +182,9 @@ def _write_stats_report(path: Path, name: str, stats: TraceStats) -> None:
     esc = html.escape
     rows = "".join(f"<tr><td>{esc(k)}</td><td>{esc(json.dumps(v))}</td></tr>"
                    for k, v in stats.as_dict().items() if k != "hot_over_time")
-    figures = "".join(
-        f"<h2>{esc(title)}</h2><img alt='{esc(title)}' src='data:image/png;base64,{data}'>"
-        for title, data in images
-    )
-    path.write_text(f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>kvreuse trace stats: {esc(name)}</title>
-<style>body{{font-family:sans-serif;max-width:1200px;margin:auto}}
-td{{border:1px solid #ccc;padding:2px 6px;font-size:13px}}table{{border-collapse:collapse}}
-img{{max-width:100%}}</style></head><body><h1>{esc(name)}</h1>
-<table>{rows}</table>{figures}</body></html>
-""", encoding="utf-8")
+    body = f"<h1>{esc(name)}</h1>\n<table>{rows}</table>{figures_html(images)}"
+    path.write_text(report_page(f"kvreuse trace stats: {name}", body, cells="td"),
+                    encoding="utf-8")
 
 
 # ---------------------------------------------------------------------------------- import
