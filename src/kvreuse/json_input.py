@@ -36,6 +36,17 @@ def _place(where: str | None, detail: str | None = None) -> str | None:
     return f"{where}: {detail}" if where else detail
 
 
+def utf8_text(data: bytes, where: str | None, what: str = "UTF-8") -> str:
+    """``data`` decoded, or :class:`InputFormatError` ``not valid {what}`` naming the first bad
+    byte and its value. O(len(data))."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputFormatError(
+            f"not valid {what}: byte {exc.start} is 0x{data[exc.start]:02x}", where
+        ) from None
+
+
 def parse_json(
     data: bytes | str,
     where: str | None = None,
@@ -51,15 +62,7 @@ def parse_json(
     key holding a lone surrogate (with its field path). ``allow_non_finite`` lets ``NaN``,
     ``Infinity`` and overflowing floats through as Python's json reads them (the gateway
     forwards what vLLM accepts). O(len(data))."""
-    if isinstance(data, bytes | bytearray):
-        try:
-            text = bytes(data).decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise InputFormatError(
-                f"not valid UTF-8: byte {exc.start} is 0x{data[exc.start]:02x}", where
-            ) from None
-    else:
-        text = data
+    text = utf8_text(bytes(data), where) if isinstance(data, bytes | bytearray) else data
     if text.startswith("\ufeff"):
         text = text[1:]
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvreuse.cli.args import positive_int, read_bytes
 from kvreuse.errors import ConfigError, InputFormatError
-from kvreuse.json_input import parse_json
+from kvreuse.json_input import parse_json, utf8_text
 from kvreuse.lint.fingerprint import DEFAULT_BLOCK_SIZE, Revisions
 from kvreuse.tokenizers import NAMED_TOKENIZERS, TokenizerBundle, load_tokenizer
 
@@ -108,13 +108,7 @@ def setup_prompts(args: argparse.Namespace) -> PromptSetup:
                     f"{', '.join(BUILTIN_TEMPLATES)})"
                 )
             data = read_bytes(args.template, "--template")
-            try:
-                override, label = data.decode("utf-8"), args.template
-            except UnicodeDecodeError as exc:
-                raise InputFormatError(
-                    f"not valid UTF-8: byte {exc.start} is 0x{data[exc.start]:02x}",
-                    where=args.template,
-                ) from None
+            override, label = utf8_text(data, args.template), args.template
     template: ChatTemplate | None = None
     if override is not None or bundle.templates:
         template = bundle.chat_template(override=override, name=args.template_name, clock=clock)
@@ -164,12 +158,7 @@ def read_requests(path_text: str) -> list[tuple[str, Mapping[str, Any] | str]]:
                 raise InputFormatError("a request must be a JSON object", where=where)
             result.append((where, item))
         return result
-    try:
-        return [(path_text, data.decode("utf-8"))]
-    except UnicodeDecodeError as exc:
-        raise InputFormatError(
-            f"not valid UTF-8 text: byte {exc.start} is 0x{data[exc.start]:02x}", where=path_text
-        ) from None
+    return [(path_text, utf8_text(data, path_text, "UTF-8 text"))]
 
 
 def load_prompts(paths: list[str], setup: PromptSetup) -> list[Prompt]:
