@@ -223,26 +223,19 @@ def _with_baselines(specs: list[RunSpec]) -> list[RunSpec]:
     return specs + extra
 
 
+def _given(**values: Any) -> dict[str, Any]:
+    """The flags' values that were given (not None), by the config field they replace."""
+    return {name: value for name, value in values.items() if value is not None}
+
+
 def _adjust(config: FleetConfig, args: argparse.Namespace, variant: str = "") -> FleetConfig:
     replica = config.replica
     if variant == "no_cache":
         replica = replace(replica, prefix_caching=False)
-    if args.cache_tokens is not None:
-        replica = replace(replica, pool_tokens=args.cache_tokens)
-    if args.scheduling is not None:
-        replica = replace(replica, scheduling=args.scheduling)
-    if args.cache_kind is not None:
-        replica = replace(replica, cache_kind=args.cache_kind)
-    if args.block_size is not None:
-        replica = replace(replica, block_size=args.block_size)
-    config = replace(config, replica=replica)
-    if args.load_lag is not None:
-        config = replace(config, load_lag_s=args.load_lag)
-    if args.kv_lag is not None:
-        config = replace(config, kv_event_lag_s=args.kv_lag)
-    if args.load_view is not None:
-        config = replace(config, load_view=args.load_view)
-    return config
+    replica = replace(replica, **_given(pool_tokens=args.cache_tokens, scheduling=args.scheduling,
+                                        cache_kind=args.cache_kind, block_size=args.block_size))
+    return replace(config, replica=replica, **_given(
+        load_lag_s=args.load_lag, kv_event_lag_s=args.kv_lag, load_view=args.load_view))
 
 
 def _trace_scenario(args: argparse.Namespace, requests: list[SimRequest]) -> Scenario:

@@ -14,6 +14,7 @@ replaces the replicas' radix trees by vLLM's block pool (``cache_kind="block"``)
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from kvreuse.errors import ConfigError
 from kvreuse.sim.config import FleetConfig, ReplicaConfig
@@ -104,6 +105,16 @@ def _replica_variant(config: ReplicaConfig, variant: str) -> ReplicaConfig:
     return config
 
 
+def _fleet(replica: ReplicaConfig, **options: Any) -> FleetFactory:
+    """Fleets of ``replica`` as each variant changes it, with ``options`` for
+    :class:`FleetConfig` (e.g. ``kv_event_lag_s=0.0``)."""
+
+    def build(replicas: int, variant: str) -> FleetConfig:
+        return FleetConfig(replicas=replicas, replica=_replica_variant(replica, variant), **options)
+
+    return build
+
+
 # ---------------------------------------------------------------------------- six-turn
 
 def _six_turn_requests(seed: int, variant: str, scale: float) -> list[SimRequest]:
@@ -122,13 +133,6 @@ def _six_turn_requests(seed: int, variant: str, scale: float) -> list[SimRequest
     return out
 
 
-def _six_turn_fleet(replicas: int, variant: str) -> FleetConfig:
-    replica = ReplicaConfig(
-        pool_tokens=SIX_TURN_POOL, time_per_output_token_s=0.02, block_size=SIX_TURN_BLOCK_SIZE
-    )
-    return FleetConfig(replicas=replicas, replica=_replica_variant(replica, variant))
-
-
 SIX_TURN_SCENARIO = Scenario(
     name="six-turn",
     summary="the six-turn chat: one conversation, 15,900 prefill tokens without cache, 2,400 "
@@ -136,7 +140,8 @@ SIX_TURN_SCENARIO = Scenario(
     params=SIX_TURN_PARAMS,
     runs=SIX_TURN_RUNS,
     requests=_six_turn_requests,
-    fleet=_six_turn_fleet,
+    fleet=_fleet(ReplicaConfig(pool_tokens=SIX_TURN_POOL, time_per_output_token_s=0.02,
+                               block_size=SIX_TURN_BLOCK_SIZE)),
     expectations=SIX_TURN_EXPECTATIONS,
 )
 
@@ -156,17 +161,12 @@ def chat_requests(base: ChatWorkload) -> RequestsFactory:
     return build
 
 
-def belgavi_fleet(replicas: int, variant: str) -> FleetConfig:
-    """Seed 001's replicas (see :data:`~kvreuse.sim.scenario_params.BELGAVI_PARAMS`)."""
-    replica = ReplicaConfig(
-        pool_tokens=BELGAVI_POOL,
-        prefill_tokens_per_s=10_000.0,
-        overhead_s=0.015,
-        time_per_output_token_s=0.0,
-    )
-    return FleetConfig(
-        replicas=replicas, replica=_replica_variant(replica, variant), kv_event_lag_s=0.0
-    )
+belgavi_fleet = _fleet(
+    ReplicaConfig(pool_tokens=BELGAVI_POOL, prefill_tokens_per_s=10_000.0, overhead_s=0.015,
+                  time_per_output_token_s=0.0),
+    kv_event_lag_s=0.0,
+)
+"""Seed 001's replicas (see :data:`~kvreuse.sim.scenario_params.BELGAVI_PARAMS`)."""
 
 
 BELGAVI_SCENARIO = Scenario(
@@ -187,23 +187,14 @@ def _contract_requests(seed: int, variant: str, scale: float) -> list[SimRequest
     return replace(CONTRACTS, duration_s=CONTRACTS.duration_s * scale).generate(seed)
 
 
-def _contract_fleet(replicas: int, variant: str) -> FleetConfig:
-    replica = ReplicaConfig(
-        pool_tokens=CONTRACT_POOL,
-        prefill_tokens_per_s=10_000.0,
-        overhead_s=0.015,
-        time_per_output_token_s=0.03,
-    )
-    return FleetConfig(replicas=replicas, replica=_replica_variant(replica, variant))
-
-
 CONTRACT_SCENARIO = Scenario(
     name="contract-library",
     summary="a library of 2,000 contracts on 8 replicas: round robin vs prefix affinity (+ bound)",
     params=CONTRACT_PARAMS,
     runs=CONTRACT_RUNS,
     requests=_contract_requests,
-    fleet=_contract_fleet,
+    fleet=_fleet(ReplicaConfig(pool_tokens=CONTRACT_POOL, prefill_tokens_per_s=10_000.0,
+                               overhead_s=0.015, time_per_output_token_s=0.03)),
     expectations=CONTRACT_EXPECTATIONS,
 )
 
@@ -214,13 +205,6 @@ def _long_context_requests(seed: int, variant: str, scale: float) -> list[SimReq
     return replace(LONG_CONTEXT, duration_s=LONG_CONTEXT.duration_s * scale).generate(seed)
 
 
-def _long_context_fleet(replicas: int, variant: str) -> FleetConfig:
-    replica = ReplicaConfig(pool_tokens=LONG_CONTEXT_POOL, time_per_output_token_s=0.02)
-    return FleetConfig(
-        replicas=replicas, replica=_replica_variant(replica, variant), kv_event_lag_s=0.0
-    )
-
-
 LONG_CONTEXT_SCENARIO = Scenario(
     name="long-context",
     summary="stress: 12,000-token documents on 4 replicas, where a fixed 200 ms spill bound "
@@ -228,7 +212,8 @@ LONG_CONTEXT_SCENARIO = Scenario(
     params=LONG_CONTEXT_PARAMS,
     runs=LONG_CONTEXT_RUNS,
     requests=_long_context_requests,
-    fleet=_long_context_fleet,
+    fleet=_fleet(ReplicaConfig(pool_tokens=LONG_CONTEXT_POOL, time_per_output_token_s=0.02),
+                 kv_event_lag_s=0.0),
     expectations=LONG_CONTEXT_EXPECTATIONS,
 )
 

@@ -12,7 +12,7 @@ the README say); it also ignores the KV that running requests pin.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from kvreuse.index import RadixIndex
 from kvreuse.sim.requests import SimRequest
@@ -31,12 +31,8 @@ class Bounds:
     cache_tokens: int
 
     def as_dict(self) -> dict[str, float | int]:
-        return {
-            "infinite_hit_rate": self.infinite_hit_rate,
-            "pooled_lru_hit_rate": self.pooled_lru_hit_rate,
-            "replicas": self.replicas,
-            "cache_tokens": self.cache_tokens,
-        }
+        """The fields by name, in field order (``--json``'s ``bounds``)."""
+        return asdict(self)
 
 
 def _replay_hit_rate(requests: Sequence[SimRequest], cache: RadixIndex) -> float:
