@@ -290,9 +290,6 @@ class EngineApp:
             return Response(status_code=200)
         return JSONResponse({"error": {"message": "requests are running"}}, status_code=400)
 
-    def _tokens(self, parsed: ParsedRequest) -> TokenBuffer:
-        return request_tokens(self.tokenizer, parsed)
-
     async def _prepare(self, scope: Scope, receive: Receive, send: Send,
                        kind: str) -> PreparedRequest | None:
         """Read and check a ``kind`` body and tokenize its prompt; a refusal is answered here
@@ -312,7 +309,7 @@ class EngineApp:
                 raise RequestError("the simulated engine serves one prompt per request", "prompt")
             max_tokens = parsed.max_tokens or DEFAULT_MAX_TOKENS
             check_supported(parsed, max_tokens)
-            tokens = self._tokens(parsed)
+            tokens = request_tokens(self.tokenizer, parsed)
             self.replica.check_fits(tokens, max_tokens)
         except ClientGone:
             return None

@@ -267,24 +267,9 @@ class HFPromptTokenizer:
             text = text[: at + len(final)]
         return text
 
-    def chat(
-        self,
-        messages: Messages,
-        *,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        template_kwargs: Mapping[str, Any] | None = None,
-    ) -> TokenBuffer:
-        return self.encode(
-            self.render(
-                messages,
-                tools=tools,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                template_kwargs=template_kwargs,
-            )
-        )
+    def chat(self, messages: Messages, **options: Any) -> TokenBuffer:
+        """:meth:`render` (``options`` are its keyword arguments), then :meth:`encode`."""
+        return self.encode(self.render(messages, **options))
 
     @property
     def vocab_size(self) -> int:

@@ -80,10 +80,6 @@ LLMD_QUEUE_WEIGHT = 2.0
 LLMD_KV_CACHE_WEIGHT = 2.0
 
 
-def _check_rng(rng: random.Random | None, seed: int) -> random.Random:
-    return rng if rng is not None else random.Random(seed)
-
-
 class LlmdScorers(EstimatorPolicy):
     """llm-d's default scorer pipeline; see the module docstring."""
 
@@ -119,7 +115,7 @@ class LlmdScorers(EstimatorPolicy):
         # llm-d's own prefix LRU, not a choice (a gateway may still swap in a shared index).
         super().__init__(ApproxTrees(max_tree_tokens=2**62,
                                      capacity_tokens=lru_capacity_per_server * hash_block_size))
-        self._rng = _check_rng(rng, seed)
+        self._rng = rng if rng is not None else random.Random(seed)
         self._running: dict[ReplicaId, int] = {}
         # (request id, replica) -> prompt tokens of each unfinished send: a retried request or
         # two clients reusing one id each release exactly what they added.
@@ -213,7 +209,7 @@ class DynamoKvCost(EstimatorPolicy):
         self.router_temperature = router_temperature
         self.block_size = block_size
         super().__init__(estimator)
-        self._rng = _check_rng(rng, seed)
+        self._rng = rng if rng is not None else random.Random(seed)
         # Per replica: chained hash of each active (routed, unfinished) prompt block -> count.
         self._active: dict[ReplicaId, dict[int, int]] = {}
         # (request id, replica) -> block chains of its unfinished sends (see LlmdScorers).

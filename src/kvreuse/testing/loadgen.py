@@ -62,17 +62,19 @@ class Call:
     prompt_tokens: int = 0
 
 
+def _call(request: SimRequest, path: str, body: dict[str, object]) -> Call:
+    """``request`` sent to ``path`` as ``body``, streamed at temperature 0."""
+    body = {**body, "stream": True, "temperature": 0}
+    return Call(request.arrival_s, path, json.dumps(body).encode(), request.tenant or "",
+                request.session_id or "", request.measured, request.prompt_len)
+
+
 def document_calls(workload: DocumentWorkload, seed: int, *, model: str,
                    max_tokens: int) -> list[Call]:
     """The contract library: each question is its document plus the question."""
-    calls = []
-    for request in workload.generate(seed):
-        body = {"model": model, "prompt": tokens_text(request.tokens), "max_tokens": max_tokens,
-                "stream": True, "temperature": 0}
-        calls.append(Call(request.arrival_s, "/v1/completions", json.dumps(body).encode(),
-                          request.tenant or "", request.session_id or "", request.measured,
-                          request.prompt_len))
-    return calls
+    return [_call(request, "/v1/completions", {
+        "model": model, "prompt": tokens_text(request.tokens), "max_tokens": max_tokens,
+    }) for request in workload.generate(seed)]
 
 
 def _chat_messages(request: SimRequest, workload: ChatWorkload) -> list[dict[str, str]]:
@@ -98,14 +100,9 @@ def chat_calls(workload: ChatWorkload, seed: int, *, model: str, max_tokens: int
     if workload.user_tokens[0] != workload.user_tokens[1] or (
             workload.answer_tokens[0] != workload.answer_tokens[1]):
         raise ValueError("chat_calls needs fixed user_tokens and answer_tokens lengths")
-    calls = []
-    for request in workload.generate(seed):
-        body = {"model": model, "messages": _chat_messages(request, workload),
-                "max_tokens": max_tokens, "stream": True, "temperature": 0}
-        calls.append(Call(request.arrival_s, "/v1/chat/completions", json.dumps(body).encode(),
-                          request.tenant or "", request.session_id or "", request.measured,
-                          request.prompt_len))
-    return calls
+    return [_call(request, "/v1/chat/completions", {
+        "model": model, "messages": _chat_messages(request, workload), "max_tokens": max_tokens,
+    }) for request in workload.generate(seed)]
 
 
 # ---------------------------------------------------------------------------- running
