@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
 from typing import Any
 
 from kvreuse.capacity.model import GIB, KIB, cache_budget, dtype_bytes, kv_shape_from_config
@@ -233,9 +234,5 @@ def _to_json(
         out["hot_low_bytes"] = report.hot_low_bytes
         out["hot_high_bytes"] = report.hot_high_bytes
         out["fleet_idle_bytes"] = report.fleet_idle_bytes
-        out["verdict"] = {
-            "decision": report.verdict.decision,
-            "reason": report.verdict.reason,
-            "replicas_needed": report.verdict.replicas_needed,
-        }
+        out["verdict"] = asdict(report.verdict)  # decision, reason, replicas_needed
     return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
 from typing import Any
 
 from kvreuse.cli.args import positive_int
@@ -34,24 +35,12 @@ def run(args: argparse.Namespace) -> int:
     )
     result = run_six_turn(shape)
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "rows": [
-                        {
-                            "turn": r.turn,
-                            "prompt_tokens": r.prompt_tokens,
-                            "radix_prefilled": r.radix_prefilled,
-                            "block_prefilled": r.block_prefilled,
-                        }
-                        for r in result.rows
-                    ],
-                    "total_prompt_tokens": result.total_prompt_tokens,
-                    "total_radix_prefilled": result.total_radix_prefilled,
-                    "total_block_prefilled": result.total_block_prefilled,
-                }
-            )
-        )
+        print(json.dumps({
+            "rows": [asdict(r) for r in result.rows],  # turn, prompt_tokens, radix/block_prefilled
+            "total_prompt_tokens": result.total_prompt_tokens,
+            "total_radix_prefilled": result.total_radix_prefilled,
+            "total_block_prefilled": result.total_block_prefilled,
+        }))
         return 0
     rows = [
         [str(r.turn), f"{r.prompt_tokens:,}", f"{r.radix_prefilled:,}", f"{r.block_prefilled:,}"]

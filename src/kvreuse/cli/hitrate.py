@@ -14,6 +14,7 @@ import sys
 import time
 import urllib.error
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -189,9 +190,7 @@ def _alert_json(alert: StepAlert) -> dict[str, Any]:
         "baseline_hit_rate": alert.baseline_rate,
         "current_hit_rate": alert.current_rate,
         "drop_points": alert.drop_points,
-        "fingerprint_change": None
-        if change is None
-        else {"t": change.t, "old": change.old, "new": change.new},
+        "fingerprint_change": None if change is None else asdict(change),  # t, old, new
         "message": alert.describe(),
     }
 

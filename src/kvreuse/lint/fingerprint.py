@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvreuse.errors import ConfigError, InputFormatError
@@ -36,15 +36,7 @@ class Revisions:
 
     def changed_fields(self, other: Revisions) -> list[str]:
         """Names of the revisions that differ (``tokenizer``, ``template``, ``model``)."""
-        return [
-            name
-            for name, mine, theirs in (
-                ("tokenizer", self.tokenizer, other.tokenizer),
-                ("template", self.template, other.template),
-                ("model", self.model, other.model),
-            )
-            if mine != theirs
-        ]
+        return [f.name for f in fields(self) if getattr(self, f.name) != getattr(other, f.name)]
 
 
 @dataclass(frozen=True, slots=True)

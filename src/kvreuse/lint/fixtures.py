@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvreuse.errors import ConfigError, InputFormatError
@@ -67,11 +67,7 @@ def dump_golden(records: Sequence[GoldenRecord]) -> dict[str, Any]:
         "version": GOLDEN_VERSION,
         "records": [
             {
-                "revisions": {
-                    "tokenizer": r.revisions.tokenizer,
-                    "template": r.revisions.template,
-                    "model": r.revisions.model,
-                },
+                "revisions": asdict(r.revisions),  # tokenizer, template, model
                 "fixtures": {name: fp.to_json() for name, fp in sorted(r.fixtures.items())},
             }
             for r in records

@@ -10,7 +10,7 @@ a request that reuses 16 tokens of a 20,000-token prompt counts as a hit (seed 0
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from kvreuse.errors import ConfigError
 
@@ -82,14 +82,9 @@ class ReuseSummary:
         return self.prompt_tokens - self.cached_tokens
 
     def as_dict(self) -> dict[str, float | int | str]:
-        """Plain dict for JSON output, denominators included."""
+        """Plain dict for JSON output: the fields (denominators included), then the ratios."""
         return {
-            "label": self.label,
-            "requests": self.requests,
-            "requests_with_hit": self.requests_with_hit,
-            "prompt_tokens": self.prompt_tokens,
-            "cached_tokens": self.cached_tokens,
-            "eligible_tokens": self.eligible_tokens,
+            **asdict(self),
             "token_hit_rate": self.token_hit_rate,
             "reuse_effectiveness": self.reuse_effectiveness,
             "request_hit_rate": self.request_hit_rate,

@@ -19,7 +19,7 @@ Pure: parsed records in, figures out. Bounds run at block granularity (one id = 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from kvreuse.capacity.trace import TraceHotSet, trace_hot_set
 from kvreuse.sim.summary import percentile
@@ -71,10 +71,7 @@ class TraceStats:
             "tenants": self.tenants,
             "models": list(self.models),
             "infinite_hit_rate": self.infinite_hit_rate,
-            "pooled": [
-                {"replicas": p.replicas, "cache_tokens": p.cache_tokens, "hit_rate": p.hit_rate}
-                for p in self.pooled
-            ],
+            "pooled": [asdict(p) for p in self.pooled],  # replicas, cache_tokens, hit_rate
             "hot_window_s": self.hot.window_seconds,
             "hot_max_tokens": self.hot.max_hot_tokens,
             "hot_median_tokens": self.hot.median_hot_tokens,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvreuse.errors import ConfigError
@@ -130,10 +130,7 @@ def mission_to_json(mission: Mission) -> dict[str, Any]:
         "goal": mission.goal,
         "hint": mission.hint,
         "preset": dict(mission.preset),
-        "conditions": [
-            {"subject": c.subject, "op": c.op, "value": c.value, "label": c.label}
-            for c in mission.conditions
-        ],
+        "conditions": [asdict(c) for c in mission.conditions],  # subject, op, value, label
     }
 
 
@@ -141,16 +138,8 @@ def goal_to_json(result: GoalResult) -> dict[str, Any]:
     return {
         "mission": result.mission_id,
         "met": result.met,
-        "conditions": [
-            {
-                "subject": c.subject,
-                "label": c.label,
-                "met": c.met,
-                "actual": c.actual,
-                "display": c.display,
-            }
-            for c in result.conditions
-        ],
+        # subject, label, met, actual, then how the page shows actual
+        "conditions": [{**asdict(c), "display": c.display} for c in result.conditions],
     }
 
 
