@@ -359,7 +359,7 @@ def run(args: argparse.Namespace) -> int:
             "bounds": bounds.as_dict(),
             "bounds_by_replicas": [b.as_dict() for b in every_bounds],
         }
-        text = json.dumps(payload, indent=2, default=_json_default) + "\n"
+        text = json.dumps(payload, indent=2, default=str) + "\n"
         if to_stdout:
             sys.stdout.write(text)
             sys.stdout.flush()
@@ -435,10 +435,6 @@ def _knob_sweep(
                  traffic[variant], args.seed, None, fleet, units, cost)
         for value in values
     ]
-
-
-def _json_default(value: Any) -> Any:
-    return str(value)
 
 
 def _run_json(row: ScenarioRun) -> dict[str, Any]:

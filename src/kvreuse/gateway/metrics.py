@@ -124,38 +124,42 @@ class GatewayState:
     clock: Callable[[], float] = time.monotonic
 
 
+def _gauge(name: str, doc: str, *labels: str) -> GaugeMetricFamily:
+    """A gauge family labelled by upstream, then ``labels``."""
+    return GaugeMetricFamily(name, doc, labels=["upstream", *labels])
+
+
+def _counter(name: str, doc: str, *labels: str) -> CounterMetricFamily:
+    """A counter family labelled by upstream, then ``labels``."""
+    return CounterMetricFamily(name, doc, labels=["upstream", *labels])
+
+
 class _StateCollector:
     def __init__(self, state: GatewayState) -> None:
         self._state = state
 
     def collect(self) -> Iterable[Metric]:
         state = self._state
-        up = ["upstream"]
-
-        def gauge(name: str, doc: str) -> GaugeMetricFamily:
-            return GaugeMetricFamily(name, doc, labels=up)
-
-        healthy = gauge("kvreuse_gateway_upstream_healthy", "1 when admitted, 0 when ejected")
-        in_flight = gauge("kvreuse_gateway_upstream_in_flight", "requests open upstream")
-        queued = gauge("kvreuse_gateway_upstream_queued_prefill_tokens",
-                       "predicted uncached prompt tokens not yet answered")
-        blocks = gauge("kvreuse_gateway_index_blocks", "blocks in the gateway's index")
-        tokens = gauge("kvreuse_gateway_index_tokens", "tokens in the gateway's index")
-        rate = gauge("kvreuse_gateway_token_hit_rate", "cached / prompt tokens from usage")
-        engine_rate = gauge("kvreuse_gateway_engine_token_hit_rate",
-                            "hits / queries from the engine's /metrics deltas")
-        engine_cached = gauge("kvreuse_gateway_engine_cached_tokens",
-                              "vllm:prefix_cache_hits_total since the gateway's first scrape")
-        engine_prompt = gauge("kvreuse_gateway_engine_prompt_tokens",
-                              "vllm:prefix_cache_queries_total since the gateway's first scrape")
-        kv_usage = gauge("kvreuse_gateway_upstream_kv_usage",
-                         "the engine's vllm:kv_cache_usage_perc at the last scrape")
-        predicted = CounterMetricFamily("kvreuse_gateway_predicted_cached_tokens",
-                                        "cached tokens the gateway predicted", labels=up)
-        realized = CounterMetricFamily("kvreuse_gateway_realized_cached_tokens",
-                                       "cached tokens the engine reported", labels=up)
-        prompt = CounterMetricFamily("kvreuse_gateway_prompt_tokens",
-                                     "prompt tokens the engine reported", labels=up)
+        healthy = _gauge("kvreuse_gateway_upstream_healthy", "1 when admitted, 0 when ejected")
+        in_flight = _gauge("kvreuse_gateway_upstream_in_flight", "requests open upstream")
+        queued = _gauge("kvreuse_gateway_upstream_queued_prefill_tokens",
+                        "predicted uncached prompt tokens not yet answered")
+        blocks = _gauge("kvreuse_gateway_index_blocks", "blocks in the gateway's index")
+        tokens = _gauge("kvreuse_gateway_index_tokens", "tokens in the gateway's index")
+        rate = _gauge("kvreuse_gateway_token_hit_rate", "cached / prompt tokens from usage")
+        engine_rate = _gauge("kvreuse_gateway_engine_token_hit_rate",
+                             "hits / queries from the engine's /metrics deltas")
+        engine_cached = _gauge("kvreuse_gateway_engine_cached_tokens",
+                               "vllm:prefix_cache_hits_total since the gateway's first scrape")
+        engine_prompt = _gauge("kvreuse_gateway_engine_prompt_tokens",
+                               "vllm:prefix_cache_queries_total since the gateway's first scrape")
+        kv_usage = _gauge("kvreuse_gateway_upstream_kv_usage",
+                          "the engine's vllm:kv_cache_usage_perc at the last scrape")
+        predicted = _counter("kvreuse_gateway_predicted_cached_tokens",
+                             "cached tokens the gateway predicted")
+        realized = _counter("kvreuse_gateway_realized_cached_tokens",
+                            "cached tokens the engine reported")
+        prompt = _counter("kvreuse_gateway_prompt_tokens", "prompt tokens the engine reported")
         for upstream in state.upstreams:
             name = [upstream.name]
             healthy.add_metric(name, 1.0 if upstream.healthy else 0.0)
@@ -179,8 +183,7 @@ class _StateCollector:
                 engine_cached.add_metric(name, deltas[1])
             if upstream.engine.kv_usage is not None:
                 kv_usage.add_metric(name, upstream.engine.kv_usage)
-        ejections = CounterMetricFamily("kvreuse_gateway_upstream_ejections",
-                                        "times the upstream was ejected", labels=up)
+        ejections = _counter("kvreuse_gateway_upstream_ejections", "times the upstream was ejected")
         for upstream in state.upstreams:
             ejections.add_metric([upstream.name], upstream.ejections)
         yield from (healthy, in_flight, queued, blocks, tokens, rate, engine_rate, predicted,
@@ -206,27 +209,21 @@ class _StateCollector:
 
     @staticmethod
     def _health(state: GatewayState) -> Iterable[Metric]:
-        up = ["upstream"]
-        suspect = GaugeMetricFamily(
+        suspect = _gauge(
             "kvreuse_gateway_index_suspect",
             "1 while the KV-event index predicts more cached tokens than the engine reports "
-            "(routed on the approximate estimate, rebuilt), else 0", labels=up)
-        error = GaugeMetricFamily(
-            "kvreuse_gateway_index_prediction_error",
-            "share of recently predicted cached tokens the engine did not have", labels=up)
-        shortfall = CounterMetricFamily(
+            "(routed on the approximate estimate, rebuilt), else 0")
+        error = _gauge("kvreuse_gateway_index_prediction_error",
+                       "share of recently predicted cached tokens the engine did not have")
+        shortfall = _counter(
             "kvreuse_gateway_index_shortfall_tokens",
-            "cached tokens predicted by the KV-event index but not reported by the engine",
-            labels=up)
-        excess = CounterMetricFamily(
+            "cached tokens predicted by the KV-event index but not reported by the engine")
+        excess = _counter(
             "kvreuse_gateway_index_excess_tokens",
-            "cached tokens reported by the engine that the KV-event index did not predict",
-            labels=up)
-        transitions = CounterMetricFamily(
-            "kvreuse_gateway_index_state_changes", "suspect/exact transitions", labels=up)
-        budget = GaugeMetricFamily(
-            "kvreuse_gateway_index_budget_tokens",
-            "tokens each index kept for the upstream may hold", labels=up)
+            "cached tokens reported by the engine that the KV-event index did not predict")
+        transitions = _counter("kvreuse_gateway_index_state_changes", "suspect/exact transitions")
+        budget = _gauge("kvreuse_gateway_index_budget_tokens",
+                        "tokens each index kept for the upstream may hold")
         for name, health in state.health.items():
             suspect.add_metric([name], 1.0 if health.suspect else 0.0)
             error.add_metric([name], health.window_error())
@@ -241,29 +238,22 @@ class _StateCollector:
 
     @staticmethod
     def _events(state: GatewayState) -> Iterable[Metric]:
-        received = CounterMetricFamily("kvreuse_gateway_kv_events_received",
-                                       "KV events decoded", labels=["upstream"])
-        dropped = CounterMetricFamily("kvreuse_gateway_kv_events_dropped",
-                                      "KV events or batches not applied", labels=["upstream",
-                                                                                   "reason"])
-        gaps = CounterMetricFamily("kvreuse_gateway_kv_event_gaps", "sequence gaps seen",
-                                   labels=["upstream", "outcome"])
-        subscriber = GaugeMetricFamily(
+        received = _counter("kvreuse_gateway_kv_events_received", "KV events decoded")
+        dropped = _counter("kvreuse_gateway_kv_events_dropped",
+                           "KV events or batches not applied", "reason")
+        gaps = _counter("kvreuse_gateway_kv_event_gaps", "sequence gaps seen", "outcome")
+        subscriber = _gauge(
             "kvreuse_gateway_kv_subscriber_state",
             "1 for the KV-event subscriber's current state (idle, running, resyncing, stopped, "
-            "failed)", labels=["upstream", "state"])
-        age = GaugeMetricFamily("kvreuse_gateway_kv_events_last_age_seconds",
-                                "seconds since the last KV-event batch was applied",
-                                labels=["upstream"])
-        restarts = CounterMetricFamily("kvreuse_gateway_kv_subscriber_restarts",
-                                       "subscriber loops restarted by the watchdog",
-                                       labels=["upstream"])
-        resyncs = CounterMetricFamily("kvreuse_gateway_kv_index_resyncs",
-                                      "index rebuilds from the replay socket (suspect index)",
-                                      labels=["upstream"])
-        trimmed = CounterMetricFamily("kvreuse_gateway_index_trimmed_blocks",
-                                      "blocks forgotten to keep the index within its budget",
-                                      labels=["upstream"])
+            "failed)", "state")
+        age = _gauge("kvreuse_gateway_kv_events_last_age_seconds",
+                     "seconds since the last KV-event batch was applied")
+        restarts = _counter("kvreuse_gateway_kv_subscriber_restarts",
+                            "subscriber loops restarted by the watchdog")
+        resyncs = _counter("kvreuse_gateway_kv_index_resyncs",
+                           "index rebuilds from the replay socket (suspect index)")
+        trimmed = _counter("kvreuse_gateway_index_trimmed_blocks",
+                           "blocks forgotten to keep the index within its budget")
         now = state.clock()
         for name, stats in state.streams.items():
             received.add_metric([name], stats.events)
