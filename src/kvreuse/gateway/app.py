@@ -83,7 +83,6 @@ from kvreuse.routing import RoutingPolicy, build_policy
 log = logging.getLogger("kvreuse.gateway")
 
 
-
 def no_upstream(model: str) -> dict[str, Any]:
     """The 503 body when every upstream serving ``model`` (for this caller) is ejected."""
     shown = model if len(model) <= 200 else model[:200] + "..."

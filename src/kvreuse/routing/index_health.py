@@ -76,7 +76,6 @@ class IndexHealth:
         self.suspect_since: float | None = None
         self.transitions = 0
         self.predicted_tokens = 0  # over every observation
-        self.realized_tokens = 0
         self.shortfall_tokens = 0  # predicted but not realized
         self.excess_tokens = 0  # realized but not predicted (a cold or partial index)
         self._recent: deque[Observation] = deque(maxlen=self.settings.window)
@@ -94,7 +93,6 @@ class IndexHealth:
             raise ValueError(f"token counts must be >= 0, got {predicted}, {realized}")
         settings = self.settings
         self.predicted_tokens += predicted
-        self.realized_tokens += realized
         self.shortfall_tokens += max(predicted - realized, 0)
         self.excess_tokens += max(realized - predicted, 0)
         short = predicted - realized > settings.tolerance_tokens

@@ -105,7 +105,6 @@ def wait_tcp(port: int, timeout_s: float = 10.0) -> None:
     raise RuntimeError(f"nothing listens on 127.0.0.1:{port} after {timeout_s} s")
 
 
-
 def vllm_python(root: Path) -> str | None:
     """The vLLM interpreter: ``$KVREUSE_VLLM_PYTHON``, else ``root/.venv-vllm`` (``make
     vllm-env``); None when that file does not exist."""

@@ -24,7 +24,6 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
-import jinja2.meta
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -135,11 +134,6 @@ class ChatTemplate:
         return dict(self._special_tokens)
 
     @property
-    def variables(self) -> frozenset[str]:
-        """Context variables the template reads (``messages``, ``tools``, ``date_string``...)."""
-        return _undeclared_variables(self.source)
-
-    @property
     def reads_clock(self) -> bool:
         """Whether rendering may depend on the time (it references ``strftime_now``)."""
         return "strftime_now" in _referenced_names(self.source)
@@ -193,12 +187,6 @@ class ChatTemplate:
                 f"the chat template failed on this request ({type(exc).__name__}: {exc}); "
                 "check the fields it expects (tools, roles, content types)"
             ) from None
-
-
-@lru_cache(maxsize=64)
-def _undeclared_variables(source: str) -> frozenset[str]:
-    environment = _compile(source).environment
-    return frozenset(jinja2.meta.find_undeclared_variables(environment.parse(source)))
 
 
 @lru_cache(maxsize=64)
