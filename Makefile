@@ -37,7 +37,7 @@ demo: $(VENV)/.demo
 # compiler) is not an error: everything then runs as pure Python, the same code, ~2x slower.
 NATIVE_MANIFEST := src/kvreuse/_native_manifest.json
 NATIVE_SOURCES := $(wildcard src/kvreuse/*.py src/kvreuse/index/*.py src/kvreuse/sim/*.py \
-	src/kvreuse/routing/*.py src/kvreuse/gateway/event_index.py)
+	src/kvreuse/routing/*.py)
 $(NATIVE_MANIFEST): $(VENV)/.all $(NATIVE_SOURCES)
 	$(VENV)/bin/kvreuse native build || echo "kvreuse: compiled core not built; pure Python"
 

@@ -63,7 +63,7 @@ NATIVE_MODULES: tuple[str, ...] = (
     "kvreuse.routing.ring",
     "kvreuse.routing.ttft",
     "kvreuse.routing.load_rules",
-    "kvreuse.gateway.event_index",
+    "kvreuse.routing.event_index",
 )
 """Modules compiled by ``make native``, by import name."""
 

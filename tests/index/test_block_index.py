@@ -300,6 +300,23 @@ def test_eviction_and_reset_emit_events() -> None:
     assert checked(index).total_tokens == 0
 
 
+@pytest.mark.parametrize("name_keys", [False, True])
+def test_events_name_models_apart_only_when_asked(name_keys: bool) -> None:
+    """Two models caching the same tokens publish vLLM's one hash for both, unless the index
+    names blocks by their namespaced keys (a simulated engine serving several models)."""
+    events: list[KVCacheEvent] = []
+    index = BlockIndex(num_blocks=3, on_event=events.append, events_name_keys=name_keys)
+    for model in ("a", "b"):
+        index.insert(seq(0, 16), CacheIdentity(model=model))
+    index.evict(16)
+    stored = [e.block_hashes for e in events if isinstance(e, BlockStored)]
+    removed = [e.block_hashes for e in events if isinstance(e, BlockRemoved)]
+    assert len(stored) == 2 and len(removed) == 1
+    assert (stored[0] != stored[1]) is name_keys
+    assert removed[0] == stored[0]  # the block cached first is evicted first
+    assert (removed[0] == tuple(block_hashes(seq(0, 16)))) is not name_keys
+
+
 def test_reset_drops_locks() -> None:
     """reset empties the cache even while blocks are locked (an engine restart)."""
     index = BlockIndex(num_blocks=8)

@@ -7,6 +7,7 @@ import random
 import pytest
 
 from kvreuse.errors import ConfigError
+from kvreuse.identity import CacheIdentity
 from kvreuse.routing import CacheMirror, RequestView
 from kvreuse.sim import ReplicaConfig, SimRequest
 from kvreuse.sim.block_memory import BlockMemory
@@ -46,11 +47,14 @@ def test_unknown_cache_kind_is_a_config_error() -> None:
         ReplicaConfig(cache_kind="paged")
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
-def test_block_events_keep_an_exact_mirror(seed: int) -> None:
+@pytest.mark.parametrize(("seed", "models"), [(1, ("",)), (2, ("",)), (3, ("",)),
+                                             (4, ("a", "b")), (5, ("a", "b", "c"))])
+def test_block_events_keep_an_exact_mirror(seed: int, models: tuple[str, ...]) -> None:
     """Seeded stress: the router's mirror, fed only by a block replica's translated events,
-    predicts exactly what the block pool would hit, through reuse, copies and eviction."""
+    predicts exactly what the block pool would hit, through reuse, copies and eviction, also
+    when the replica serves several models whose prompts share tokens (and so block hashes)."""
     rng = random.Random(seed)
+    identities = [CacheIdentity(model=model) for model in models]
     mirror = CacheMirror(block_size=4)
     config = ReplicaConfig(pool_tokens=480, cache_kind="block", block_size=4)
     memory = BlockMemory("r0", config, mirror.apply)
@@ -69,7 +73,8 @@ def test_block_events_keep_an_exact_mirror(seed: int) -> None:
             output_len = rng.randint(0, 30)
             output = pack(list(range(fresh, fresh + output_len))) if rng.random() < 0.7 else None
             fresh += output_len
-            request = SimRequest(step, now, pack(prompt), len(prompt), output_len, output)
+            request = SimRequest(step, now, pack(prompt), len(prompt), output_len, output,
+                                 identity=rng.choice(identities))
             job = Job(request, "test", 0)
             if memory.admit(job, now):
                 if rng.random() < 0.6:
@@ -78,8 +83,9 @@ def test_block_events_keep_an_exact_mirror(seed: int) -> None:
         memory.check_invariants()
         # A fresh last token keeps vLLM's "at most prompt - 1" rule from biting.
         probe = pack([*rng.choice(stems), rng.randrange(10**6), fresh + 10**6])
-        view = RequestView("p", probe, len(probe) // TOKEN_BYTES)
-        expected = memory.cache.match(probe, touch=False).length
-        assert mirror.predict(view, ["r0"], now)["r0"] == expected, f"step {step}"
+        for identity in identities:
+            view = RequestView("p", probe, len(probe) // TOKEN_BYTES, identity)
+            expected = memory.cache.match(probe, identity, touch=False).length
+            assert mirror.predict(view, ["r0"], now)["r0"] == expected, f"step {step}"
     assert memory.evicted_tokens > 0, "the stress never evicted: make the pool smaller"
     mirror.check_invariants()

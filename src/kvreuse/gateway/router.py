@@ -6,7 +6,7 @@ only if it fails before its first byte, the other eligible upstreams as retry ca
 (ordered then, on the loads of that moment, so the common case pays for no ordering). It
 tells the policy what was committed (``on_routed``), what finished (``on_finished``) and what
 the upstreams' KV events say (``on_kv_event``, translated by each upstream's
-:class:`~kvreuse.gateway.event_index.EventIndex`). The policy objects are those of
+:class:`~kvreuse.routing.event_index.EventIndex`). The policy objects are those of
 :mod:`kvreuse.routing`, exactly as the simulator builds them.
 
 Models. A request is routed only among the healthy upstreams that serve its ``model`` (the
@@ -35,7 +35,6 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvreuse.errors import ConfigError
-from kvreuse.gateway.event_index import EventIndex
 from kvreuse.gateway.metrics import IndexSize
 from kvreuse.gateway.prompts import PromptTokenizer, request_tokens
 from kvreuse.gateway.subscriber import StreamStats
@@ -55,6 +54,7 @@ from kvreuse.routing import (
 )
 from kvreuse.routing.approx_trees import ApproxTrees
 from kvreuse.routing.cache_aware import CacheAware
+from kvreuse.routing.event_index import EventIndex
 from kvreuse.routing.index_health import SUSPECT, HealthSettings, IndexHealth
 from kvreuse.tokens import TokenBuffer, num_tokens
 

@@ -81,6 +81,10 @@ class BlockIndex(RequestBlocksMixin):
     (default: this process's, seeded as vLLM seeds it, so random per process for the xxhash
     algorithms unless PYTHONHASHSEED is set). ``lora_paths`` maps adapter names to the paths
     vLLM hashes with them. ``on_event`` receives vLLM's KV events as they happen.
+    ``events_name_keys`` makes them name each block by its hash-map key (the hash plus the
+    model's namespace suffix): a simulated engine serving several models then tells their blocks
+    apart, as separate vLLM engines' event streams do, at the price of hashes that are no longer
+    vLLM's byte for byte.
     """
 
     def __init__(
@@ -93,6 +97,7 @@ class BlockIndex(RequestBlocksMixin):
         none_hash_seed: str | None = None,
         lora_paths: Mapping[str, str] | None = None,
         on_event: EventSink | None = None,
+        events_name_keys: bool = False,
     ) -> None:
         if block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {block_size}")
@@ -104,7 +109,7 @@ class BlockIndex(RequestBlocksMixin):
             if none_hash_seed is None
             else BlockHasher(algorithm, none_hash_seed=none_hash_seed)
         )
-        self.pool = BlockPool(num_blocks, on_event=on_event)
+        self.pool = BlockPool(num_blocks, on_event=on_event, events_name_keys=events_name_keys)
         self.on_event = on_event
         del clock  # accepted for parity with RadixIndex; vLLM's LRU is queue order, not time
         self._lora_paths = dict(lora_paths or {})
@@ -314,6 +319,8 @@ class BlockIndex(RequestBlocksMixin):
         one per ``cache_full_blocks`` call."""
         assert self.on_event is not None
         size = self.block_size
+        if self.pool.events_name_keys and ns.suffix:
+            hashes = [BlockHash(ns.key(block_hash)) for block_hash in hashes]
         run_start = 0
         for i in range(1, len(positions) + 1):
             if i < len(positions) and positions[i] == positions[i - 1] + 1:

@@ -15,7 +15,8 @@
 The queue is split in two for speed with the same order as vLLM's linked list: a stack of blocks
 without a hash at its head (blocks are only ever put there by prepending) followed by an
 ``OrderedDict`` holding the rest. Keys of the hash map are ``bytes``: the block hash, plus a
-namespace suffix when the owning index separates models (events carry the plain hash).
+namespace suffix when the owning index separates models (events carry the plain hash, unless
+``events_name_keys``: see :class:`~kvreuse.index.block_index.BlockIndex`).
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ class BlockPool:
     few blocks are free (backpressure); raises :class:`IndexStateError` on a double free."""
 
     def __init__(
-        self, num_blocks: int, *, enable_caching: bool = True, on_event: EventSink | None = None
+        self, num_blocks: int, *, enable_caching: bool = True, on_event: EventSink | None = None,
+        events_name_keys: bool = False,
     ) -> None:
         if num_blocks < 2:
             raise ConfigError(
@@ -59,6 +61,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.on_event = on_event
+        self.events_name_keys = events_name_keys
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.null_block = self.blocks[0]
         self.null_block.is_null = True
@@ -296,4 +299,4 @@ class BlockPool:
         block.block_hash = None
         self._num_hashed -= 1
         if self.on_event is not None:
-            self.on_event(BlockRemoved((block_hash,)))
+            self.on_event(BlockRemoved((BlockHash(key) if self.events_name_keys else block_hash,)))

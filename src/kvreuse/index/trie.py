@@ -8,7 +8,7 @@ iteration and the structural invariants. What a node *means* is its layer's:
 :class:`~kvreuse.index.radix.RadixIndex` (locks, access times, eviction order),
 :class:`~kvreuse.routing.approx_trees.ApproxTrees` (which replicas were sent a prefix, and when),
 :class:`~kvreuse.routing.mirror.CacheMirror` (which replicas' KV events say they hold it) and
-:class:`~kvreuse.gateway.event_index.EventIndex` (one upstream's blocks and their copies). A layer
+:class:`~kvreuse.routing.event_index.EventIndex` (one upstream's blocks and their copies). A layer
 subclasses :class:`TrieNode` and :class:`PrefixTrie`; walks that update a payload edge by edge
 stay in the layer's loop, on these primitives, since they are the compiled core's hot paths.
 

@@ -3,7 +3,8 @@
 See :mod:`kvreuse.sim.memory` for the memory contract and how the block model differs from the
 radix one: the pool *is* the replica's memory, requests are admitted with vLLM's
 ``get_computed_blocks`` and ``allocate_slots``, whole blocks are cached at prefill end and at
-release, and vLLM's hash-named KV events are translated back to token paths for the router.
+release, and vLLM's hash-named KV events are translated back to token paths for the router by
+the gateway's own translator (:class:`~kvreuse.routing.event_index.EventIndex`).
 """
 
 from __future__ import annotations
@@ -12,30 +13,17 @@ from typing import TYPE_CHECKING
 
 from kvreuse.errors import ConfigError
 from kvreuse.identity import DEFAULT_IDENTITY, CacheIdentity
-from kvreuse.index import AllBlocksCleared, BlockIndex, BlockRemoved, BlockStored, KVCacheEvent
-from kvreuse.index.hashing import BlockHash
-from kvreuse.routing.events import KvCleared, KvRemoved, KvStored
+from kvreuse.index import BlockIndex, KVCacheEvent
+from kvreuse.routing.event_index import EventIndex
 from kvreuse.sim.memory import Job, KvSink
 from kvreuse.sim.requests import SimRequest
-from kvreuse.tokens import TOKEN_BYTES, TokenBuffer
+from kvreuse.tokens import TokenBuffer
 
 if TYPE_CHECKING:
     from kvreuse.sim.config import ReplicaConfig
 
 SIM_HASH_SEED = "kvreuse-sim"
 """Block hashes only name blocks inside one run; a fixed seed keeps runs identical anyway."""
-
-
-class _HeldBlock:
-    """Where a cached block hash sits: the first ``end`` tokens of ``path`` end with it."""
-
-    __slots__ = ("copies", "end", "identity", "path")
-
-    def __init__(self, path: bytes, end: int, identity: CacheIdentity) -> None:
-        self.path = path
-        self.end = end
-        self.identity = identity
-        self.copies = 1
 
 
 class BlockMemory:
@@ -53,14 +41,16 @@ class BlockMemory:
         self._caching = config.prefix_caching
         self._sink = sink if config.prefix_caching else None
         self._now = 0.0
-        self._storing: tuple[bytes, CacheIdentity] = (b"", DEFAULT_IDENTITY)
-        self._held: dict[BlockHash, _HeldBlock] = {}
+        # The tokens and namespace of the blocks being cached: events carry neither whole.
+        self._storing: tuple[TokenBuffer, CacheIdentity] = (TokenBuffer(b""), DEFAULT_IDENTITY)
+        self._translator = EventIndex(replica_id)
         self.cache = BlockIndex(
             num_blocks=blocks + 1,  # block 0 is vLLM's null block
             block_size=size,
             algorithm="xxhash",
             none_hash_seed=SIM_HASH_SEED,
             on_event=self._translate if self._sink is not None else None,
+            events_name_keys=True,  # a replica here may serve several models
         )
 
     @property
@@ -129,39 +119,15 @@ class BlockMemory:
         self.cache.cache_blocks(job.request.request_id, tokens)
 
     def _translate(self, event: KVCacheEvent) -> None:
-        """vLLM's hash-named events to token-path events (the gateway does the same from the
-        wire). A hash stays held while any copy of its block is cached."""
+        """The engine's events as the gateway would forward them, under the model being cached
+        (events name none, and a replica here may serve several), with paths sliced from the
+        tokens being cached rather than rebuilt from the translator's tree."""
         assert self._sink is not None
-        size = self.block_size
-        if isinstance(event, BlockStored):
-            path, identity = self._storing
-            parent = event.parent_block_hash
-            start = 0 if parent is None else self._held[parent].end
-            end = start
-            for block_hash in event.block_hashes:
-                end += size
-                held = self._held.get(block_hash)
-                if held is None:
-                    self._held[block_hash] = _HeldBlock(path, end, identity)
-                else:
-                    held.copies += 1
-            stored = TokenBuffer(path[: end * TOKEN_BYTES])
-            self._sink(KvStored(self.replica_id, stored, identity, self._now))
-        elif isinstance(event, BlockRemoved):
-            for block_hash in event.block_hashes:
-                held = self._held[block_hash]
-                held.copies -= 1
-                if held.copies == 0:
-                    del self._held[block_hash]
-                    cut = TokenBuffer(held.path[: held.end * TOKEN_BYTES])
-                    self._sink(
-                        KvRemoved(self.replica_id, cut, held.end - size, held.identity, self._now)
-                    )
-        else:
-            assert isinstance(event, AllBlocksCleared), f"unknown KV event {event!r}"
-            self._held.clear()
-            self._sink(KvCleared(self.replica_id, self._now))
+        tokens, identity = self._storing
+        for routed in self._translator.apply(event, self._now, identity, tokens).routing_events:
+            self._sink(routed)
 
     def check_invariants(self) -> None:
         self.cache.check_invariants()
+        self._translator.check_invariants()
         assert self.used_tokens <= self.capacity_tokens, "pool over capacity"

@@ -7,13 +7,13 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvreuse.gateway.event_index import EventIndex, salt_of
 from kvreuse.identity import CacheIdentity
 from kvreuse.index import BlockIndex
 from kvreuse.index.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kvreuse.index.hashing import BlockHash
 from kvreuse.kv_event_codec import decode_message, encode_message, encode_payload
 from kvreuse.routing import KvCleared, KvRemoved, KvStored
+from kvreuse.routing.event_index import EventIndex, salt_of
 from kvreuse.tokens import pack
 
 
@@ -202,6 +202,20 @@ def test_budget_trims_the_blocks_stored_longest_ago() -> None:
     assert index.match(pack([0, 1, 2, 3, 0])) == 0  # the oldest went
     assert index.trimmed_blocks == len(removed) == 16
     assert {r.replica for r in removed} == {"r0"}
+
+
+def test_a_hash_reused_for_other_tokens_moves_and_the_policy_hears_it() -> None:
+    """A hash stored again for other tokens (a collision, a forged event) names the new block
+    only, and the old block, left without a copy, is reported removed."""
+    index = EventIndex("r0")
+    index.apply(store([1, 2], [10, 11, 12, 13]))
+    applied = index.apply(store([2], [20, 21]))
+    removed = [e for e in applied.routing_events if isinstance(e, KvRemoved)]
+    assert [(r.tokens, r.keep_tokens) for r in removed] == [(pack([10, 11, 12, 13]), 2)]
+    assert isinstance(applied.routing_events[-1], KvStored)
+    assert index.match(pack([10, 11, 12, 13, 0])) == 2
+    assert index.match(pack([20, 21, 0])) == 2
+    index.check_invariants()
 
 
 def test_budget_bounds_a_forged_chain_holes_included() -> None:

@@ -1,4 +1,7 @@
-"""One upstream's prefix cache, rebuilt from the KV events it publishes.
+"""One engine's prefix cache, rebuilt from the KV events it publishes: the one translator of
+vLLM's hash-named block events into the token-path events routing policies consume, used by the
+gateway (an index per upstream, fed from the wire) and by the simulator's block pool
+(:mod:`kvreuse.sim.block_memory`, fed by the simulated engine).
 
 Blocks are placed by their token ids and their parent link, never by the hash values themselves:
 a hash only names a block so that later events (a child's parent, a removal) can find it. The
@@ -11,7 +14,8 @@ stays cached (the child is then unreachable until the parent is recomputed under
 so a removed block with cached descendants stays in the tree, marked absent, and a match stops
 there. Namespaces: the first block's extra keys carry the ``cache_salt`` (and the LoRA name),
 so each (salt, adapter) pair has its own root, exactly as :class:`CacheIdentity` keys the
-gateway's requests.
+gateway's requests. A caller that knows a chain's namespace better than its events say (the
+simulator's engines serve several models, and events name none) passes it to :meth:`apply`.
 
 Copies: when two running requests compute the same block, vLLM caches both copies under one
 hash, publishes ``BlockStored`` twice and ``BlockRemoved`` once per evicted copy, and the hash
@@ -48,19 +52,27 @@ CACHED_MEDIA = ("GPU",)
 class _Block(TrieNode["_Block"]):
     """One block: its tokens, where it ends, and the hashes naming its cached copies."""
 
-    __slots__ = ("end", "hashes", "identity")
+    __slots__ = ("end", "hashes", "identity", "witness")
 
-    def __init__(
-        self, key: bytes, parent: _Block | None, end: int, identity: CacheIdentity
-    ) -> None:
+    def __init__(self, key: bytes, parent: _Block | None, end: int, identity: CacheIdentity,
+                 witness: bytes | None) -> None:
         super().__init__(key, parent)
         self.identity = identity
         self.end = end  # tokens from the first prompt token to the end of this block
         self.hashes: dict[BlockHash, int] = {}  # hash -> cached copies
+        self.witness = witness  # tokens that start with this block's path, if a caller gave them
 
     @property
     def present(self) -> bool:
         return bool(self.hashes)
+
+    def path(self) -> TokenBuffer:
+        """The tokens from the first prompt token to the end of this block: a slice of the
+        witness (a copy), else a walk to the root. O(tokens), or O(depth + tokens)."""
+        witness = self.witness
+        if witness is None:
+            return TokenBuffer(self.path_key())
+        return TokenBuffer(witness[: self.end * TOKEN_BYTES])
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,19 +144,25 @@ class EventIndex(PrefixTrie[_Block]):
         return matched * size
 
     def _new_root(self, identity: CacheIdentity) -> _Block:
-        return _Block(b"", None, 0, identity)
+        return _Block(b"", None, 0, identity, None)
 
     # ------------------------------------------------------------------ updates
 
-    def apply(self, event: KVCacheEvent, now: float = 0.0) -> Applied:
-        """Fold one event in. O(tokens of the event + depth of its parent)."""
+    def apply(self, event: KVCacheEvent, now: float = 0.0,
+              identity: CacheIdentity | None = None, witness: bytes | None = None) -> Applied:
+        """Fold one event in. A caller that knows more than the event says may pass
+        ``identity``, the namespace of a chain's first blocks instead of the one their extra
+        keys name, and ``witness``, packed tokens from the first prompt token that contain the
+        stored blocks (the simulator holds the request's): the routing events of those blocks
+        are then slices of it, not walks to the root. O(tokens of the event + depth of its
+        parent)."""
         if isinstance(event, AllBlocksCleared):
             self.reset()
             return Applied((KvCleared(self.replica, now),))
         if event.medium not in CACHED_MEDIA:
             return Applied(ignored=True)
         if isinstance(event, BlockStored):
-            applied = self._stored(event, now)
+            applied = self._stored(event, now, identity, witness)
             budget = self.budget_tokens
             if budget is not None and self._tree_tokens > budget:
                 trimmed = self._trim(budget, now)
@@ -180,7 +198,8 @@ class EventIndex(PrefixTrie[_Block]):
             self._forget(self._by_hash[block_hash], block_hash, now, out, all_copies=True)
         return tuple(out)
 
-    def _stored(self, event: BlockStored, now: float) -> Applied:
+    def _stored(self, event: BlockStored, now: float, identity: CacheIdentity | None,
+                witness: bytes | None) -> Applied:
         hashes = event.block_hashes
         size = len(event.token_ids) // len(hashes)
         cleared: tuple[KvEvent, ...] = ()
@@ -193,36 +212,42 @@ class EventIndex(PrefixTrie[_Block]):
             self._page_bytes = size * TOKEN_BYTES
         parent: _Block
         if event.parent_block_hash is None:
-            first_keys = event.extra_keys[0] if event.extra_keys else None
-            parent = self.root(CacheIdentity(
-                adapter=event.lora_name, cache_salt=salt_of(first_keys, event.lora_name)
-            ))
+            if identity is None:
+                first_keys = event.extra_keys[0] if event.extra_keys else None
+                identity = CacheIdentity(
+                    adapter=event.lora_name, cache_salt=salt_of(first_keys, event.lora_name))
+            parent = self.root(identity)
         else:
             found = self._by_hash.get(event.parent_block_hash)
             if found is None:
                 return Applied(cleared, orphan_blocks=len(hashes))
             parent = found
         self.block_size = event.block_size
-        packed = pack(event.token_ids)
         step = size * TOKEN_BYTES
+        start = parent.end * TOKEN_BYTES
+        packed = (pack(event.token_ids) if witness is None
+                  else witness[start : start + len(hashes) * step])
         node = parent
+        moved: list[KvEvent] = []  # blocks a reused hash leaves without a copy
         for i, block_hash in enumerate(hashes):
             key = packed[i * step : (i + 1) * step]
             child: _Block | None = node.children.get(key)
             if child is None:
-                child = self._link(node, _Block(key, node, node.end + size, node.identity))
+                child = self._link(node, _Block(key, node, node.end + size, node.identity,
+                                                witness))
                 self._tree_tokens += size
             if not child.hashes:
                 self._present_tokens += size
             previous = self._by_hash.get(block_hash)
             if previous is not None and previous is not child:
-                # One hash for other tokens: a collision or a publisher bug; newest wins.
-                self._drop_hash(previous, block_hash, all_copies=True)
+                # One hash for other tokens: a collision or a publisher bug; newest wins, and
+                # the policy hears that the old block went.
+                self._forget(previous, block_hash, now, moved, all_copies=True)
             child.hashes[block_hash] = child.hashes.get(block_hash, 0) + 1
             self._by_hash[block_hash] = child
             node = child
-        path = TokenBuffer(node.path_key())
-        return Applied((*cleared, KvStored(self.replica, path, node.identity, now)))
+        path = node.path()
+        return Applied((*cleared, *moved, KvStored(self.replica, path, node.identity, now)))
 
     def _removed(self, event: BlockRemoved, now: float) -> Applied:
         out: list[KvEvent] = []
@@ -241,7 +266,7 @@ class EventIndex(PrefixTrie[_Block]):
         :class:`KvRemoved` (an unlinked block keeps its path to the root for that)."""
         self._drop_hash(block, block_hash, all_copies=all_copies)
         if not block.hashes:
-            out.append(KvRemoved(self.replica, TokenBuffer(block.path_key()),
+            out.append(KvRemoved(self.replica, block.path(),
                                  block.end - block.num_tokens, block.identity, now))
 
     def _drop_hash(self, block: _Block, block_hash: BlockHash, *, all_copies: bool = False) -> None:
@@ -271,10 +296,10 @@ class EventIndex(PrefixTrie[_Block]):
         holes: list[KvEvent] = []
         for _identity, node in self.nodes():
             if not node.present:
-                holes.append(KvRemoved(self.replica, TokenBuffer(node.path_key()),
+                holes.append(KvRemoved(self.replica, node.path(),
                                        node.end - node.num_tokens, node.identity, now))
             elif not any(child.present for child in node.children.values()):
-                stored.append(KvStored(self.replica, TokenBuffer(node.path_key()),
+                stored.append(KvStored(self.replica, node.path(),
                                        node.identity, now))
         return stored + holes
 
@@ -284,6 +309,10 @@ class EventIndex(PrefixTrie[_Block]):
         present = seen = tree = 0
         for _identity, node in self.nodes():
             assert node.present or node.children, "absent leaf was not pruned"
+            if node.witness is not None:
+                start = (node.end - node.num_tokens) * TOKEN_BYTES
+                assert node.witness[start : node.end * TOKEN_BYTES] == node.key, (
+                    "a block's witness does not hold its tokens")
             for block_hash in node.hashes:
                 assert self._by_hash.get(block_hash) is node, "hash map disagrees with tree"
             seen += len(node.hashes)
