@@ -10,7 +10,9 @@ iteration and the structural invariants. What a node *means* is its layer's:
 :class:`~kvreuse.routing.mirror.CacheMirror` (which replicas' KV events say they hold it) and
 :class:`~kvreuse.routing.event_index.EventIndex` (one upstream's blocks and their copies). A layer
 subclasses :class:`TrieNode` and :class:`PrefixTrie`; walks that update a payload edge by edge
-stay in the layer's loop, on these primitives, since they are the compiled core's hot paths.
+(insertion, eviction, removal) stay in the layer's loop, on these primitives, since they are the
+compiled core's hot paths. The two fleet-wide layers share their prediction walk
+(:class:`~kvreuse.routing.fleet_masks.FleetTrie`, with a per-edge hook).
 
 Node classes are marked ``mypyc_attr(serializable=True)`` so indexes pickle when compiled; mypyc
 2.4 then skips ``__init__`` when *interpreted* code calls such a class, so only compiled modules

@@ -27,26 +27,24 @@ from mypy_extensions import mypyc_attr
 
 from kvreuse.errors import ConfigError, require_at_least
 from kvreuse.identity import CacheIdentity
-from kvreuse.index.trie import TrieNode
 from kvreuse.routing.base import ReplicaId, RequestView
 from kvreuse.routing.events import KvEvent
-from kvreuse.routing.fleet_masks import FleetTrie
+from kvreuse.routing.fleet_masks import FleetNode, FleetTrie
 from kvreuse.tokens import TOKEN_BYTES
 
 
 # Picklable when compiled too; so only compiled code may construct it (kvreuse.index.trie).
 @mypyc_attr(serializable=True)
-class _Node(TrieNode["_Node"]):
+class _Node(FleetNode["_Node"]):
     """An edge of the shared tree: tokens, the replicas holding them, each one's last use, and
     how many children each replica holds (a replica's leaf is a node with none). A node
     nobody holds any more is unlinked and loses its parent."""
 
-    __slots__ = ("below", "holders", "node_id", "stamp")
+    __slots__ = ("below", "node_id", "stamp")
 
     def __init__(self, key: bytes, parent: _Node | None, node_id: int) -> None:
-        super().__init__(key, parent)
+        super().__init__(key, parent, 0)
         self.node_id = node_id
-        self.holders = 0
         self.stamp: dict[int, float] = {}  # replica bit -> last access
         self.below: dict[int, int] = {}  # replica bit -> children holding it
 
@@ -123,39 +121,16 @@ class ApproxTrees(FleetTrie[_Node]):
         """Longest match of the prompt in each replica's tree, touching what matched. One walk:
         O(n) bytes compared plus O(depth × replicas)."""
         self._maybe_evict(now)
-        ids = replicas if type(replicas) is tuple else tuple(replicas)
-        root = self.find_root(request.identity)
-        if root is None:
-            return dict.fromkeys(ids, 0)
-        alive, name_of = self._plan(ids)
-        drops: list[tuple[int, int]] = []  # (replicas that dropped out, bytes matched then)
-        buf = request.tokens
-        end = len(buf) - len(buf) % TOKEN_BYTES
-        pos = 0
-        node = root
-        singles = self._singles
-        while alive and pos < end:
-            child = node.children.get(buf[pos : pos + TOKEN_BYTES])
-            if child is None:
-                break
-            held = alive & child.holders
-            if held != alive:
-                drops.append((alive ^ held, pos))
-                alive = held
-                if not alive:
-                    break
-            key = child.key
-            whole = buf.startswith(key, pos)
-            if not whole:  # the match ends inside this edge: split so the touch is exact
-                child = self._split(child, self._common(child, buf, pos))
-            stamp = child.stamp
-            for low in singles.get(alive) or self._split_mask(alive):
-                stamp[low] = now
-            pos += len(child.key)
-            node = child
-            if not whole:
-                break
-        return self._answer(ids, name_of, alive, pos, drops, 1)
+        return self._fleet_walk(request, replicas, now, 1)
+
+    def _matched(self, edge: _Node, part: int, alive: int, now: float) -> None:
+        """Touch the matched edge for the replicas holding it; a match ending inside the edge
+        splits it first, so the touch is exact."""
+        if part:
+            edge = self._split(edge, part)
+        stamp = edge.stamp
+        for low in self._singles.get(alive) or self._split_mask(alive):
+            stamp[low] = now
 
     # ------------------------------------------------------------------ updates
 

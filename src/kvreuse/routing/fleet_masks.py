@@ -5,19 +5,22 @@ give every replica one bit and keep, on each tree edge, the mask of replicas hol
 walk of the prompt answers for every replica. A router asks about the same replica set request
 after request; :func:`fleet_plan` turns that set into its mask and a bit -> name table once and
 remembers it, so a walk needs no per-replica Python loop except for the replicas that drop out.
-:class:`FleetTrie` is what both build on: the prefix-trie kernel plus the replicas' bits.
+:class:`FleetTrie` is what both build on: the prefix-trie kernel plus the replicas' bits, and the
+one walk that answers for the fleet (each layer says what a matched edge means to it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
+from mypy_extensions import mypyc_attr
+
 from kvreuse.index.trie import PrefixTrie, TrieNode
-from kvreuse.routing.base import ReplicaId
+from kvreuse.routing.base import ReplicaId, RequestView
 from kvreuse.tokens import TOKEN_BYTES
 
-N = TypeVar("N", bound="TrieNode[Any]")
+F = TypeVar("F", bound="FleetNode[Any]")
 
 FleetPlan = tuple[int, dict[int, ReplicaId]]
 """The set's mask (every member's bit) and each bit's replica name."""
@@ -50,7 +53,19 @@ def fleet_plan(
     return plan
 
 
-class FleetTrie(PrefixTrie[N]):
+# Picklable when compiled too; so only compiled code may construct it (kvreuse.index.trie).
+@mypyc_attr(serializable=True)
+class FleetNode(TrieNode[F]):
+    """An edge and the mask of the replicas holding all of it."""
+
+    __slots__ = ("holders",)
+
+    def __init__(self, key: bytes, parent: F | None, holders: int) -> None:
+        super().__init__(key, parent)
+        self.holders = holders
+
+
+class FleetTrie(PrefixTrie[F]):
     """A prefix trie (:mod:`kvreuse.index.trie`) whose edges a layer marks with the bits of the
     replicas holding them: each replica's bit, the plans of replica sets, the tokens each
     holds, and the answer of one walk for the whole fleet."""
@@ -81,6 +96,47 @@ class FleetTrie(PrefixTrie[N]):
     def _plan(self, ids: tuple[ReplicaId, ...]) -> FleetPlan:
         """The plan of ``ids`` (routers pass the same set request after request). O(1)."""
         return self._plans.get(ids) or fleet_plan(self._plans, ids, self._bit)
+
+    def _fleet_walk(self, request: RequestView, replicas: Iterable[ReplicaId], now: float,
+                    block_tokens: int) -> dict[ReplicaId, int]:
+        """Each replica's longest held prefix of the prompt, in whole blocks of
+        ``block_tokens``, from one walk for the whole fleet: a replica drops out at the first
+        edge it does not hold. Each edge matched is passed to :meth:`_matched`. O(n) bytes
+        compared plus O(depth) lookups and hook calls, plus O(replicas) for the answer."""
+        ids = replicas if type(replicas) is tuple else tuple(replicas)
+        root = self.find_root(request.identity)
+        if root is None:
+            return dict.fromkeys(ids, 0)
+        alive, name_of = self._plan(ids)
+        drops: list[tuple[int, int]] = []  # (replicas that dropped out, bytes matched then)
+        buf = request.tokens
+        end = len(buf) - len(buf) % TOKEN_BYTES
+        pos = 0
+        # F's links read as Any inside this generic class: typed locals keep them native.
+        children: dict[bytes, F] = root.children
+        while alive and pos < end:
+            child: F | None = children.get(buf[pos : pos + TOKEN_BYTES])
+            if child is None:
+                break
+            held = alive & child.holders
+            if held != alive:
+                drops.append((alive ^ held, pos))
+                alive = held
+                if not alive:
+                    break
+            if not buf.startswith(child.key, pos):
+                common = self._common(child, buf, pos)
+                self._matched(child, common, alive, now)
+                pos += common
+                break
+            self._matched(child, 0, alive, now)
+            pos += len(child.key)
+            children = child.children
+        return self._answer(ids, name_of, alive, pos, drops, block_tokens)
+
+    def _matched(self, edge: F, part: int, alive: int, now: float) -> None:
+        """Called by :meth:`_fleet_walk` for each edge the prompt matches, whole (``part`` 0)
+        or its first ``part`` bytes, with the replicas that hold it. Nothing by default."""
 
     @staticmethod
     def _answer(ids: tuple[ReplicaId, ...], name_of: dict[int, ReplicaId], alive: int, pos: int,

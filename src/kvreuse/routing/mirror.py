@@ -36,23 +36,18 @@ from mypy_extensions import mypyc_attr
 
 from kvreuse.errors import require_at_least
 from kvreuse.identity import CacheIdentity
-from kvreuse.index.trie import TrieNode
 from kvreuse.routing.base import ReplicaId, RequestView
 from kvreuse.routing.events import KvCleared, KvEvent, KvStored
-from kvreuse.routing.fleet_masks import FleetTrie
+from kvreuse.routing.fleet_masks import FleetNode, FleetTrie
 from kvreuse.tokens import TOKEN_BYTES
 
 
 # Picklable when compiled too; so only compiled code may construct it (kvreuse.index.trie).
 @mypyc_attr(serializable=True)
-class _Edge(TrieNode["_Edge"]):
+class _Edge(FleetNode["_Edge"]):
     """A run of tokens and the replicas that hold all of them. Unlinked, it loses its parent."""
 
-    __slots__ = ("holders",)
-
-    def __init__(self, key: bytes, parent: _Edge | None, holders: int) -> None:
-        super().__init__(key, parent)
-        self.holders = holders
+    __slots__ = ()
 
 
 class CacheMirror(FleetTrie[_Edge]):
@@ -76,33 +71,7 @@ class CacheMirror(FleetTrie[_Edge]):
     ) -> dict[ReplicaId, int]:
         """Each replica's longest held prefix of the prompt, in whole blocks. One walk for all
         replicas: O(n) bytes compared plus O(depth) lookups."""
-        ids = replicas if type(replicas) is tuple else tuple(replicas)
-        root = self.find_root(request.identity)
-        if root is None:
-            return dict.fromkeys(ids, 0)
-        alive, name_of = self._plan(ids)
-        drops: list[tuple[int, int]] = []  # (replicas that dropped out, bytes matched then)
-        buf = request.tokens
-        end = len(buf)
-        pos = 0
-        children_get = root.children.get
-        while alive and pos < end:
-            child = children_get(buf[pos : pos + TOKEN_BYTES])
-            if child is None:
-                break
-            held = alive & child.holders
-            if held != alive:
-                drops.append((alive ^ held, pos))
-                alive = held
-            key = child.key
-            klen = len(key)
-            if buf.startswith(key, pos):
-                pos += klen
-                children_get = child.children.get
-                continue
-            pos += self._common(child, buf, pos)
-            break
-        return self._answer(ids, name_of, alive, pos, drops, self.block_size)
+        return self._fleet_walk(request, replicas, now, self.block_size)
 
     def record(self, request: RequestView, replica: ReplicaId, now: float) -> None:
         """Routing alone teaches the mirror nothing: only events do."""
