@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -12,7 +13,7 @@ from kvreuse.index import BlockIndex
 from kvreuse.index.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kvreuse.index.hashing import BlockHash
 from kvreuse.kv_event_codec import decode_message, encode_message, encode_payload
-from kvreuse.routing import KvCleared, KvRemoved, KvStored
+from kvreuse.routing import CacheMirror, KvCleared, KvRemoved, KvStored, RequestView
 from kvreuse.routing.event_index import EventIndex, salt_of
 from kvreuse.tokens import pack
 
@@ -212,10 +213,52 @@ def test_a_hash_reused_for_other_tokens_moves_and_the_policy_hears_it() -> None:
     applied = index.apply(store([2], [20, 21]))
     removed = [e for e in applied.routing_events if isinstance(e, KvRemoved)]
     assert [(r.tokens, r.keep_tokens) for r in removed] == [(pack([10, 11, 12, 13]), 2)]
-    assert isinstance(applied.routing_events[-1], KvStored)
+    assert isinstance(applied.routing_events[0], KvStored)  # then the old block's removal
     assert index.match(pack([10, 11, 12, 13, 0])) == 2
     assert index.match(pack([20, 21, 0])) == 2
     index.check_invariants()
+
+
+def test_a_hash_moved_off_a_hole_child_keeps_the_chain_being_stored_in_the_tree() -> None:
+    """Re-storing a hash whose old block was a hole's only child leaves the new chain linked
+    (dropping the old block must not prune the hole the new chain is being stored into)."""
+    index = EventIndex("r0")
+    index.apply(store([1, 2], [10, 11, 12, 13]))
+    index.apply(BlockRemoved((h(1),)))  # [10, 11] is a hole above [12, 13]
+    index.apply(store([2, 3], [10, 11, 14, 15]))  # hash 2 moves into the hole's place
+    assert index.match(pack([10, 11, 14, 15, 0])) == 4
+    assert index.match(pack([10, 11, 12, 13, 0])) == 2
+    index.check_invariants()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_forged_streams_keep_the_index_whole_and_the_policy_told(seed: int) -> None:
+    """Seeded stress of forged events (reused hashes, unknown parents, stores below holes,
+    removals of unknown blocks, clears): the index's invariants hold after every event, and a
+    mirror fed only its routing events predicts exactly what the index matches."""
+    rng = random.Random(seed)
+    index = EventIndex("r0", budget_tokens=rng.choice([None, 64, 400]))
+    mirror = CacheMirror(block_size=2)
+    for step in range(300):
+        roll = rng.random()
+        event: KVCacheEvent
+        if roll < 0.6:
+            count = rng.randint(1, 4)
+            parent = None if rng.random() < 0.4 else rng.randint(1, 40)
+            event = store([rng.randint(1, 40) for _ in range(count)],
+                          [rng.randint(0, 5) for _ in range(2 * count)], parent=parent)
+        elif roll < 0.97:
+            event = BlockRemoved(tuple(h(rng.randint(1, 40)) for _ in range(rng.randint(1, 3))))
+        else:
+            event = AllBlocksCleared()
+        for routed in index.apply(event, float(step)).routing_events:
+            mirror.apply(routed)
+        index.check_invariants()
+        mirror.check_invariants()
+        for _ in range(3):
+            probe = pack([rng.randint(0, 5) for _ in range(rng.randint(1, 12))] + [99])
+            view = RequestView("p", probe, len(probe) // 4)
+            assert mirror.predict(view, ["r0"], 0.0)["r0"] == index.match(probe), f"step {step}"
 
 
 def test_budget_bounds_a_forged_chain_holes_included() -> None:

@@ -148,3 +148,29 @@ def test_mirror_stops_at_a_hole_and_resumes_when_it_is_stored_again() -> None:
     mirror.apply(KvStored("r0", pack(list(range(8)))))
     assert mirror.predict(request, ["r0"], 0.0) == {"r0": 16}
     mirror.check_invariants()
+
+
+def test_evicting_a_block_leaves_a_sibling_block_with_the_same_first_tokens_whole() -> None:
+    """Two blocks at one position share their first tokens; evicting one keeps the other."""
+    mirror = CacheMirror(block_size=4)
+    kept = pack([0, 1, 2, 3, 4, 5, 6, 7, 99])
+    evicted = pack([0, 1, 2, 3, 4, 5, 8, 9])
+    mirror.apply(KvStored("r0", pack([0, 1, 2, 3, 4, 5, 6, 7])))
+    mirror.apply(KvStored("r0", evicted))
+    mirror.apply(KvRemoved("r0", evicted, keep_tokens=4))
+    assert mirror.predict(RequestView("a", kept, 9), ["r0"], 0.0) == {"r0": 8}
+    assert mirror.predict(RequestView("b", pack([0, 1, 2, 3, 4, 5, 8, 9, 99]), 9), ["r0"],
+                          0.0) == {"r0": 4}
+    assert mirror.tree_tokens("r0") == 8
+    mirror.check_invariants()
+
+
+def test_a_child_block_does_not_keep_its_evicted_parent_held() -> None:
+    """A block held after the evicted one's end is a hole's descendant, not a sibling."""
+    mirror = CacheMirror(block_size=4)
+    tokens = pack(list(range(12)))
+    mirror.apply(KvStored("r0", tokens))
+    mirror.apply(KvRemoved("r0", pack(list(range(8))), keep_tokens=4))
+    assert mirror.predict(RequestView("q", pack([*range(12), 99]), 13), ["r0"], 0.0) == {"r0": 4}
+    assert mirror.tree_tokens("r0") == 8
+    mirror.check_invariants()

@@ -51,8 +51,9 @@ def test_unknown_cache_kind_is_a_config_error() -> None:
                                              (4, ("a", "b")), (5, ("a", "b", "c"))])
 def test_block_events_keep_an_exact_mirror(seed: int, models: tuple[str, ...]) -> None:
     """Seeded stress: the router's mirror, fed only by a block replica's translated events,
-    predicts exactly what the block pool would hit, through reuse, copies and eviction, also
-    when the replica serves several models whose prompts share tokens (and so block hashes)."""
+    predicts exactly what the block pool would hit for every prompt seen, through reuse, copies,
+    eviction and sibling blocks sharing first tokens, also when the replica serves several
+    models whose prompts share tokens (and so block hashes)."""
     rng = random.Random(seed)
     identities = [CacheIdentity(model=model) for model in models]
     mirror = CacheMirror(block_size=4)
@@ -61,6 +62,7 @@ def test_block_events_keep_an_exact_mirror(seed: int, models: tuple[str, ...]) -
     stems = [list(range(k * 1000, k * 1000 + rng.randint(8, 120))) for k in range(5)]
     running: list[Job] = []
     fresh = 10**7
+    prompts = [stems[0]]
     for step in range(500):
         now = float(step)
         if running and (rng.random() < 0.45 or len(running) > 4):
@@ -69,7 +71,11 @@ def test_block_events_keep_an_exact_mirror(seed: int, models: tuple[str, ...]) -
                 memory.prefilled(job, now)
             memory.release(job, now)
         else:
-            prompt = rng.choice(stems) + [rng.randrange(10**6) for _ in range(rng.randint(1, 40))]
+            # A small alphabet half the time: blocks at one position then share first tokens.
+            alphabet = rng.choice((3, 10**6))
+            prompt = rng.choice(stems) + [rng.randrange(alphabet)
+                                          for _ in range(rng.randint(1, 40))]
+            prompts.append(prompt)
             output_len = rng.randint(0, 30)
             output = pack(list(range(fresh, fresh + output_len))) if rng.random() < 0.7 else None
             fresh += output_len
@@ -82,7 +88,7 @@ def test_block_events_keep_an_exact_mirror(seed: int, models: tuple[str, ...]) -
                 running.append(job)
         memory.check_invariants()
         # A fresh last token keeps vLLM's "at most prompt - 1" rule from biting.
-        probe = pack([*rng.choice(stems), rng.randrange(10**6), fresh + 10**6])
+        probe = pack([*rng.choice(prompts), fresh + 10**6])
         for identity in identities:
             view = RequestView("p", probe, len(probe) // TOKEN_BYTES, identity)
             expected = memory.cache.match(probe, identity, touch=False).length

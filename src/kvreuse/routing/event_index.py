@@ -228,7 +228,9 @@ class EventIndex(PrefixTrie[_Block]):
         packed = (pack(event.token_ids) if witness is None
                   else witness[start : start + len(hashes) * step])
         node = parent
-        moved: list[KvEvent] = []  # blocks a reused hash leaves without a copy
+        # Blocks a reused hash leaves without a copy, told after the store: one may be in the
+        # stored chain itself.
+        moved: list[KvEvent] = []
         for i, block_hash in enumerate(hashes):
             key = packed[i * step : (i + 1) * step]
             child: _Block | None = node.children.get(key)
@@ -238,16 +240,29 @@ class EventIndex(PrefixTrie[_Block]):
                 self._tree_tokens += size
             if not child.hashes:
                 self._present_tokens += size
+            # The copy is counted before an old owner of the hash is dropped, so pruning that
+            # block cannot take the chain being stored out of the tree with it.
+            child.hashes[block_hash] = child.hashes.get(block_hash, 0) + 1
             previous = self._by_hash.get(block_hash)
             if previous is not None and previous is not child:
                 # One hash for other tokens: a collision or a publisher bug; newest wins, and
                 # the policy hears that the old block went.
                 self._forget(previous, block_hash, now, moved, all_copies=True)
-            child.hashes[block_hash] = child.hashes.get(block_hash, 0) + 1
             self._by_hash[block_hash] = child
             node = child
-        path = node.path()
-        return Applied((*cleared, *moved, KvStored(self.replica, path, node.identity, now)))
+        stored = KvStored(self.replica, node.path(), node.identity, now)
+        if self._tree_tokens == self._present_tokens:  # no hole anywhere: the common case
+            return Applied((*cleared, stored, *moved))
+        # A store below a hole (a forged or out-of-order stream: vLLM computes a parent before
+        # its child): the routing event claims the whole path, so the holes are taken back.
+        holes: list[KvEvent] = []
+        above = parent
+        while above.parent is not None:
+            if not above.hashes:
+                holes.append(KvRemoved(self.replica, above.path(), above.end - above.num_tokens,
+                                       above.identity, now))
+            above = above.parent
+        return Applied((*cleared, stored, *moved, *holes))
 
     def _removed(self, event: BlockRemoved, now: float) -> Applied:
         out: list[KvEvent] = []

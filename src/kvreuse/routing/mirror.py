@@ -14,7 +14,10 @@ Semantics, stated:
 * ``KvRemoved(path, keep)``: the replica no longer holds tokens ``keep..len(path)`` of ``path``
   (a leaf evicted from a radix tree, or one vLLM block: a *hole*, whose cached descendants
   become unreachable until it is stored again — the walk stops at the hole, as vLLM's hit rule
-  does).
+  does), except the first of those tokens that also open another path it holds and that leaves
+  this one before ``keep + block_size``: two vLLM blocks at one position may share leading
+  tokens, and evicting one leaves the other whole (a radix leaf never shares tokens past
+  ``keep`` with its replica's other paths, so this never applies to one).
 * ``KvCleared``: the replica holds nothing.
 * The match of a replica is the longest prefix of the prompt whose every token it holds,
   rounded down to a multiple of ``block_size``. A block thus counts only if all its tokens are
@@ -112,7 +115,7 @@ class CacheMirror(FleetTrie[_Edge]):
 
     def _remove(self, root: _Edge, buf: bytes, keep: int, bit: int) -> None:
         node, pos, end = root, 0, len(buf) - len(buf) % TOKEN_BYTES
-        lost = 0
+        cleared: list[tuple[_Edge, int]] = []  # edges whose bit went, and where they end
         while pos < end:
             child = node.children.get(buf[pos : pos + TOKEN_BYTES])
             if child is None:
@@ -126,10 +129,23 @@ class CacheMirror(FleetTrie[_Edge]):
                 child = self._split(child, keep - pos)
             if pos >= keep and child.holders & bit:
                 child.holders &= ~bit
-                lost += len(child.key)
+                cleared.append((child, pos + len(child.key)))
             node = child
             pos += len(child.key)
-        self._tokens[bit] -= lost // TOKEN_BYTES
+        # A removed block's first tokens may open a sibling block the replica still holds (two
+        # blocks at one position sharing a prefix); those edges stay held. A child held past
+        # the block's end is a hole's descendant instead, and does not count.
+        shared_end = keep + self.block_size * TOKEN_BYTES
+        for index in range(len(cleared) - 1, -1, -1):
+            edge, ends = cleared[index]
+            if ends >= shared_end:
+                continue
+            if any(c.holders & bit for c in edge.children.values()):
+                for kept, _ in cleared[: index + 1]:
+                    kept.holders |= bit
+                del cleared[: index + 1]
+                break
+        self._tokens[bit] -= sum(len(e.key) for e, _ in cleared) // TOKEN_BYTES
         self._prune(node)
 
     def _clear(self, bit: int) -> None:
