@@ -224,15 +224,16 @@ class EventIndex(PrefixTrie[_Block]):
             parent = found
         self.block_size = event.block_size
         step = size * TOKEN_BYTES
-        start = parent.end * TOKEN_BYTES
-        packed = (pack(event.token_ids) if witness is None
-                  else witness[start : start + len(hashes) * step])
+        # Block keys are sliced straight from the witness (at the parent's end) when there is
+        # one, else from the event's tokens packed once.
+        source, base = ((pack(event.token_ids), 0) if witness is None
+                        else (witness, parent.end * TOKEN_BYTES))
         node = parent
         # Blocks a reused hash leaves without a copy, told after the store: one may be in the
         # stored chain itself.
         moved: list[KvEvent] = []
         for i, block_hash in enumerate(hashes):
-            key = packed[i * step : (i + 1) * step]
+            key = source[base + i * step : base + (i + 1) * step]
             child: _Block | None = node.children.get(key)
             if child is None:
                 child = self._link(node, _Block(key, node, node.end + size, node.identity,
