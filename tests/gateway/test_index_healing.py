@@ -18,13 +18,19 @@ from .test_kv_events_hostile import exchange, metric, text
 Factory = Callable[..., RunningGateway]
 
 
-def test_a_stale_index_is_noticed_routed_around_and_rebuilt(gateway_factory: Factory) -> None:
+@pytest.mark.parametrize(("policy", "options"), [
+    ("exact", {}), ("relative_spill", {"estimator": "exact"}),
+])
+def test_a_stale_index_is_noticed_routed_around_and_rebuilt(
+    gateway_factory: Factory, policy: str, options: dict[str, object]
+) -> None:
     """The engine's cache is cleared while its events are lost before the index (the stream's
     numbering stays whole, so no gap shows): predictions exceed realized hits, the index turns
     suspect, is rebuilt from the replay socket, and exact mode returns with exact predictions."""
     engine = start_engine("e0", replay=True)
     try:
-        gateway = gateway_factory([engine], policy="exact", policy_options={"block_size": 4})
+        gateway = gateway_factory([engine], policy=policy,
+                                  policy_options={"block_size": 4, **options})
         router = gateway.gateway.router
         subscriber = gateway.gateway.subscribers[0]
         prompts = [text() for _ in range(5)]
@@ -144,3 +150,25 @@ def test_answers_predicted_by_a_forgotten_index_do_not_count() -> None:
             r.realized(stale, 420, 0)
     assert not restarted.health["u0"].suspect and restarted.health["u0"].predicted_tokens == 0
     assert steady.health["u0"].suspect and steady.suspects() == ["u0"]
+
+
+@pytest.mark.parametrize("policy", ["exact", "relative_spill", "dynamo_kv"])
+def test_every_kv_event_policy_gets_fallback_trees(policy: str) -> None:
+    """The router gives any policy routing on KV events approximate trees to route a suspect
+    upstream on, whatever its rule; one on its own trees needs none."""
+    from kvreuse.gateway.config import UpstreamConfig
+    from kvreuse.gateway.prompts import TextApproximation
+    from kvreuse.gateway.router import Router
+    from kvreuse.gateway.upstreams import UpstreamState
+    from kvreuse.routing import ApproxTrees, build_policy
+
+    upstream = UpstreamState(UpstreamConfig("http://127.0.0.1:9", name="u0",
+                                            events="tcp://127.0.0.1:9"),
+                             eject_after=3, readmit_after=2)
+    options = {"estimator": "exact"} if policy == "relative_spill" else {}
+    built = build_policy(policy, block_size=4, **options)
+    Router(built, [upstream], TextApproximation())
+    assert isinstance(getattr(built, "fallback", None), ApproxTrees)
+    on_trees = build_policy("relative_spill")
+    Router(on_trees, [upstream], TextApproximation())
+    assert getattr(on_trees, "fallback", None) is None

@@ -15,6 +15,7 @@ from kvreuse.routing import (
     ConsistentRing,
     CostModel,
     CostRouting,
+    EstimatorPolicy,
     FleetView,
     KvCleared,
     KvRemoved,
@@ -260,11 +261,17 @@ def test_pins_to_nothing_are_rejected() -> None:
         TenantPinned(RoundRobin(), {"acme": []})
 
 
-def test_exact_routes_suspect_replicas_on_its_fallback_trees() -> None:
+@pytest.mark.parametrize(("name", "options"), [
+    ("exact", {}), ("relative_spill", {"estimator": "exact"}), ("cost", {"estimator": "exact"}),
+    ("dynamo_kv", {}),
+])
+def test_kv_event_policies_route_suspect_replicas_on_their_fallback_trees(
+    name: str, options: dict[str, object]
+) -> None:
     """With a fallback set, a suspect replica is predicted from the prompts sent to it, the
-    others still from KV events."""
-    policy = build_policy("exact", block_size=4)
-    assert isinstance(policy, CacheAware)
+    others still from KV events, whichever policy reads the events."""
+    policy = build_policy(name, block_size=4, **options)
+    assert isinstance(policy, EstimatorPolicy) and policy.uses_kv_events
     policy.fallback = ApproxTrees()
     tokens = pack(list(range(40)))
     req = RequestView("q", tokens, 40)

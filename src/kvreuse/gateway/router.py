@@ -53,7 +53,6 @@ from kvreuse.routing import (
     RoutingPolicy,
 )
 from kvreuse.routing.approx_trees import ApproxTrees
-from kvreuse.routing.cache_aware import CacheAware
 from kvreuse.routing.event_index import EventIndex
 from kvreuse.routing.index_health import SUSPECT, HealthSettings, IndexHealth
 from kvreuse.tokens import TokenBuffer, num_tokens
@@ -126,8 +125,8 @@ class Router:
         inner = getattr(policy, "inner", policy)  # TenantPinned wraps one
         # The policy holding a cache estimator (a shared index may replace it), if any.
         self.estimating = inner if isinstance(inner, EstimatorPolicy) else None
-        self._healable = (inner if isinstance(inner, CacheAware) and inner.uses_kv_events
-                          else None)
+        self._healable = (self.estimating if self.estimating is not None
+                          and self.estimating.uses_kv_events else None)
         if self._healable is not None:
             # What a suspect upstream is routed on: the prompts sent to it (bounded per
             # upstream by set_budget, like every index here).

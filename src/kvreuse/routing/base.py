@@ -221,6 +221,11 @@ class EstimatorPolicy(PolicyBase):
     The registry builds it from the options of
     :func:`~kvreuse.routing.registry.build_estimator` the class lists in ``estimator_options``
     (the kind, ``estimator``, is ``default_estimator`` unless given).
+
+    A gateway that checks a KV-event estimator against realized hits sets ``fallback`` (its
+    own approximate trees, fed here on every send) and ``suspects``: the replicas whose events
+    it no longer trusts, predicted from ``fallback`` until their index is rebuilt. Both unset
+    in the simulator, whose events are never wrong.
     """
 
     estimator_options: tuple[str, ...] = (
@@ -231,13 +236,25 @@ class EstimatorPolicy(PolicyBase):
     def __init__(self, estimator: CacheEstimator) -> None:
         self.estimator = estimator
         self.uses_kv_events = estimator.uses_kv_events
+        self.fallback: CacheEstimator | None = None
+        self.suspects: frozenset[ReplicaId] = frozenset()
 
     def predict(self, request: RequestView, fleet: FleetView) -> dict[ReplicaId, int]:
-        """Each eligible replica's predicted cached prefix of the prompt, in tokens."""
-        return self.estimator.predict(request, tuple(map(REPLICA_ID, fleet.replicas)), fleet.now)
+        """Each eligible replica's predicted cached prefix of the prompt, in tokens (a
+        suspect's from ``fallback``)."""
+        ids = tuple(map(REPLICA_ID, fleet.replicas))
+        predicted = self.estimator.predict(request, ids, fleet.now)
+        if self.fallback is not None and self.suspects:
+            approx = self.fallback.predict(request, ids, fleet.now)
+            for replica in self.suspects:
+                if replica in predicted:
+                    predicted[replica] = approx[replica]
+        return predicted
 
     def on_routed(self, request: RequestView, decision: RoutingDecision, now: float) -> None:
         self.estimator.record(request, decision.replica, now)
+        if self.fallback is not None:
+            self.fallback.record(request, decision.replica, now)
 
     def on_kv_event(self, event: KvEvent) -> None:
         self.estimator.apply(event)

@@ -38,14 +38,11 @@ approximate trees (``cache_aware``) or the replicas' KV events (``exact``); see
 from __future__ import annotations
 
 from kvreuse.errors import ConfigError, require_at_least
-from kvreuse.routing.approx_trees import ApproxTrees
 from kvreuse.routing.base import (
-    REPLICA_ID,
     CacheEstimator,
     CostModel,
     EstimatorPolicy,
     FleetView,
-    ReplicaId,
     RequestView,
     RoutingDecision,
 )
@@ -86,23 +83,6 @@ class CacheAware(EstimatorPolicy):
         self.cost = cost or CostModel()
         self.block_size = block_size
         super().__init__(estimator)
-        # A gateway that checks the KV-event estimator against realized hits sets these:
-        # replicas in ``suspects`` are then predicted from ``fallback`` (its own approximate
-        # trees, fed by on_routed). Both unset in the simulator, whose events are never wrong.
-        self.fallback: ApproxTrees | None = None
-        self.suspects: frozenset[ReplicaId] = frozenset()
-
-    def predict(self, request: RequestView, fleet: FleetView) -> dict[ReplicaId, int]:
-        """Each eligible replica's predicted cached prefix of the prompt, in tokens (a
-        suspect's from ``fallback``)."""
-        ids = tuple(map(REPLICA_ID, fleet.replicas))
-        predicted = self.estimator.predict(request, ids, fleet.now)
-        if self.fallback is not None and self.suspects:
-            approx = self.fallback.predict(request, ids, fleet.now)
-            for replica in self.suspects:
-                if replica in predicted:
-                    predicted[replica] = approx[replica]
-        return predicted
 
     def route(self, request: RequestView, fleet: FleetView) -> RoutingDecision | None:
         if not fleet.replicas:
@@ -127,11 +107,6 @@ class CacheAware(EstimatorPolicy):
             self.cache_threshold,
             self.spill_threshold_s,
         )
-
-    def on_routed(self, request: RequestView, decision: RoutingDecision, now: float) -> None:
-        self.estimator.record(request, decision.replica, now)
-        if self.fallback is not None:
-            self.fallback.record(request, decision.replica, now)
 
 
 class CacheAwareSGLang(CacheAware):
