@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 
 from kvreuse.routing.cache_aware import CacheAware
+from kvreuse.routing.registry import DEFAULT_POLICY
 from kvreuse.sim.config import ReplicaConfig
 from kvreuse.sim.scenario_params import BELGAVI, BELGAVI_POOL
 
@@ -48,7 +49,7 @@ and up to a few hundred MB."""
 # ---------------------------------------------------------------------------- trace replays
 
 TRACE_REPLICAS = 8
-TRACE_POLICIES = ("round_robin", "cache_aware")
+TRACE_POLICIES = ("round_robin", DEFAULT_POLICY)
 TRACE_PREFILL_TOKENS_PER_S = ReplicaConfig().prefill_tokens_per_s
 TRACE_OVERHEAD_S = ReplicaConfig().overhead_s
 TRACE_TIME_PER_OUTPUT_TOKEN_S = ReplicaConfig().time_per_output_token_s

@@ -4,6 +4,7 @@ options the same way."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -33,6 +34,18 @@ def test_route_and_simulate_agree() -> None:
     assert policy_spec("prefix_hash[overload=None,k=512]") == (
         "prefix_hash", {"overload": None, "k": 512}
     )
+
+
+def test_route_defaults_to_relative_spill(tmp_path: Path) -> None:
+    """Without --policy (or a config file naming one) the gateway routes with relative_spill,
+    and a config file's policy still wins over the default."""
+    args = build_parser().parse_args(["route", "--upstream", "http://127.0.0.1:9"])
+    assert build_config(args).policy == "relative_spill"
+    config = tmp_path / "gateway.toml"
+    config.write_text('[gateway]\npolicy = "cache_aware"\n\n'
+                      '[[upstreams]]\nurl = "http://127.0.0.1:9"\n')
+    args = build_parser().parse_args(["route", "--config", str(config)])
+    assert build_config(args).policy == "cache_aware"
 
 
 def test_policies_split_outside_brackets() -> None:

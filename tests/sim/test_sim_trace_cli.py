@@ -10,7 +10,7 @@ import pytest
 
 from kvreuse.cli.main import main
 from kvreuse.errors import InputFormatError
-from kvreuse.routing import build_policy
+from kvreuse.routing import DEFAULT_POLICY, build_policy
 from kvreuse.sim import FleetConfig, FleetSimulator, ReplicaConfig, summarize
 from kvreuse.sim.requests import SimRequest
 from kvreuse.sim.trace import compute_bounds
@@ -129,6 +129,21 @@ def test_simulate_trace_with_report(tmp_path: Path) -> None:
     assert page.count("data:image/png;base64,") == 6
     assert "relative_spill: hit rate vs p95 TTFT as slack varies" in page
     assert json.loads(out.read_text())["bounds"]["replicas"] == 2
+
+
+def test_simulate_trace_runs_round_robin_and_the_default_policy(tmp_path: Path) -> None:
+    """Without --policy a trace replay compares round robin with the default policy,
+    relative_spill, each with its no-cache baseline."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(head(60) if TRACE.exists() else [GOOD]) + "\n")
+    out = tmp_path / "r.json"
+    assert main(["simulate", "--trace", str(trace), "--replicas", "2",
+                 "--cache-tokens", "200000", "--json", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert DEFAULT_POLICY == "relative_spill"
+    assert {(r["policy"], r["variant"]) for r in runs} == {
+        ("round_robin", ""), ("relative_spill", ""),
+        ("round_robin", "no_cache"), ("relative_spill", "no_cache")}
 
 
 def test_simulate_trace_needs_cache_tokens(

@@ -53,7 +53,7 @@ OpenAI error body (or, inside a stream, an SSE error event) and is logged with t
 
 
 def register(subparsers: Any) -> None:
-    from kvreuse.routing import DESCRIPTIONS
+    from kvreuse.routing import DEFAULT_POLICY, DESCRIPTIONS
 
     parser = subparsers.add_parser(
         "route",
@@ -67,7 +67,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--config", type=Path, metavar="FILE", help="TOML gateway config")
     parser.add_argument(
         "--policy", choices=sorted(DESCRIPTIONS),
-        help="routing policy (default cache_aware): " + "; ".join(
+        help=f"routing policy (default {DEFAULT_POLICY}): " + "; ".join(
             f"{name}: {text}" for name, text in DESCRIPTIONS.items()),
     )
     parser.add_argument("--policy-option", action="append", default=[], metavar="KEY=VALUE",

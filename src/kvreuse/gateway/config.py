@@ -49,6 +49,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kvreuse.errors import ConfigError, require_at_least
+from kvreuse.routing.registry import DEFAULT_POLICY
 from kvreuse.trace.format import DEFAULT_BLOCK_TOKENS
 
 CALLER_SALT_MODES = ("reject", "strip")
@@ -100,7 +101,7 @@ class GatewayConfig:
     """Everything ``kvreuse route`` needs besides the listening address."""
 
     upstreams: tuple[UpstreamConfig, ...]
-    policy: str = "cache_aware"
+    policy: str = DEFAULT_POLICY
     policy_options: dict[str, Any] = field(default_factory=dict)
     tokenizer: str | None = None
     tenants: str | None = None

@@ -27,6 +27,7 @@ from kvreuse.routing.mirror import CacheMirror
 from kvreuse.routing.peers import DynamoKvCost, LlmdScorers
 from kvreuse.routing.pinning import TenantPinned
 from kvreuse.routing.registry import (
+    DEFAULT_POLICY,
     DESCRIPTIONS,
     POLICIES,
     build_estimator,
@@ -39,6 +40,7 @@ from kvreuse.routing.ring import ConsistentRing, block_chain, prefix_key, stable
 from kvreuse.routing.simple import LeastLoad, RandomChoice, RoundRobin
 
 __all__ = [
+    "DEFAULT_POLICY",
     "DESCRIPTIONS",
     "POLICIES",
     "ApproxTrees",

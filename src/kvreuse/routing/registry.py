@@ -21,6 +21,11 @@ from kvreuse.routing.simple import LeastLoad, RandomChoice, RoundRobin
 
 PolicyFactory = Callable[..., RoutingPolicy]
 
+DEFAULT_POLICY = "relative_spill"
+"""What ``kvreuse route``, ``kvreuse simulate --trace`` and ``kvreuse plan`` use unless told
+otherwise: the policy that ``benchmarks/default_vs_peers.py`` and ``benchmarks/routers.py``
+measure closest to dominating the peers' rules (docs/performance.md, issue 15)."""
+
 POLICIES: dict[str, PolicyFactory] = {
     "round_robin": RoundRobin,
     "random": RandomChoice,

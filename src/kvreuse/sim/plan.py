@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvreuse.errors import ConfigError, require_at_least
-from kvreuse.routing import POLICIES
+from kvreuse.routing import DEFAULT_POLICY, POLICIES
 from kvreuse.routing.base import CostModel
 from kvreuse.sim.config import FleetConfig, ReplicaConfig
 from kvreuse.sim.requests import SimRequest
@@ -45,7 +45,9 @@ KNOBS: dict[str, tuple[str, tuple[float | None, ...]]] = {
 """Each policy's one knob the plan searches, and its default values to try (``--knob``
 replaces them). Policies not listed have no knob."""
 
-DEFAULT_POLICIES = ("round_robin", "least_load", "prefix_hash", "cache_aware", "exact")
+DEFAULT_POLICIES = (
+    "round_robin", "least_load", "prefix_hash", "cache_aware", "exact", DEFAULT_POLICY
+)
 
 
 @dataclass(frozen=True, slots=True)
