@@ -119,6 +119,19 @@ def test_json_dash_writes_json_to_stdout(
     assert not (tmp_path / "-").exists()
 
 
+def test_first_byte_lag_reaches_the_fleet_and_needs_the_router_view(
+    capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--first-byte-lag is recorded with the run's parameters under --load-view router, and
+    refused with a message naming the flag it needs without it."""
+    args = ["simulate", "--scenario", "belgavi", "--scale", "0.05", "--policy", "cost",
+            "--replicas", "3", "--no-baseline", "--first-byte-lag", "0.002", "--json", "-"]
+    assert main([*args, "--load-view", "router"]) == 0
+    assert json.loads(capsys.readouterr().out)["parameters"]["first_byte_lag"] == 0.002
+    assert main(args) == 1
+    assert "--load-view router" in capsys.readouterr().err
+
+
 def test_out_of_range_lines_say_why(capsys: pytest.CaptureFixture[str]) -> None:
     """With the block cache instead of the radix tree, six-turn's radix figure leaves its range
     and the line names the flag responsible."""

@@ -265,6 +265,35 @@ def test_the_load_view_counts_what_the_replica_or_the_router_knows(load_view: st
     assert run.records[1].cached_tokens == 1000  # the replica's truth is the same either way
 
 
+@pytest.mark.parametrize(("lag", "seen"), [(0.0, [0, 0, 0]), (0.005, [0, 1000, 0])])
+def test_the_router_hears_of_a_first_token_after_the_first_byte_lag(
+    lag: float, seen: list[int]
+) -> None:
+    """A request arriving 2 ms after its predecessor's prefill ended still sees that prefill
+    queued when first bytes take 5 ms to come back, and nothing once they have."""
+    replica = ReplicaConfig(pool_tokens=100_000, prefill_tokens_per_s=1000.0, overhead_s=0.0)
+    config = FleetConfig(1, replica, load_view="router", first_byte_lag_s=lag)
+    requests = [make_request(0, 0.0, list(range(1000)), 1),
+                make_request(1, 1.002, list(range(5000, 5010)), 1),
+                make_request(2, 1.5, list(range(6000, 6010)), 1)]
+    watcher = QueueWatcher()
+    run = FleetSimulator(config, watcher).run(requests)  # type: ignore[arg-type]
+    assert watcher.queued == seen
+    assert [r.ttft_s for r in run.records] == pytest.approx([1.0, 0.01, 0.01])
+
+
+def test_a_first_byte_lag_needs_the_router_view() -> None:
+    """The engine-side view has no first bytes to wait for; a negative, NaN or infinite lag
+    (which would corrupt the event heap's order) is refused too."""
+    with pytest.raises(ConfigError, match="load_view='router'"):
+        FleetConfig(1, first_byte_lag_s=0.002)
+    for lag in (-0.001, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match="first_byte_lag_s must be a finite number"):
+            FleetConfig(1, load_view="router", first_byte_lag_s=lag)
+        with pytest.raises(ConfigError, match="load_lag_s must be a finite number"):
+            FleetConfig(1, load_lag_s=lag)
+
+
 def test_an_unknown_load_view_is_a_config_error() -> None:
     """The error names the choices."""
     with pytest.raises(ConfigError, match="load_view must be one of"):

@@ -134,6 +134,11 @@ def register(subparsers: Any) -> None:
         "gateway knows, the prompts it sent less its predicted hits until each first token "
         "(router; as kvreuse route counts)",
     )
+    parser.add_argument(
+        "--first-byte-lag", type=non_negative_float,
+        help="with --load-view router: seconds from a replica's first token until the router "
+        "hears of it (the response's HTTP hop; 0.002 models kvreuse route on one host)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -235,7 +240,8 @@ def _adjust(config: FleetConfig, args: argparse.Namespace, variant: str = "") ->
     replica = replace(replica, **_given(pool_tokens=args.cache_tokens, scheduling=args.scheduling,
                                         cache_kind=args.cache_kind, block_size=args.block_size))
     return replace(config, replica=replica, **_given(
-        load_lag_s=args.load_lag, kv_event_lag_s=args.kv_lag, load_view=args.load_view))
+        load_lag_s=args.load_lag, kv_event_lag_s=args.kv_lag, load_view=args.load_view,
+        first_byte_lag_s=args.first_byte_lag))
 
 
 def _trace_scenario(args: argparse.Namespace, requests: list[SimRequest]) -> Scenario:
@@ -307,7 +313,8 @@ def run(args: argparse.Namespace) -> int:
     asked = set(specs)
     if not args.no_baseline:
         specs = _with_baselines(specs)
-    for option in ("cache_kind", "block_size", "scheduling", "load_lag", "kv_lag", "load_view"):
+    for option in ("cache_kind", "block_size", "scheduling", "load_lag", "kv_lag", "load_view",
+                   "first_byte_lag"):
         if getattr(args, option) is not None:
             parameters[option] = getattr(args, option)
     if args.cache_tokens is not None and args.trace is None:
@@ -379,7 +386,8 @@ def run(args: argparse.Namespace) -> int:
             scheduling=args.scheduling,
             # the lab's replicas are radix trees with no information delays
             showable=args.cache_kind in (None, "radix") and args.block_size is None
-            and args.load_lag is None and args.kv_lag is None and args.load_view is None,
+            and args.load_lag is None and args.kv_lag is None and args.load_view is None
+            and args.first_byte_lag is None,
         )
         write_report(
             args.report, scenario, rows, every_bounds, sweep, parameters, seed=args.seed,
@@ -463,6 +471,7 @@ CHANGE_REASONS: dict[str, str] = {
     "load_lag": "--load-lag {value} delays the router's view of load",
     "kv_lag": "--kv-lag {value} delays the router's KV events",
     "load_view": "--load-view {value} changes what the router knows of the queues",
+    "first_byte_lag": "--first-byte-lag {value} delays when the router hears of first tokens",
     "seed": "--seed {value} draws other traffic (the ranges were checked with seed 0)",
 }
 """Why a figure may leave the range the scenario states: the flags that change the setup."""
@@ -476,7 +485,7 @@ def _changed_flags(args: argparse.Namespace) -> list[str]:
             CHANGE_REASONS["scale"].format(value=f"{args.scale:g}", percent=f"{args.scale:.0%}")
         )
     for name in ("cache_tokens", "cache_kind", "block_size", "scheduling", "load_lag", "kv_lag",
-                 "load_view"):
+                 "load_view", "first_byte_lag"):
         value = getattr(args, name)
         if value is not None:
             reasons.append(CHANGE_REASONS[name].format(value=value))

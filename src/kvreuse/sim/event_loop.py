@@ -5,9 +5,9 @@ Ordering rule. Events are popped in increasing ``(time, priority, seq)``:
 * ``time`` — simulated seconds;
 * ``priority`` — the event class's ``PRIORITY`` when two events share a time: a request that
   finishes (0) frees its memory and inserts its answer before a prefill that completes at the
-  same instant (1) picks the next request, KV events due then (2) reach the router before the
-  load snapshot (3) it routes with, and arrivals (4) come last, so a request arriving exactly
-  when a turn finishes already sees that turn cached;
+  same instant (1) picks the next request, KV events (2) and first tokens (3) due then reach
+  the router before the load snapshot (4) it routes with, and arrivals (5) come last, so a
+  request arriving exactly when a turn finishes already sees that turn cached;
 * ``seq`` — the order :meth:`EventLoop.schedule` was called, so equal ``(time, priority)`` events
   run first-scheduled first. Nothing else (no object ids, no hashes) can affect the order, which
   is what makes a seeded run repeat exactly.
@@ -17,7 +17,7 @@ through ``schedule``.
 
 Arrivals may also come as a stream: :meth:`EventLoop.run` takes the workload's sorted arrival
 times and hands arrival ``i`` to its handler exactly where an :class:`Arrival` event scheduled
-when arrival ``i - 1`` ran would pop (priority 4, which no other event class has). The order is
+when arrival ``i - 1`` ran would pop (priority 5, which no other event class has). The order is
 the same; the stream only saves an event object and a heap push and pop per request.
 """
 
@@ -31,12 +31,16 @@ from kvreuse.sim.events import (
     Arrival,
     Event,
     Finish,
+    FirstByte,
     KvDelivery,
     LoadSnapshot,
     PrefillDone,
 )
 
-__all__ = ["Arrival", "Event", "EventLoop", "Finish", "KvDelivery", "LoadSnapshot", "PrefillDone"]
+__all__ = [
+    "Arrival", "Event", "EventLoop", "Finish", "FirstByte", "KvDelivery", "LoadSnapshot",
+    "PrefillDone",
+]
 
 
 class EventLoop:

@@ -44,11 +44,22 @@ class KvDelivery:
     event: KvEvent
 
 
+@fast_init
+@dataclass(frozen=True, slots=True)
+class FirstByte:
+    """A first token reaches the router, ``FleetConfig.first_byte_lag_s`` after ``replica``
+    made it: the router stops counting the request's ``estimate`` of queued prefill tokens."""
+
+    PRIORITY: ClassVar[int] = 3
+    replica: int
+    estimate: int
+
+
 @dataclass(frozen=True, slots=True)
 class LoadSnapshot:
     """The router's view of replica load is refreshed (lagged load view)."""
 
-    PRIORITY: ClassVar[int] = 3
+    PRIORITY: ClassVar[int] = 4
 
 
 @fast_init
@@ -56,8 +67,8 @@ class LoadSnapshot:
 class Arrival:
     """Request number ``index`` of the workload reaches the router."""
 
-    PRIORITY: ClassVar[int] = 4
+    PRIORITY: ClassVar[int] = 5
     index: int
 
 
-Event = Finish | PrefillDone | KvDelivery | LoadSnapshot | Arrival
+Event = Finish | PrefillDone | KvDelivery | FirstByte | LoadSnapshot | Arrival

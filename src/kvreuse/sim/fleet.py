@@ -34,6 +34,7 @@ from kvreuse.sim.config import FleetConfig
 from kvreuse.sim.event_loop import (
     EventLoop,
     Finish,
+    FirstByte,
     KvDelivery,
     LoadSnapshot,
     PrefillDone,
@@ -66,7 +67,7 @@ class FleetSimulator:
         self._board = LoadBoard()
         self.replicas = [
             Replica(i, config.replica, self.loop, self._finished, sink, self._board,
-                    config.load_view == "router")
+                    config.load_view == "router", config.first_byte_lag_s)
             for i in range(config.replicas)
         ]
         self._by_id = {r.replica_id: r for r in self.replicas}
@@ -108,6 +109,7 @@ class FleetSimulator:
             PrefillDone: self._on_prefill_done,
             Finish: self._on_finish,
             KvDelivery: self._on_kv_delivery,
+            FirstByte: self._on_first_byte,
             LoadSnapshot: self._on_snapshot,
         }
         on_arrival: Callable[[int], None] = self._arrive
@@ -182,6 +184,9 @@ class FleetSimulator:
 
     def _on_finish(self, event: Finish) -> None:
         self.replicas[event.replica].finish(event.job, self.loop.now)
+
+    def _on_first_byte(self, event: FirstByte) -> None:
+        self.replicas[event.replica].first_byte(event.estimate)
 
     def _on_kv_delivery(self, event: KvDelivery) -> None:
         self.policy.on_kv_event(event.event)

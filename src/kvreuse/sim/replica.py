@@ -24,7 +24,8 @@ Queue estimates. ``queued_prefill_tokens`` (the load routers see) counts each wa
 uncached prompt as the cache stood at its arrival, corrected when it is picked; a request that
 arrives at an idle replica is picked at once, so its cache is looked up once, at admission.
 With ``router_view`` it counts instead the prompt less the router's predicted cached prefix,
-uncorrected, until prefill ends (what a gateway knows; ``FleetConfig.load_view``).
+uncorrected, until prefill ends and, with ``first_byte_lag_s``, that much longer, until the
+first token reaches the router (what a gateway knows; ``FleetConfig.load_view``).
 
 Scheduling. ``fcfs``; or ``lpm``, longest cached prefix first (SGLang), which falls back to fcfs
 when more than ``lpm_max_waiting`` (128, SGLang's rule) requests wait.
@@ -37,7 +38,7 @@ from collections.abc import Callable
 from kvreuse.errors import ConfigError
 from kvreuse.routing.base import ReplicaLoad
 from kvreuse.sim.config import CACHE_KINDS, SCHEDULERS, ReplicaConfig
-from kvreuse.sim.event_loop import EventLoop, Finish, PrefillDone
+from kvreuse.sim.event_loop import EventLoop, Finish, FirstByte, PrefillDone
 from kvreuse.sim.memory import Job, KvSink, ReplicaMemory
 from kvreuse.sim.requests import SimRequest
 
@@ -90,6 +91,7 @@ class Replica:
         kv_sink: KvSink | None = None,
         board: LoadBoard | None = None,
         router_view: bool = False,
+        first_byte_lag_s: float = 0.0,
     ) -> None:
         self.index = index
         self.replica_id = f"r{index}"
@@ -112,6 +114,7 @@ class Replica:
         self._overhead = config.overhead_s
         self._lpm = config.scheduling == "lpm" and config.prefix_caching
         self._router_view = router_view
+        self._first_byte_lag = first_byte_lag_s
         self._capacity = self.memory.capacity_tokens
         self._board = board if board is not None else LoadBoard()
         self._board.attach(self)
@@ -203,7 +206,10 @@ class Replica:
 
     def prefill_done(self, job: Job, now: float) -> None:
         request = job.request
-        self.queued_prefill_tokens -= job.estimate
+        if self._first_byte_lag > 0 and job.estimate:
+            self.loop.schedule(now + self._first_byte_lag, FirstByte(self.index, job.estimate))
+        else:
+            self.queued_prefill_tokens -= job.estimate
         job.estimate = 0
         job.prefill_end = now
         self.busy = None
@@ -215,6 +221,11 @@ class Replica:
         else:
             self._complete(job, now)
         self._start_next(now)
+
+    def first_byte(self, estimate: int) -> None:
+        """The router heard of a first token: it stops counting that request's ``estimate``."""
+        self.queued_prefill_tokens -= estimate
+        self._stale.add(self.index)
 
     def finish(self, job: Job, now: float) -> None:
         self._complete(job, now)
