@@ -33,3 +33,12 @@ def test_a_difference_inside_the_band_is_a_tie_on_both_sides(bench: ModuleType) 
 def test_tau_is_nan_when_no_pair_is_ordered(bench: ModuleType) -> None:
     """Everything tied in both samples: no ranking to compare."""
     assert math.isnan(bench.kendall_tau([1.0, 1.0], [2.0, 2.0]))
+
+
+def test_pair_orders_say_which_pairs_lower_the_tau(bench: ModuleType) -> None:
+    """(1,2,3,0) against (5,5,6,7): two pairs ordered alike, three opposite ways (each pair
+    with the last value), one tied in the second sample only; tau-b comes from those counts."""
+    orders = bench.pair_orders([1, 2, 3, 0], [5, 5, 6, 7])
+    assert (orders.concordant, orders.discordant, orders.ties_a, orders.ties_b) == (2, 3, 0, 1)
+    assert math.isclose(orders.tau_b, -1 / math.sqrt(5 * 6))
+    assert orders.tau_b == bench.kendall_tau([1, 2, 3, 0], [5, 5, 6, 7])
