@@ -32,6 +32,11 @@ than half a point moves toward the gateway's, and two p95s move 4–5 % away (su
 ``cost``; docs/performance.md).
 
     PYTHONPATH=src .venv/bin/python benchmarks/sim_vs_gateway.py artifacts/bench/routers.json
+    ... benchmarks/sim_vs_gateway.py run1.json run2.json run3.json   # medians of three runs
+
+Several ``--json`` files of one setup (routers.py run again with the same arguments) compare
+the simulator against each figure's median over the runs: the gateway's p95 moves by up to
+10 % between runs of the same placements, the simulator's does not.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import argparse
 import importlib.util
 import json
 import random
+import statistics
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -138,9 +144,45 @@ def kendall_tau(a: Sequence[float], b: Sequence[float], tie_a: Tie = None,
     return pair_orders(a, b, tie_a, tie_b).tau_b
 
 
+# routers.py arguments that change what the gateway measured (a run's --json path does not).
+SAME_RUN_ARGS = ("replicas", "cache_tokens", "prefill_tokens_per_s", "rate", "warmup", "duration",
+                 "max_tokens", "seed")
+
+
+def merged_runs(paths: Sequence[Path]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The routers.py arguments and one row per (scenario, router) from one or more
+    ``--json`` files of the same setup: with several, each figure is the median over the
+    files that measured that row without error (the gateway's own run-to-run noise is what
+    repeated runs average out). Refuses files whose setups differ."""
+    files = [json.loads(path.read_text()) for path in paths]
+    first = files[0]["args"]
+    for path, data in zip(paths[1:], files[1:], strict=True):
+        differ = [k for k in SAME_RUN_ARGS if str(data["args"].get(k)) != str(first.get(k))]
+        if differ:
+            raise SystemExit(f"{path} was measured with other {', '.join(differ)} than "
+                             f"{paths[0]}; compare runs of one setup")
+    rows: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for data in files:
+        for row in data["runs"]:
+            if not row["error"]:
+                rows.setdefault((row["scenario"], row["router"]), []).append(row)
+    merged = []
+    for (scenario, router), measured in rows.items():
+        figures = {key: statistics.median(r[key] for r in measured)
+                   for key in ("hit_rate", "p95_ms")}
+        router_ms = [r["router_ms"] for r in measured
+                     if r.get("router_ms") is not None and r["router_ms"] == r["router_ms"]]
+        merged.append({"scenario": scenario, "router": router, "error": None, "runs": len(measured),
+                       "router_ms": statistics.median(router_ms) if router_ms else float("nan"),
+                       **figures})
+    return first, merged
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("routers_json", type=Path, help="output of benchmarks/routers.py --json")
+    parser.add_argument("routers_json", type=Path, nargs="+",
+                        help="output of benchmarks/routers.py --json; several runs of one "
+                        "setup compare against each figure's median")
     parser.add_argument("--tie-points", type=float, default=1.0,
                         help="hit rates this many points apart rank as equal (default 1)")
     parser.add_argument("--first-byte-lag-ms", type=float, default=2.0,
@@ -155,8 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def p95_tie(x: float, y: float) -> float:
         return float(args.tie_share) * max(x, y)
 
-    data = json.loads(args.routers_json.read_text())
-    run_args = data["args"]
+    run_args, measured_runs = merged_runs(args.routers_json)
     routers = routers_module()
     replica = ReplicaConfig(
         pool_tokens=int(run_args["cache_tokens"]),
@@ -172,18 +213,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     ok_all = True
     print(f"cache {replica.pool_tokens:,} tokens x {fleet.replicas} replicas; "
           f"{run_args['rate']} req/s, {run_args['warmup']} s warm-up + {run_args['duration']} s")
+    if len(args.routers_json) > 1:
+        print(f"gateway figures: the median of {len(args.routers_json)} runs of routers.py")
     print("| scenario | router | gateway hit / p95 | simulator hit / p95 (+ router ms) | hit diff "
           "| p95 ratio | within |")
     print("|---|---|---|---|---|---|---|")
     taus = []
-    for scenario in dict.fromkeys(r["scenario"] for r in data["runs"]):
+    for scenario in dict.fromkeys(r["scenario"] for r in measured_runs):
         calls = routers.scenario_calls(
             scenario, rate=float(run_args["rate"]), warmup_s=float(run_args["warmup"]),
             duration_s=float(run_args["duration"]), seed=int(run_args["seed"]),
             max_tokens=int(run_args["max_tokens"]))
         requests = sim_requests(calls, int(run_args["max_tokens"]))
         pairs = []
-        for row in data["runs"]:
+        for row in measured_runs:
             if row["scenario"] != scenario or row["error"]:
                 continue
             router = row["router"]

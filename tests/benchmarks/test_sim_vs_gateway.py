@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from types import ModuleType
+
+import pytest
 
 BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "sim_vs_gateway.py"
 
@@ -42,3 +45,28 @@ def test_pair_orders_say_which_pairs_lower_the_tau(bench: ModuleType) -> None:
     assert (orders.concordant, orders.discordant, orders.ties_a, orders.ties_b) == (2, 3, 0, 1)
     assert math.isclose(orders.tau_b, -1 / math.sqrt(5 * 6))
     assert orders.tau_b == bench.kendall_tau([1, 2, 3, 0], [5, 5, 6, 7])
+
+
+def _run(path: Path, seed: int, figures: dict[str, tuple[float, float, float]]) -> Path:
+    rows = [{"scenario": "belgavi", "router": router, "error": None, "hit_rate": hit,
+             "p95_ms": p95, "router_ms": router_ms}
+            for router, (hit, p95, router_ms) in figures.items()]
+    rows.append({"scenario": "belgavi", "router": "smg", "error": "refused", "hit_rate": 0.0,
+                 "p95_ms": 0.0, "router_ms": 0.0})
+    path.write_text(json.dumps({"args": {"replicas": "4", "seed": str(seed), "json": str(path)},
+                                "runs": rows}))
+    return path
+
+
+def test_several_runs_compare_as_their_medians(bench: ModuleType, tmp_path: Path) -> None:
+    """Three runs of one setup give each row the median of its figures; a run that failed
+    does not count; runs of another setup are refused, naming what differs."""
+    runs = [_run(tmp_path / f"{i}.json", 7, {"kvreuse:cost": (hit, p95, 4.0 + i)})
+            for i, (hit, p95) in enumerate([(0.80, 90.0), (0.83, 70.0), (0.83, 68.0)])]
+    args, rows = bench.merged_runs(runs)
+    assert args["seed"] == "7"
+    assert rows == [{"scenario": "belgavi", "router": "kvreuse:cost", "error": None, "runs": 3,
+                     "router_ms": 5.0, "hit_rate": 0.83, "p95_ms": 70.0}]
+    other = _run(tmp_path / "other.json", 8, {"kvreuse:cost": (0.8, 90.0, 4.0)})
+    with pytest.raises(SystemExit, match="other seed"):
+        bench.merged_runs([runs[0], other])
