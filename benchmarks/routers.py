@@ -17,6 +17,10 @@ Then two gateway-cost sections: added latency of ``kvreuse route`` against direc
 ``--overhead-rate`` req/s (small prompts), and the request rate one gateway process proxies
 (closed loop, tiny requests, zero-cost engines), with the gateway's CPU use.
 
+``--record DIR`` makes every kvreuse gateway run record its traffic (``kvreuse route --record``)
+under ``DIR/SCENARIO--POLICY``; the row's ``recording`` names it, and
+``benchmarks/sim_vs_gateway.py`` replays those placements in the simulator.
+
 Everything binds 127.0.0.1 and every process started is stopped at the end. Runtime is about
 ``(warmup + duration + 6 s) × scenarios × routers`` plus ~30 s; ``--quick`` is a smoke run.
 
@@ -141,6 +145,9 @@ class RunRow:
     # its CPU): the clients' mean TTFT over the measured requests minus the engines' own mean
     # (vllm:time_to_first_token_seconds, warm-up to the end).
     router_ms: float = float("nan")
+    # ``--record``: the directory this kvreuse gateway run recorded its traffic to (each
+    # request's arrival, prompt length and upstream: what benchmarks/sim_vs_gateway.py replays).
+    recording: str = ""
 
 
 def reset_caches(engines: Sequence[Process]) -> None:
@@ -174,9 +181,21 @@ def surge_window(warmup_s: float, duration_s: float) -> tuple[float, float]:
 def measure(fleet: Fleet, engines: Sequence[Process], router: str, scenario: str,
             calls: Sequence[Call], warmup_s: float, gateway_args: Sequence[str] = (),
             block_size: int = 16, model: str = MODEL,
-            window: tuple[float, float] | None = None) -> RunRow:
-    """One router on one scenario."""
+            window: tuple[float, float] | None = None, record: Path | None = None) -> RunRow:
+    """One router on one scenario; with ``record``, a kvreuse gateway records its traffic in a
+    fresh directory under it (the engines' block size; a secret kept in the fleet's workdir)."""
     reset_caches(engines)
+    recording = ""
+    if record is not None and router.startswith("kvreuse:"):
+        target = record / f"{scenario}--{router.split(':', 1)[1]}"
+        shutil.rmtree(target, ignore_errors=True)
+        target.mkdir(parents=True)
+        secret = fleet.workdir / "record-secret"
+        if not secret.exists():
+            secret.write_text(os.urandom(16).hex())
+        gateway_args = [*gateway_args, "--record", str(target), "--record-block-size",
+                        str(block_size), "--record-secret-file", str(secret)]
+        recording = str(target)
     try:
         proc = start_router(fleet, router, engines, gateway_args, block_size, model)
     except RuntimeError as exc:
@@ -219,7 +238,7 @@ def measure(fleet: Fleet, engines: Sequence[Process], router: str, scenario: str
         fleet.forget(proc)
     return RunRow(scenario, router, hits.hit_rate, latency.p50_ms, latency.p95_ms,
                   hits.max_over_mean_load, latency.count, latency.lost,
-                  surge_hit_rate=surge, router_ms=router_ms)
+                  surge_hit_rate=surge, router_ms=router_ms, recording=recording)
 
 
 # ---------------------------------------------------------------------------- gateway cost
@@ -462,6 +481,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--verdicts-from", type=Path,
                         help="print the verdicts of an earlier --json run (no processes started)")
     parser.add_argument("--workdir", type=Path, help="process logs (default: a temp dir)")
+    parser.add_argument("--record", type=Path, metavar="DIR",
+                        help="kvreuse gateways record their traffic under DIR/SCENARIO--POLICY "
+                             "(benchmarks/sim_vs_gateway.py replays their placements)")
     args = parser.parse_args(argv)
     if args.quick:
         args.warmup, args.duration = 4.0, 6.0
@@ -537,7 +559,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       else None)
             for router in routers:
                 row = measure(fleet, engines, router, scenario, calls, args.warmup,
-                              window=window)
+                              window=window, record=args.record)
                 rows.append(row)
                 if len(rows) == 1:
                     print_table([])

@@ -6,6 +6,7 @@ import json
 import math
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -70,3 +71,56 @@ def test_several_runs_compare_as_their_medians(bench: ModuleType, tmp_path: Path
     other = _run(tmp_path / "other.json", 8, {"kvreuse:cost": (0.8, 90.0, 4.0)})
     with pytest.raises(SystemExit, match="other seed"):
         bench.merged_runs([runs[0], other])
+
+
+def _requests(lengths: list[int]) -> list[Any]:
+    from kvreuse.sim.requests import SimRequest
+    from kvreuse.tokens import pack
+
+    return [SimRequest(i, i * 0.1, pack(range(1000 * i, 1000 * i + n)), n, 2)
+            for i, n in enumerate(lengths)]
+
+
+def _recording(directory: Path, lines: list[tuple[int, str]]) -> Path:
+    """A routers.py --record directory: one trace file of (prompt length, upstream) lines."""
+    directory.mkdir()
+    rows = [json.dumps({"timestamp": 10.0 * i, "input_length": n, "output_length": 2,
+                        "hash_ids": list(range(-(-n // 16))), "upstream": upstream})
+            for i, (n, upstream) in enumerate(lines)]
+    (directory / "trace-1-1-00001.jsonl").write_text("\n".join(rows) + "\n")
+    return directory
+
+
+def test_recorded_placements_follow_the_gateway_through_a_reordered_arrival(
+        bench: ModuleType, tmp_path: Path) -> None:
+    """Two requests that reached the gateway in swapped order still get their own upstream;
+    upstreams number in natural name order (engine2 is r0, engine10 r1)."""
+    requests = _requests([100, 200, 300, 400])
+    recording = _recording(tmp_path / "rec", [(100, "engine10"), (300, "engine2"),
+                                              (200, "engine10"), (400, "engine2")])
+    assert bench.recorded_placements(recording, requests) == ["r1", "r1", "r0", "r0"]
+
+
+def test_a_recording_of_another_stream_is_refused(bench: ModuleType, tmp_path: Path) -> None:
+    """A prompt length the scenario does not send near that position names the line; another
+    request count is refused before matching."""
+    requests = _requests([100, 200, 300])
+    other = _recording(tmp_path / "other", [(100, "engine0"), (250, "engine1"),
+                                            (300, "engine0")])
+    with pytest.raises(SystemExit, match=r"line 2 \(250 prompt tokens"):
+        bench.recorded_placements(other, requests)
+    short = _recording(tmp_path / "short", [(100, "engine0")])
+    with pytest.raises(SystemExit, match="1 recorded requests, the scenario sends 3"):
+        bench.recorded_placements(short, requests)
+
+
+def test_recorded_placement_sends_each_request_where_the_gateway_did(bench: ModuleType) -> None:
+    """The simulator run on recorded placements puts every request on its recorded replica."""
+    from kvreuse.sim.config import FleetConfig, ReplicaConfig
+    from kvreuse.sim.fleet import FleetSimulator
+
+    requests = _requests([100, 200, 300, 400, 500])
+    placements = ["r2", "r0", "r2", "r1", "r0"]
+    run = FleetSimulator(FleetConfig(3, ReplicaConfig(pool_tokens=4096)),
+                         bench.RecordedPlacement(placements)).run(requests)
+    assert [f"r{record.replica}" for record in run.records] == placements
