@@ -54,7 +54,7 @@ from typing import Any
 from kvreuse.routing import build_policy
 from kvreuse.sim.config import FleetConfig, ReplicaConfig
 from kvreuse.sim.fleet import FleetSimulator
-from kvreuse.sim.requests import SimRequest
+from kvreuse.sim.requests import SimRequest, jittered
 from kvreuse.sim.scenarios import SCENARIOS, get_scenario
 from kvreuse.sim.summary import RunSummary, summarize
 from kvreuse.sim.trace import Bounds, compute_bounds
@@ -122,15 +122,6 @@ def options_for(policy: str, workload: Workload, extra: dict[str, Any]) -> dict[
 def simulate(policy: str, workload: Workload, options: dict[str, Any]) -> RunSummary:
     built = build_policy(policy, rng=random.Random(0), **options)
     return summarize(FleetSimulator(workload.fleet, built).run(workload.requests))
-
-
-def jittered(requests: Sequence[SimRequest], seed: int, width_s: float) -> list[SimRequest]:
-    """``requests`` with each arrival moved by a uniform draw in ``±width_s`` (never below 0),
-    in arrival order again; the same seed gives the same stream."""
-    rng = random.Random(seed)
-    moved = [replace(r, arrival_s=max(0.0, r.arrival_s + rng.uniform(-width_s, width_s)))
-             for r in requests]
-    return sorted(moved, key=lambda r: (r.arrival_s, r.request_id))
 
 
 @dataclass(frozen=True, slots=True)

@@ -65,8 +65,8 @@ from kvreuse.routing.base import FleetView, PolicyBase, RequestView, RoutingDeci
 from kvreuse.routing.registry import policy_option_names
 from kvreuse.sim.config import FleetConfig, ReplicaConfig
 from kvreuse.sim.fleet import FleetSimulator
-from kvreuse.sim.requests import SimRequest
-from kvreuse.sim.summary import summarize
+from kvreuse.sim.requests import SimRequest, jittered
+from kvreuse.sim.summary import RunSummary, summarize
 from kvreuse.tokens import TOKEN_BYTES
 from kvreuse.trace.format import parse_trace_lines
 
@@ -120,6 +120,20 @@ class RecordedPlacement(PolicyBase):
 
     def route(self, request: RequestView, fleet: FleetView) -> RoutingDecision:
         return RoutingDecision(self.placements[int(request.request_id)], "recorded", 0)
+
+
+@dataclass(frozen=True, slots=True)
+class SimFigures:
+    """What the comparison reads of a simulated run (or the median of replays)."""
+
+    token_hit_rate: float
+    ttft_p95_s: float
+
+
+def median_summary(summaries: Sequence[RunSummary]) -> SimFigures:
+    """The median token hit rate and p95 TTFT of several simulated replays."""
+    return SimFigures(statistics.median(s.token_hit_rate for s in summaries),
+                      statistics.median(s.ttft_p95_s for s in summaries))
 
 
 def recorded_placements(recording: Path, requests: Sequence[SimRequest]) -> list[str]:
@@ -244,9 +258,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="hit rates this many points apart rank as equal (default 1)")
     parser.add_argument("--first-byte-lag-ms", type=float, default=2.0,
                         help="how long a first token takes to reach the router (default 2)")
+    parser.add_argument("--last-byte-lag-ms", type=float, default=8.0,
+                        help="how long a response's end takes to reach the router (default 8)")
+    parser.add_argument("--replays", type=int, default=1,
+                        help="simulate each row this many times, all but the first with "
+                        "arrivals jittered by --jitter-ms, and compare the medians (default 1)")
+    parser.add_argument("--jitter-ms", type=float, default=5.0,
+                        help="largest arrival shift of a jittered replay (default 5)")
     parser.add_argument("--tie-share", type=float, default=0.10,
                         help="p95s within this share of the larger rank as equal (default 0.1)")
     args = parser.parse_args(argv)
+    if args.replays < 1 or not args.jitter_ms >= 0:
+        parser.error("--replays must be >= 1 and --jitter-ms >= 0")
 
     def hit_tie(x: float, y: float) -> float:
         return float(args.tie_points) / 100
@@ -266,12 +289,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     # The gateway counts queues from what it sent and predicted (load_view="router").
     fleet = FleetConfig(int(run_args["replicas"]), replica, kv_event_lag_s=0.0, load_view="router",
-                        first_byte_lag_s=args.first_byte_lag_ms / 1000)
+                        first_byte_lag_s=args.first_byte_lag_ms / 1000,
+                        last_byte_lag_s=args.last_byte_lag_ms / 1000)
     ok_all = True
     print(f"cache {replica.pool_tokens:,} tokens x {fleet.replicas} replicas; "
           f"{run_args['rate']} req/s, {run_args['warmup']} s warm-up + {run_args['duration']} s")
     if len(args.routers_json) > 1:
         print(f"gateway figures: the median of {len(args.routers_json)} runs of routers.py")
+    if args.replays > 1:
+        print(f"simulator figures: the median of {args.replays} replays, all but the first with "
+              f"arrivals moved by up to ±{args.jitter_ms:g} ms")
     print("| scenario | router | gateway hit / p95 | simulator hit / p95 (+ router ms) | hit diff "
           "| p95 ratio | within |")
     print("|---|---|---|---|---|---|---|")
@@ -283,6 +310,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             duration_s=float(run_args["duration"]), seed=int(run_args["seed"]),
             max_tokens=int(run_args["max_tokens"]))
         requests = streams[scenario] = sim_requests(calls, int(run_args["max_tokens"]))
+        replays = [requests] + [jittered(requests, seed, args.jitter_ms / 1000)
+                                for seed in range(1, args.replays)]
         pairs = []
         for row in measured_runs:
             if row["scenario"] != scenario or row["error"]:
@@ -293,8 +322,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             if policy is None:
                 continue
             options = {"block_size": 16} if "block_size" in policy_option_names(policy) else {}
-            built = build_policy(policy, rng=random.Random(0), **options)
-            summary = summarize(FleetSimulator(fleet, built).run(requests))
+            summary = median_summary([
+                summarize(FleetSimulator(
+                    fleet, build_policy(policy, rng=random.Random(0), **options)).run(stream))
+                for stream in replays])
             # What the simulator does not model, the router's own path (HTTP hops, parsing,
             # its CPU under load) and the engines' HTTP handling, delays every first token:
             # routers.py measures it under the run's load (client mean TTFT minus the

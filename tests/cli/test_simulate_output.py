@@ -132,6 +132,19 @@ def test_first_byte_lag_reaches_the_fleet_and_needs_the_router_view(
     assert "--load-view router" in capsys.readouterr().err
 
 
+def test_last_byte_lag_reaches_the_fleet_and_needs_the_router_view(
+    capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--last-byte-lag is recorded with the run's parameters under --load-view router, and
+    refused with a message naming the flag it needs without it."""
+    args = ["simulate", "--scenario", "belgavi", "--scale", "0.05", "--policy", "cache_aware_smg",
+            "--replicas", "3", "--no-baseline", "--last-byte-lag", "0.008", "--json", "-"]
+    assert main([*args, "--load-view", "router"]) == 0
+    assert json.loads(capsys.readouterr().out)["parameters"]["last_byte_lag"] == 0.008
+    assert main(args) == 1
+    assert "--load-view router" in capsys.readouterr().err
+
+
 def test_out_of_range_lines_say_why(capsys: pytest.CaptureFixture[str]) -> None:
     """With the block cache instead of the radix tree, six-turn's radix figure leaves its range
     and the line names the flag responsible."""

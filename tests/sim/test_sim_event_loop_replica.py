@@ -282,16 +282,57 @@ def test_the_router_hears_of_a_first_token_after_the_first_byte_lag(
     assert [r.ttft_s for r in run.records] == pytest.approx([1.0, 0.01, 0.01])
 
 
+class InFlightWatcher(QueueWatcher):
+    """QueueWatcher noting requests in flight at each arrival and when on_finished comes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.finished_at: list[float] = []
+
+    def route(self, request: RequestView, fleet: Any) -> Any:
+        self.queued.append(fleet.replicas[0].in_flight)
+        return self.inner.route(request, fleet)
+
+    def on_finished(self, request: RequestView, replica: str, now: float) -> None:
+        self.finished_at.append(now)
+        self.inner.on_finished(request, replica, now)
+
+
+@pytest.mark.parametrize(("lag", "seen"), [(0.0, [0, 0, 0]), (0.008, [0, 1, 0])])
+def test_the_router_counts_a_request_in_flight_until_its_last_byte_lag(
+    lag: float, seen: list[int]
+) -> None:
+    """A request arriving 3 ms after its predecessor's last token still sees it in flight when
+    response ends take 8 ms to come back, and the policy hears of the finish then; the
+    replica's own timing is the same either way."""
+    replica = ReplicaConfig(pool_tokens=100_000, prefill_tokens_per_s=1000.0, overhead_s=0.0,
+                            time_per_output_token_s=0.01)
+    config = FleetConfig(1, replica, load_view="router", last_byte_lag_s=lag)
+    # Request 0: 100 ms prefill, 2 output tokens (20 ms): finishes at 0.12 s.
+    requests = [make_request(0, 0.0, list(range(100)), 2),
+                make_request(1, 0.123, list(range(5000, 5010)), 2),
+                make_request(2, 0.5, list(range(6000, 6010)), 2)]
+    watcher = InFlightWatcher()
+    run = FleetSimulator(config, watcher).run(requests)  # type: ignore[arg-type]
+    assert watcher.queued == seen
+    assert watcher.finished_at[0] == pytest.approx(0.12 + lag)
+    assert [r.e2e_s for r in run.records] == pytest.approx([0.12, 0.03, 0.03])
+
+
 def test_a_first_byte_lag_needs_the_router_view() -> None:
     """The engine-side view has no first bytes to wait for; a negative, NaN or infinite lag
     (which would corrupt the event heap's order) is refused too."""
     with pytest.raises(ConfigError, match="load_view='router'"):
         FleetConfig(1, first_byte_lag_s=0.002)
+    with pytest.raises(ConfigError, match="last_byte_lag_s delays what a router counts"):
+        FleetConfig(1, last_byte_lag_s=0.008)
     for lag in (-0.001, float("nan"), float("inf")):
         with pytest.raises(ConfigError, match="first_byte_lag_s must be a finite number"):
             FleetConfig(1, load_view="router", first_byte_lag_s=lag)
         with pytest.raises(ConfigError, match="load_lag_s must be a finite number"):
             FleetConfig(1, load_lag_s=lag)
+        with pytest.raises(ConfigError, match="last_byte_lag_s must be a finite number"):
+            FleetConfig(1, load_view="router", last_byte_lag_s=lag)
 
 
 def test_an_unknown_load_view_is_a_config_error() -> None:

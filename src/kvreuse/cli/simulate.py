@@ -139,6 +139,12 @@ def register(subparsers: Any) -> None:
         help="with --load-view router: seconds from a replica's first token until the router "
         "hears of it (the response's HTTP hop; 0.002 models kvreuse route on one host)",
     )
+    parser.add_argument(
+        "--last-byte-lag", type=non_negative_float,
+        help="with --load-view router: seconds from a replica's last token until the router "
+        "hears the response end and stops counting it in flight (0.008 models kvreuse route "
+        "on one host)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -241,7 +247,7 @@ def _adjust(config: FleetConfig, args: argparse.Namespace, variant: str = "") ->
                                         cache_kind=args.cache_kind, block_size=args.block_size))
     return replace(config, replica=replica, **_given(
         load_lag_s=args.load_lag, kv_event_lag_s=args.kv_lag, load_view=args.load_view,
-        first_byte_lag_s=args.first_byte_lag))
+        first_byte_lag_s=args.first_byte_lag, last_byte_lag_s=args.last_byte_lag))
 
 
 def _trace_scenario(args: argparse.Namespace, requests: list[SimRequest]) -> Scenario:
@@ -314,7 +320,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_baseline:
         specs = _with_baselines(specs)
     for option in ("cache_kind", "block_size", "scheduling", "load_lag", "kv_lag", "load_view",
-                   "first_byte_lag"):
+                   "first_byte_lag", "last_byte_lag"):
         if getattr(args, option) is not None:
             parameters[option] = getattr(args, option)
     if args.cache_tokens is not None and args.trace is None:
@@ -387,7 +393,7 @@ def run(args: argparse.Namespace) -> int:
             # the lab's replicas are radix trees with no information delays
             showable=args.cache_kind in (None, "radix") and args.block_size is None
             and args.load_lag is None and args.kv_lag is None and args.load_view is None
-            and args.first_byte_lag is None,
+            and args.first_byte_lag is None and args.last_byte_lag is None,
         )
         write_report(
             args.report, scenario, rows, every_bounds, sweep, parameters, seed=args.seed,
@@ -472,6 +478,7 @@ CHANGE_REASONS: dict[str, str] = {
     "kv_lag": "--kv-lag {value} delays the router's KV events",
     "load_view": "--load-view {value} changes what the router knows of the queues",
     "first_byte_lag": "--first-byte-lag {value} delays when the router hears of first tokens",
+    "last_byte_lag": "--last-byte-lag {value} delays when the router hears of finished requests",
     "seed": "--seed {value} draws other traffic (the ranges were checked with seed 0)",
 }
 """Why a figure may leave the range the scenario states: the flags that change the setup."""
@@ -485,7 +492,7 @@ def _changed_flags(args: argparse.Namespace) -> list[str]:
             CHANGE_REASONS["scale"].format(value=f"{args.scale:g}", percent=f"{args.scale:.0%}")
         )
     for name in ("cache_tokens", "cache_kind", "block_size", "scheduling", "load_lag", "kv_lag",
-                 "load_view", "first_byte_lag"):
+                 "load_view", "first_byte_lag", "last_byte_lag"):
         value = getattr(args, name)
         if value is not None:
             reasons.append(CHANGE_REASONS[name].format(value=value))

@@ -81,7 +81,14 @@ class FleetConfig:
     instant; a real one cannot, and on ties between equally loaded replicas the instant
     matters: ``benchmarks/sim_vs_gateway.py`` predicts ``cost`` on belgavi at 80.8 % hit rate
     with 0 and 83.1 % (the gateway measured 83.0–83.1 % in five runs) with lags of 1, 2, 3 or
-    5 ms (docs/performance.md)."""
+    5 ms (docs/performance.md).
+
+    ``last_byte_lag_s`` (``load_view="router"`` only): how long after a replica's last token
+    the router hears the response end, so a request counts in flight that much longer and the
+    policy's ``on_finished`` comes that much later (what a router balancing on requests in
+    flight sees). Measured through ``kvreuse route`` on ``kvreuse engine`` replicas, one host:
+    the gateway's own total time per request exceeds the simulator's on the same placements by
+    a median of 8–12 ms (``benchmarks/sim_vs_gateway.py``, docs/performance.md)."""
 
     replicas: int = 3
     replica: ReplicaConfig = field(default_factory=ReplicaConfig)
@@ -90,6 +97,7 @@ class FleetConfig:
     models: tuple[tuple[str, ...], ...] | None = None
     load_view: str = "replica"
     first_byte_lag_s: float = 0.0
+    last_byte_lag_s: float = 0.0
 
     def __post_init__(self) -> None:
         require_at_least("replicas", self.replicas, 1)
@@ -99,13 +107,14 @@ class FleetConfig:
                                   f"{self.replicas} replicas; give one tuple per replica")
             if not all(self.models):
                 raise ConfigError("every replica must serve at least one model")
-        for name in ("load_lag_s", "first_byte_lag_s"):
+        for name in ("load_lag_s", "first_byte_lag_s", "last_byte_lag_s"):
             lag = getattr(self, name)
             if not (math.isfinite(lag) and lag >= 0):
                 raise ConfigError(f"{name} must be a finite number of seconds >= 0, got {lag}")
-        if self.first_byte_lag_s and self.load_view != "router":
-            raise ConfigError("first_byte_lag_s delays what a router counts itself: it needs "
-                              "load_view='router' (--load-view router)")
+        for name in ("first_byte_lag_s", "last_byte_lag_s"):
+            if getattr(self, name) and self.load_view != "router":
+                raise ConfigError(f"{name} delays what a router counts itself: it needs "
+                                  "load_view='router' (--load-view router)")
         if self.load_view not in LOAD_VIEWS:
             raise ConfigError(f"load_view must be one of {LOAD_VIEWS}, got {self.load_view!r}")
         if self.kv_event_lag_s is not None and self.kv_event_lag_s < 0:

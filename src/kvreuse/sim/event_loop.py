@@ -5,9 +5,9 @@ Ordering rule. Events are popped in increasing ``(time, priority, seq)``:
 * ``time`` — simulated seconds;
 * ``priority`` — the event class's ``PRIORITY`` when two events share a time: a request that
   finishes (0) frees its memory and inserts its answer before a prefill that completes at the
-  same instant (1) picks the next request, KV events (2) and first tokens (3) due then reach
-  the router before the load snapshot (4) it routes with, and arrivals (5) come last, so a
-  request arriving exactly when a turn finishes already sees that turn cached;
+  same instant (1) picks the next request, KV events (2) and first tokens and response ends
+  (3) due then reach the router before the load snapshot (4) it routes with, and arrivals (5)
+  come last, so a request arriving exactly when a turn finishes already sees that turn cached;
 * ``seq`` — the order :meth:`EventLoop.schedule` was called, so equal ``(time, priority)`` events
   run first-scheduled first. Nothing else (no object ids, no hashes) can affect the order, which
   is what makes a seeded run repeat exactly.
@@ -33,13 +33,14 @@ from kvreuse.sim.events import (
     Finish,
     FirstByte,
     KvDelivery,
+    LastByte,
     LoadSnapshot,
     PrefillDone,
 )
 
 __all__ = [
-    "Arrival", "Event", "EventLoop", "Finish", "FirstByte", "KvDelivery", "LoadSnapshot",
-    "PrefillDone",
+    "Arrival", "Event", "EventLoop", "Finish", "FirstByte", "KvDelivery", "LastByte",
+    "LoadSnapshot", "PrefillDone",
 ]
 
 

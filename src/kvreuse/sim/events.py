@@ -55,6 +55,19 @@ class FirstByte:
     estimate: int
 
 
+@fast_init
+@dataclass(frozen=True, slots=True)
+class LastByte:
+    """A response's end reaches the router, ``FleetConfig.last_byte_lag_s`` after ``replica``
+    finished ``job``: the router stops counting it in flight and tells the policy it finished.
+    Shares :class:`FirstByte`'s priority (both are the router hearing back); equal times run in
+    the order they were scheduled."""
+
+    PRIORITY: ClassVar[int] = 3
+    replica: int
+    job: Any
+
+
 @dataclass(frozen=True, slots=True)
 class LoadSnapshot:
     """The router's view of replica load is refreshed (lagged load view)."""
@@ -71,4 +84,4 @@ class Arrival:
     index: int
 
 
-Event = Finish | PrefillDone | KvDelivery | FirstByte | LoadSnapshot | Arrival
+Event = Finish | PrefillDone | KvDelivery | FirstByte | LastByte | LoadSnapshot | Arrival

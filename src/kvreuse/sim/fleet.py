@@ -36,6 +36,7 @@ from kvreuse.sim.event_loop import (
     Finish,
     FirstByte,
     KvDelivery,
+    LastByte,
     LoadSnapshot,
     PrefillDone,
 )
@@ -67,7 +68,8 @@ class FleetSimulator:
         self._board = LoadBoard()
         self.replicas = [
             Replica(i, config.replica, self.loop, self._finished, sink, self._board,
-                    config.load_view == "router", config.first_byte_lag_s)
+                    config.load_view == "router", config.first_byte_lag_s,
+                    config.last_byte_lag_s)
             for i in range(config.replicas)
         ]
         self._by_id = {r.replica_id: r for r in self.replicas}
@@ -110,6 +112,7 @@ class FleetSimulator:
             Finish: self._on_finish,
             KvDelivery: self._on_kv_delivery,
             FirstByte: self._on_first_byte,
+            LastByte: self._on_last_byte,
             LoadSnapshot: self._on_snapshot,
         }
         on_arrival: Callable[[int], None] = self._arrive
@@ -188,6 +191,11 @@ class FleetSimulator:
     def _on_first_byte(self, event: FirstByte) -> None:
         self.replicas[event.replica].first_byte(event.estimate)
 
+    def _on_last_byte(self, event: LastByte) -> None:
+        replica = self.replicas[event.replica]
+        replica.last_byte()
+        self.policy.on_finished(event.job.request.view, replica.replica_id, self.loop.now)
+
     def _on_kv_delivery(self, event: KvDelivery) -> None:
         self.policy.on_kv_event(event.event)
 
@@ -211,7 +219,8 @@ class FleetSimulator:
 
     def _finished(self, job: Job, replica: int, now: float) -> None:
         request = job.request
-        self.policy.on_finished(request.view, self.replicas[replica].replica_id, now)
+        if not self.config.last_byte_lag_s:  # else when the router hears it (_on_last_byte)
+            self.policy.on_finished(request.view, self.replicas[replica].replica_id, now)
         self._records.append(
             RequestRecord(
                 request.request_id,

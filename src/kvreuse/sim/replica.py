@@ -25,7 +25,9 @@ uncached prompt as the cache stood at its arrival, corrected when it is picked; 
 arrives at an idle replica is picked at once, so its cache is looked up once, at admission.
 With ``router_view`` it counts instead the prompt less the router's predicted cached prefix,
 uncorrected, until prefill ends and, with ``first_byte_lag_s``, that much longer, until the
-first token reaches the router (what a gateway knows; ``FleetConfig.load_view``).
+first token reaches the router (what a gateway knows; ``FleetConfig.load_view``); likewise
+``in_flight`` counts a finished request ``last_byte_lag_s`` longer, until its response's end
+reaches the router (:meth:`Replica.last_byte`).
 
 Scheduling. ``fcfs``; or ``lpm``, longest cached prefix first (SGLang), which falls back to fcfs
 when more than ``lpm_max_waiting`` (128, SGLang's rule) requests wait.
@@ -38,7 +40,7 @@ from collections.abc import Callable
 from kvreuse.errors import ConfigError
 from kvreuse.routing.base import ReplicaLoad
 from kvreuse.sim.config import CACHE_KINDS, SCHEDULERS, ReplicaConfig
-from kvreuse.sim.event_loop import EventLoop, Finish, FirstByte, PrefillDone
+from kvreuse.sim.event_loop import EventLoop, Finish, FirstByte, LastByte, PrefillDone
 from kvreuse.sim.memory import Job, KvSink, ReplicaMemory
 from kvreuse.sim.requests import SimRequest
 
@@ -92,6 +94,7 @@ class Replica:
         board: LoadBoard | None = None,
         router_view: bool = False,
         first_byte_lag_s: float = 0.0,
+        last_byte_lag_s: float = 0.0,
     ) -> None:
         self.index = index
         self.replica_id = f"r{index}"
@@ -115,6 +118,7 @@ class Replica:
         self._lpm = config.scheduling == "lpm" and config.prefix_caching
         self._router_view = router_view
         self._first_byte_lag = first_byte_lag_s
+        self._last_byte_lag = last_byte_lag_s
         self._capacity = self.memory.capacity_tokens
         self._board = board if board is not None else LoadBoard()
         self._board.attach(self)
@@ -234,10 +238,18 @@ class Replica:
 
     def _complete(self, job: Job, now: float) -> None:
         self.memory.release(job, now)
-        self.in_flight -= 1
+        if self._last_byte_lag > 0:
+            self.loop.schedule(now + self._last_byte_lag, LastByte(self.index, job))
+        else:
+            self.in_flight -= 1
         self.requests_served += 1
         self._stale.add(self.index)
         self._on_finish(job, self.index, now)
+
+    def last_byte(self) -> None:
+        """The router heard a response end: one request fewer in flight."""
+        self.in_flight -= 1
+        self._stale.add(self.index)
 
     def check_invariants(self) -> None:
         """Pool accounting and the cache's own invariants. O(cache nodes)."""
