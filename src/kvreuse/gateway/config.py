@@ -96,6 +96,11 @@ class UpstreamConfig:
             object.__setattr__(self, "name", self.url.rstrip("/"))
 
 
+DEFAULT_INDEX_BUDGET_FACTOR = 2.0
+"""Every index the gateway keeps per upstream holds at most this many times the upstream's KV
+capacity (the simulator's replay of a gateway run bounds its trees alike)."""
+
+
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
     """Everything ``kvreuse route`` needs besides the listening address."""
@@ -126,7 +131,7 @@ class GatewayConfig:
     metrics_port: int | None = None  # serve /metrics on this port instead of the main one
     # Every index kept per upstream is bounded to its KV capacity (scraped, else the
     # upstream's capacity_tokens) times this factor; to index_budget_tokens when unknown.
-    index_budget_factor: float = 2.0
+    index_budget_factor: float = DEFAULT_INDEX_BUDGET_FACTOR
     index_budget_tokens: int = 1 << 22
     kv_events_max_frame_bytes: int = 16 * 1024 * 1024
     kv_events_seq_window: int = 100_000
