@@ -109,6 +109,35 @@ def test_load_counts_what_the_gateway_sent_and_what_the_engine_reports() -> None
     assert load.queued_requests == 3 and load.queued_prefill_tokens == 300 + 2 * 200
 
 
+def test_a_replica_drained_since_its_scrape_carries_no_phantom_queue() -> None:
+    """Requests the engine reported waiting that were this gateway's own at the scrape stop
+    counting once they have started; only requests beyond the gateway's queue then (other
+    clients) stay added until the next scrape."""
+    upstream = state()
+    for _ in range(3):
+        upstream.request_sent(1000)
+    upstream.update_engine({"vllm:num_requests_waiting": 3.0})
+    for _ in range(3):
+        upstream.first_byte(1000)
+    assert upstream.load().queued_requests == 0
+    assert upstream.load().queued_prefill_tokens == 0
+    upstream.request_sent(1000)
+    upstream.update_engine({"vllm:num_requests_waiting": 3.0})  # two are someone else's
+    upstream.first_byte(1000)
+    load = upstream.load()
+    assert load.queued_requests == 2 and load.queued_prefill_tokens == 2 * 1000
+
+
+def test_a_non_finite_scraped_queue_is_ignored() -> None:
+    """NaN or +Inf from a broken exporter neither raises nor adds load."""
+    upstream = state()
+    upstream.request_sent(500)
+    for value in (float("nan"), float("inf")):
+        upstream.update_engine({"vllm:num_requests_waiting": value})
+        assert upstream.load().queued_requests == 1
+        assert upstream.load().queued_prefill_tokens == 500
+
+
 def test_weight_scales_the_load() -> None:
     """An upstream of weight 2 looks half as loaded."""
     upstream = state(weight=2.0)

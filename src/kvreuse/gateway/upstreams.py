@@ -14,8 +14,12 @@ Load, as :class:`~kvreuse.routing.ReplicaLoad` for the policies: ``in_flight`` i
 the gateway has open there; ``queued_requests`` and ``queued_prefill_tokens`` count requests sent
 that have not produced a first byte yet (their predicted uncached prompt tokens). A scrape of
 the upstream's ``/metrics`` refines this: when ``vllm:num_requests_waiting`` says more requests
-wait than this gateway sent (other clients, other gateways), the difference is added with this
-gateway's mean uncached prompt size. Loads are divided by the upstream's weight.
+wait than this gateway had queued there at that scrape (other clients, other gateways), the
+difference is added with this gateway's mean uncached prompt size until the next scrape. The
+comparison is with the gateway's own count *at the scrape*, not now: a replica that was busy
+when scraped and has drained since would otherwise carry its own finished queue as phantom load
+for a whole scrape interval (5 s by default) and be avoided while idle. Loads are divided by the
+upstream's weight.
 
 Served models: declared (``models=a|b``), or learned from the upstream's ``GET /v1/models``
 when the gateway starts and after each successful health probe (so a model that appears or
@@ -27,6 +31,7 @@ answer later keeps the last known set. What routing makes of that: :mod:`kvreuse
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +43,7 @@ from kvreuse.hitrate.prometheus import parse_exposition
 from kvreuse.routing import ReplicaLoad
 
 MAX_MODEL_LIST_BYTES = 4 << 20
+MAX_OTHERS_WAITING = 1_000_000  # a scraped queue beyond this is a broken exporter, not load
 """A /v1/models answer larger than this is refused (vLLM's, with many LoRA adapters, is KBs)."""
 MAX_MODELS = 4096
 
@@ -141,6 +147,8 @@ class UpstreamState:
         self.sent_uncached_tokens = 0
         self.sent_requests = 0
         self.engine = EngineSnapshot()
+        # Requests the last scrape saw waiting beyond this gateway's own queue then.
+        self.others_waiting = 0
         self.engine_baseline: EngineSnapshot | None = None
         self.kv_capacity_tokens: int | None = None  # scraped from vllm:cache_config_info
         self.declared = bool(config.models)
@@ -232,11 +240,11 @@ class UpstreamState:
         """The load policies see (see the module docstring). O(1)."""
         queued = self.queued_requests
         tokens = self.queued_prefill_tokens
-        waiting = self.engine.waiting
-        if waiting is not None and waiting > queued:
+        others = self.others_waiting
+        if others > 0:
             mean = self.sent_uncached_tokens / self.sent_requests if self.sent_requests else 0
-            tokens += int((waiting - queued) * mean)
-            queued = int(waiting)
+            tokens += int(others * mean)
+            queued += others
         weight = self.config.weight
         return ReplicaLoad(
             self.name,
@@ -246,7 +254,14 @@ class UpstreamState:
         )
 
     def update_engine(self, scraped: dict[str, float]) -> None:
-        """Store a scrape; the first one becomes the baseline for counter deltas."""
+        """Store a scrape; the first one becomes the baseline for counter deltas. Called as
+        the scrape's answer arrives, so ``queued_requests`` is this gateway's queue then."""
+        waiting = scraped.get("vllm:num_requests_waiting")
+        if waiting is None or not math.isfinite(waiting):  # Prometheus allows NaN and +Inf
+            self.others_waiting = 0
+        else:
+            self.others_waiting = min(max(int(waiting) - self.queued_requests, 0),
+                                      MAX_OTHERS_WAITING)
         self.engine = EngineSnapshot(
             waiting=scraped.get("vllm:num_requests_waiting"),
             running=scraped.get("vllm:num_requests_running"),
