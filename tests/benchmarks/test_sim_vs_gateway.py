@@ -127,11 +127,13 @@ def test_recorded_placement_sends_each_request_where_the_gateway_did(bench: Modu
 
 
 def test_kvreuse_rows_run_with_the_gateways_index_budget(bench: ModuleType) -> None:
-    """A kvreuse policy on its own trees forgets beyond 2 x the engines' cache, as kvreuse
-    route's index budget does; a KV-event policy and a peer's rule keep unbounded trees."""
+    """A kvreuse policy on its own trees forgets beyond 2 x the engines' reported cache (vLLM
+    counts its null block), as kvreuse route's index budget does; a KV-event policy and a
+    peer's rule keep unbounded trees."""
     from kvreuse.gateway.config import DEFAULT_INDEX_BUDGET_FACTOR
 
     assert bench.gateway_options("kvreuse:relative_spill", "relative_spill", 12288) == {
-        "block_size": 16, "tree_capacity_tokens": int(DEFAULT_INDEX_BUDGET_FACTOR * 12288)}
+        "block_size": 16,
+        "tree_capacity_tokens": int(DEFAULT_INDEX_BUDGET_FACTOR * (12288 + 16))}
     assert "tree_capacity_tokens" not in bench.gateway_options("kvreuse:exact", "exact", 12288)
     assert "tree_capacity_tokens" not in bench.gateway_options("smg", "cache_aware_smg", 12288)
