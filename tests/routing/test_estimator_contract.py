@@ -79,6 +79,9 @@ def test_the_registry_builds_the_estimator_a_policy_names() -> None:
     capped = build_policy("relative_spill", estimator="approx", tree_capacity_tokens=99)
     assert isinstance(capped, EstimatorPolicy) and isinstance(capped.estimator, ApproxTrees)
     assert capped.estimator.capacity_of("r0") == 99
+    assert build_policy("relative_spill").estimator.capacity_of("r0") is None  # type: ignore[attr-defined]
+    assert exact.estimator.capacity_of("r0") is None  # a mirror holds what events say
+    assert SharedPrefixIndex(block_size=4, capacity_blocks=10).capacity_of("u0") == 40
 
 
 def test_an_estimator_object_goes_to_the_policy_as_is() -> None:

@@ -35,12 +35,13 @@ def loads(*queued: int, in_flight: tuple[int, ...] | None = None) -> tuple[Repli
 
 def rule(matched: list[int], queued: list[int], prompt: int, slack: float,
          sizes: list[int] | None = None, in_flight: tuple[int, ...] | None = None,
-         threshold: float = 0.1) -> RoutingDecision:
-    size = dict(zip((f"r{i}" for i in range(len(queued))), sizes or [0] * len(queued),
-                    strict=True))
+         threshold: float = 0.1, bounds: list[int | None] | None = None) -> RoutingDecision:
+    names = [f"r{i}" for i in range(len(queued))]
+    size = dict(zip(names, sizes or [0] * len(queued), strict=True))
+    bound = dict(zip(names, bounds or [None] * len(queued), strict=True))
     return relative_spill_rule({f"r{i}": m for i, m in enumerate(matched)},
                                loads(*queued, in_flight=in_flight), prompt, COST,
-                               size.__getitem__, threshold, slack)
+                               size.__getitem__, threshold, slack, bound.__getitem__)
 
 
 def test_affinity_while_the_wait_is_within_slack_times_the_fleet_prefill_time() -> None:
@@ -142,3 +143,23 @@ def test_bad_options_are_configuration_errors(options: dict[str, object]) -> Non
     """A negative or NaN slack, a threshold outside [0, 1] or an unknown estimator is refused."""
     with pytest.raises(ConfigError):
         build_policy("relative_spill", **options)
+
+
+def test_full_caches_tie_and_the_fastest_takes_the_miss() -> None:
+    """Bounds of 1,000 tokens, a 100-token miss: r0 (920 held, 10 ms queued, within the miss
+    window) and r1 (950 held, idle) would both overflow, so they tie at the bound and the faster
+    r1 wins; unbounded, the smaller cache r0 wins."""
+    full = rule([0, 0], [10, 0], 100, slack=2.0, sizes=[920, 950], bounds=[1000, 1000])
+    assert (full.replica, full.branch) == ("r1", "miss_smallest_cache")
+    unbounded = rule([0, 0], [10, 0], 100, slack=2.0, sizes=[920, 950])
+    assert unbounded.replica == "r0"
+
+
+def test_a_cache_with_room_beats_a_full_one() -> None:
+    """r1 has room for the prompt (800 + 100 <= 1000), r0 would overflow (950): r1 takes the
+    miss although r0 is as fast; a full cache counts as its bound, so it still beats an
+    unbounded one holding more."""
+    decision = rule([0, 0], [0, 0], 100, slack=2.0, sizes=[950, 800], bounds=[1000, 1000])
+    assert decision.replica == "r1"
+    mixed = rule([0, 0], [0, 0], 100, slack=2.0, sizes=[950, 1200], bounds=[1000, None])
+    assert mixed.replica == "r0"

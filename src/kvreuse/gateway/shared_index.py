@@ -122,6 +122,10 @@ class SharedPrefixIndex:
         """Blocks recorded for ``replica``. O(1)."""
         return len(self._blocks.get(replica, ()))
 
+    def capacity_of(self, replica: ReplicaId) -> int | None:
+        """``capacity_blocks`` in tokens: the LRU bound of every upstream's record. O(1)."""
+        return self.capacity_blocks * self.block_size
+
     def _chain(self, request: RequestView) -> list[ChainHash]:
         return cast("list[ChainHash]",
                     block_chain(request.tokens, request.identity, self.block_size))

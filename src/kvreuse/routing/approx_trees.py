@@ -100,7 +100,7 @@ class ApproxTrees(FleetTrie[_Node]):
             self._evict(bit, self._tokens[bit] - tokens, keep=None)
 
     def capacity_of(self, replica: ReplicaId) -> int | None:
-        """The cap :meth:`record` trims ``replica`` to. O(1)."""
+        """The cap :meth:`record` trims ``replica`` to (CacheEstimator's bound). O(1)."""
         bit = self._bits.get(replica)
         cap = None if bit is None else self._caps.get(bit)
         return self.capacity_tokens if cap is None else cap

@@ -163,6 +163,13 @@ class CacheEstimator(Protocol):
         predicts in tokens. The cache size SGLang's and Dynamo's rules compare. O(1)."""
         ...
 
+    def capacity_of(self, replica: ReplicaId) -> int | None:
+        """The most tokens it keeps for ``replica`` before forgetting the least recently used
+        (a gateway's index budget), or None when nothing bounds it but the replica itself. A
+        replica whose :meth:`tree_tokens` is at this bound is *full*: what it holds says how
+        recently it was used, not how much room it has. O(1)."""
+        ...
+
     def check_invariants(self) -> None:
         """O(size) self-check; raises AssertionError with a message on a broken invariant."""
         ...

@@ -69,6 +69,11 @@ class CacheMirror(FleetTrie[_Edge]):
         """Held tokens in whole blocks (the size SGLang's rule compares). O(1)."""
         return self.tree_tokens(replica) // self.block_size
 
+    def capacity_of(self, replica: ReplicaId) -> int | None:
+        """None: the mirror holds what the replica's events say it holds, no bound of its own
+        (a gateway's budget trims it only when the events overflow it). O(1)."""
+        return None
+
     def predict(
         self, request: RequestView, replicas: Iterable[ReplicaId], now: float
     ) -> dict[ReplicaId, int]:
