@@ -119,28 +119,18 @@ def test_json_dash_writes_json_to_stdout(
     assert not (tmp_path / "-").exists()
 
 
-def test_first_byte_lag_reaches_the_fleet_and_needs_the_router_view(
-    capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(("flag", "policy", "seconds"), [
+    ("first_byte_lag", "cost", 0.002), ("last_byte_lag", "cache_aware_smg", 0.008)])
+def test_a_router_lag_reaches_the_fleet_and_needs_the_router_view(
+    capsys: pytest.CaptureFixture[str], flag: str, policy: str, seconds: float
 ) -> None:
-    """--first-byte-lag is recorded with the run's parameters under --load-view router, and
-    refused with a message naming the flag it needs without it."""
-    args = ["simulate", "--scenario", "belgavi", "--scale", "0.05", "--policy", "cost",
-            "--replicas", "3", "--no-baseline", "--first-byte-lag", "0.002", "--json", "-"]
+    """--first-byte-lag and --last-byte-lag are recorded with the run's parameters under
+    --load-view router, and refused with a message naming the flag they need without it."""
+    args = ["simulate", "--scenario", "belgavi", "--scale", "0.05", "--policy", policy,
+            "--replicas", "3", "--no-baseline", f"--{flag.replace('_', '-')}", str(seconds),
+            "--json", "-"]
     assert main([*args, "--load-view", "router"]) == 0
-    assert json.loads(capsys.readouterr().out)["parameters"]["first_byte_lag"] == 0.002
-    assert main(args) == 1
-    assert "--load-view router" in capsys.readouterr().err
-
-
-def test_last_byte_lag_reaches_the_fleet_and_needs_the_router_view(
-    capsys: pytest.CaptureFixture[str]
-) -> None:
-    """--last-byte-lag is recorded with the run's parameters under --load-view router, and
-    refused with a message naming the flag it needs without it."""
-    args = ["simulate", "--scenario", "belgavi", "--scale", "0.05", "--policy", "cache_aware_smg",
-            "--replicas", "3", "--no-baseline", "--last-byte-lag", "0.008", "--json", "-"]
-    assert main([*args, "--load-view", "router"]) == 0
-    assert json.loads(capsys.readouterr().out)["parameters"]["last_byte_lag"] == 0.008
+    assert json.loads(capsys.readouterr().out)["parameters"][flag] == seconds
     assert main(args) == 1
     assert "--load-view router" in capsys.readouterr().err
 
