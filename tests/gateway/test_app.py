@@ -276,6 +276,39 @@ def flaky_app(state: dict[str, Any]) -> Starlette:
                                                               methods=["POST"])])
 
 
+def forged_metrics_app(waiting: str) -> Starlette:
+    """An upstream that serves completions but whose /metrics reports ``waiting`` requests
+    waiting (a broken or hostile exporter: NaN, +Inf)."""
+
+    async def health(request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def metrics(request: Request) -> Response:
+        return Response(f"vllm:num_requests_waiting{{model_name=\"sim\"}} {waiting}\n",
+                        media_type="text/plain")
+
+    async def generate(request: Request) -> Response:
+        return JSONResponse({"id": "c", "object": "text_completion", "model": "sim",
+                             "choices": [{"index": 0, "text": "ok", "finish_reason": "stop"}]})
+
+    return Starlette(routes=[Route("/health", health), Route("/metrics", metrics),
+                             Route("/v1/completions", generate, methods=["POST"])])
+
+
+@pytest.mark.parametrize("waiting", ["+Inf", "NaN", "1e300", "-5"])
+def test_a_forged_queue_in_an_upstreams_metrics_never_fails_a_request(
+        gateway_factory: Factory, waiting: str) -> None:
+    """Scraped waiting counts of +Inf, NaN, 1e300 or -5 leave every request answered (+Inf
+    made each routing call raise OverflowError before) and the upstream's queue finite."""
+    with ServerThread(forged_metrics_app(waiting)) as forged:
+        gateway = gateway_factory([UpstreamConfig(forged.url, name="forged", models=("sim",))],
+                                  policy="relative_spill")
+        for upstream in gateway.gateway.upstreams:
+            gateway.server.call(gateway.gateway.scrape(upstream))
+        assert all(completion(gateway, f"forged {i}").status_code == 200 for i in range(3))
+        assert 0 <= gateway.gateway.upstreams[0].load().queued_requests <= 1_000_000
+
+
 def test_connection_failure_is_retried_and_ejects(engines: list[Engine],
                                                   gateway_factory: Factory) -> None:
     """A dead upstream's requests are retried on the next candidate; it is then ejected."""
