@@ -43,9 +43,10 @@ from kvreuse.hitrate.prometheus import parse_exposition
 from kvreuse.routing import ReplicaLoad
 
 MAX_MODEL_LIST_BYTES = 4 << 20
-MAX_OTHERS_WAITING = 1_000_000  # a scraped queue beyond this is a broken exporter, not load
 """A /v1/models answer larger than this is refused (vLLM's, with many LoRA adapters, is KBs)."""
 MAX_MODELS = 4096
+MAX_OTHERS_WAITING = 1_000_000
+"""A scraped queue beyond this many requests is a broken exporter, not load: clamped."""
 
 ENGINE_METRICS = (
     "vllm:num_requests_waiting",
@@ -263,7 +264,7 @@ class UpstreamState:
             self.others_waiting = min(max(int(waiting) - self.queued_requests, 0),
                                       MAX_OTHERS_WAITING)
         self.engine = EngineSnapshot(
-            waiting=scraped.get("vllm:num_requests_waiting"),
+            waiting=waiting,
             running=scraped.get("vllm:num_requests_running"),
             kv_usage=scraped.get("vllm:kv_cache_usage_perc"),
             queries_total=scraped.get("vllm:prefix_cache_queries_total"),

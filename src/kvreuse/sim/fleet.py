@@ -73,6 +73,8 @@ class FleetSimulator:
             for i in range(config.replicas)
         ]
         self._by_id = {r.replica_id: r for r in self.replicas}
+        # With a last-byte lag the policy hears of a finish at LastByte, not at the engine's.
+        self._finish_heard_late = config.last_byte_lag_s > 0
         # Model -> the replicas serving it (None: all serve everything, the common case).
         self._serving: dict[str, frozenset[str]] | None = None
         if config.models is not None:
@@ -219,7 +221,7 @@ class FleetSimulator:
 
     def _finished(self, job: Job, replica: int, now: float) -> None:
         request = job.request
-        if not self.config.last_byte_lag_s:  # else when the router hears it (_on_last_byte)
+        if not self._finish_heard_late:
             self.policy.on_finished(request.view, self.replicas[replica].replica_id, now)
         self._records.append(
             RequestRecord(
