@@ -1,5 +1,5 @@
 """relative_spill's rule: affinity within a bound relative to the request's fleet prefill time,
-spills, misses to the smallest cache nearby, ties, and candidate subsets."""
+spills, misses to the least busy and smallest cache nearby, ties, and candidate subsets."""
 
 from __future__ import annotations
 
@@ -86,11 +86,29 @@ def test_misses_go_to_the_smallest_cache_among_nearly_fastest_replicas() -> None
     """No useful match (50 of 1000 is under 10 %): R = 1.1 s, window 0.22 s; r0 (0.1 s queue)
     and r1 (idle) qualify, r2 (1 s queue) does not; r0 caches least of the two."""
     decision = rule([50, 0, 0], [100, 0, 1000], 1000, slack=2.0, sizes=[10, 500, 0])
-    assert (decision.replica, decision.branch) == ("r0", "miss_smallest_cache")
+    assert (decision.replica, decision.branch) == ("r0", "miss")
+
+
+def test_misses_go_to_the_fewest_in_flight_before_the_smallest_cache() -> None:
+    """Both replicas idle of queued work, r0 caching less but serving three requests against
+    r1's one: r1 takes the miss; with equal requests in flight the smaller cache r0 does."""
+    busy = rule([0, 0], [0, 0], 1000, slack=2.0, sizes=[10, 500], in_flight=(3, 1))
+    assert (busy.replica, busy.branch) == ("r1", "miss")
+    tied = rule([0, 0], [0, 0], 1000, slack=2.0, sizes=[10, 500], in_flight=(2, 2))
+    assert tied.replica == "r0"
+
+
+def test_in_flight_counts_only_among_the_nearly_fastest() -> None:
+    """r2 serves nothing but has 1,000 tokens queued (1 s, outside the 0.22 s window): the miss
+    goes to the busier r0, which is within it."""
+    decision = rule([0, 0, 0], [0, 100, 1000], 1000, slack=2.0, sizes=[0, 0, 0],
+                    in_flight=(2, 3, 0))
+    assert decision.replica == "r0"
 
 
 def test_miss_ties_on_cache_size_go_to_the_faster() -> None:
-    """Equal cache sizes among near replicas: the shorter predicted TTFT wins."""
+    """Equal requests in flight and cache sizes among near replicas: the shorter predicted TTFT
+    wins."""
     assert rule([0, 0], [100, 0], 1000, slack=2.0, sizes=[7, 7]).replica == "r1"
 
 
@@ -115,7 +133,7 @@ def test_policy_only_chooses_among_the_candidates_it_is_given() -> None:
     subset = full.restrict(["r1", "r2"])
     decision = policy.route(request(prompt, "c"), subset)
     assert decision is not None and decision.replica in ("r1", "r2")
-    assert decision.branch == "miss_smallest_cache"
+    assert decision.branch == "miss"
     pinned = TenantPinned(RelativeSpill(estimator=ApproxTrees(), cost=COST), {"acme": ["r2"]})
     acme = RequestView("d", pack(prompt), len(prompt), tenant="acme")
     assert pinned.route(acme, full).replica == "r2"  # type: ignore[union-attr]
@@ -150,7 +168,7 @@ def test_full_caches_tie_and_the_fastest_takes_the_miss() -> None:
     window) and r1 (950 held, idle) would both overflow, so they tie at the bound and the faster
     r1 wins; unbounded, the smaller cache r0 wins."""
     full = rule([0, 0], [10, 0], 100, slack=2.0, sizes=[920, 950], bounds=[1000, 1000])
-    assert (full.replica, full.branch) == ("r1", "miss_smallest_cache")
+    assert (full.replica, full.branch) == ("r1", "miss")
     unbounded = rule([0, 0], [10, 0], 100, slack=2.0, sizes=[920, 950])
     assert unbounded.replica == "r0"
 

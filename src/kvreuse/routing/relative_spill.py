@@ -1,5 +1,6 @@
 """Relative spill: stay where the longest cached prefix is unless waiting there costs more than a
-share of what this request costs the fleet now; send misses to the emptiest cache nearby.
+share of what this request costs the fleet now; send misses to the least busy, emptiest cache
+nearby.
 
 For each eligible replica ``r`` (the candidates of :class:`FleetView`, whatever subset the
 caller allows: tenant pins, a model's replicas)::
@@ -15,22 +16,34 @@ average candidate with nothing cached. Then:
 * **affinity**: the longest match (ties to the shorter ``ttft``, then fewer requests in flight,
   then view order) if its ``ttft <= limit``;
 * **spill**: otherwise the longest match among replicas within ``limit`` (same ties);
-* **miss**: when that choice's match is at most ``cache_threshold`` (10 %) of the prompt, the
-  replica whose cache is smallest among those with ``ttft <= min ttft + MISS_WINDOW × R`` (ties
-  to the shorter ``ttft``): new prefixes go where they evict least, as SGLang's router does,
-  but only among replicas about as fast as the fastest. A cache the estimator bounds
+* **miss**: when that choice's match is at most ``cache_threshold`` (10 %) of the prompt, among
+  the replicas with ``ttft <= min ttft + MISS_WINDOW × R``, the one holding the fewest requests
+  in flight, then the one whose cache is smallest (then the shorter ``ttft``): a new prefix goes
+  where the least traffic is already being served, and among equally busy replicas where it
+  evicts least, as SGLang's documented rule does. A cache the estimator bounds
   (``CacheEstimator.capacity_of``, a gateway's index budget) that this prompt would overflow is
-  *full* and counts as that bound: full caches tie, and the fastest of them takes the miss.
+  *full* and counts as that bound: full caches tie on size.
+
+Why in flight first. Requests in flight follow where the hot prefixes are (each hot document or
+conversation keeps its replica busy), while a cache's size counts every prefix once whatever its
+traffic. On ``benchmarks/routers.py``'s contracts at 12,288-token engines, where the hot
+documents outgrow the fleet's caches, misses to the smallest cache loaded the engines unevenly
+(max/mean prompt tokens per engine 1.43) and five gateway runs gave 50.9-53.9 % (median 52.7 %)
+against smg's median 56.3 %, whose misses go to the fewest in flight; with in flight first,
+56.0-56.8 % (median 56.7 %, max/mean 1.12) at a p95 of 141 ms against smg's 203 ms. The
+simulator, seeded as the gateway runs, predicts 53.2 % and 56.5 %. Ties on in flight are the
+rule while a fleet warms up (nothing queued yet), and there the smallest cache still spreads the
+first system prompts one per replica: on the chat workloads (belgavi, mission-4, multi-model)
+every figure is unchanged, where taking the first of the tied replicas, as smg does, loses 3 to
+14 points (docs/performance.md).
 
 Why full caches tie. Behind ``kvreuse route`` every replica's tree is trimmed at its budget
 (2 × its KV), so once traffic has filled them all their sizes differ by whatever the last
-trims left, a few hundred tokens that say nothing about room. Measured on ``benchmarks/
-routers.py``'s contracts at 12,288-token engines, where the hot documents outgrow the fleet's
-caches: the simulator, which makes all 502 of a gateway run's decisions when its trees are
-bounded alike, predicts 51.5 % hit rate and a 210 ms p95 when misses follow those sizes and
-53.2 % and 173 ms when full caches tie; with the normal caches and on belgavi and surge the
-figures do not move (docs/performance.md). Unbounded trees (the simulator's default) never
-fill, so the rule is unchanged there.
+trims left, a few hundred tokens that say nothing about room. Measured on the same contracts
+workload before in flight came first: the simulator, which makes all 502 of a gateway run's
+decisions when its trees are bounded alike, predicted 51.5 % hit rate and a 210 ms p95 when
+misses followed those sizes and 53.2 % and 173 ms when full caches tied. Unbounded trees (the
+simulator's default) never fill, so the rule is unchanged there.
 
 Why relative. ``cache_aware``'s bound is a fixed 200 ms: on 12,000-token documents a miss costs
 1.2 s of prefill, so a 200 ms queue difference spills the request, scatters the documents and the
@@ -63,7 +76,7 @@ from kvreuse.routing.base import (
 )
 
 MISS_WINDOW = 0.2
-"""Share of ``R`` within which a miss may trade speed for the emptiest cache."""
+"""Share of ``R`` within which a miss may trade speed for a less busy, emptier cache."""
 
 SLACKS = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0, float("inf"))
 """The knob's values ``kvreuse simulate --report`` plots."""
@@ -104,8 +117,8 @@ def relative_spill_rule(
             size, bound = cache_size(row[0]), cache_capacity(row[0])
             return bound if bound is not None and size + prompt_tokens > bound else size
 
-        pick = min(near, key=lambda row: (room_order(row), row[2], row[3]))
-        return RoutingDecision(pick[0], "miss_smallest_cache", pick[1])
+        pick = min(near, key=lambda row: (row[3], room_order(row), row[2]))
+        return RoutingDecision(pick[0], "miss", pick[1])
     longest = max(row[1] for row in rows)
     return RoutingDecision(pick[0], "affinity" if pick[1] == longest else "spill", pick[1])
 
