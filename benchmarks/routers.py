@@ -49,6 +49,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -571,21 +572,28 @@ def router_list(spec: str) -> list[str]:
 
 SAME_SETUP = ("replicas", "cache_tokens", "prefill_tokens_per_s", "rate", "warmup", "duration",
               "max_tokens", "seed")
+"""The arguments that make two ``--json`` files runs of one setup (the same engines and stream)."""
 
 
-def verdicts_from(paths: Sequence[Path], candidate: str) -> int:
-    """The verdicts of saved runs of one setup (each router judged by its medians over every
-    file), the ceilings recomputed from the same seeded traffic."""
+def load_runs(paths: Sequence[Path]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The first file's arguments and every file's rows, from ``--json`` files of one setup;
+    refuses (``SystemExit`` naming the file and the arguments) files whose setups differ."""
     files = [json.loads(path.read_text()) for path in paths]
     saved = files[0]["args"]
     for path, data in zip(paths[1:], files[1:], strict=True):
         differ = [k for k in SAME_SETUP if str(data["args"].get(k)) != str(saved.get(k))]
         if differ:
             raise SystemExit(f"{path} was measured with other {', '.join(differ)} than "
-                             f"{paths[0]}; judge runs of one setup together")
+                             f"{paths[0]}; use runs of one setup together")
+    return saved, [row for data in files for row in data["runs"]]
+
+
+def verdicts_from(paths: Sequence[Path], candidate: str) -> int:
+    """The verdicts of saved runs of one setup (each router judged by its medians over every
+    file), the ceilings recomputed from the same seeded traffic."""
+    saved, saved_rows = load_runs(paths)
     known = {f.name for f in fields(RunRow)}  # files from older runs carry other figures
-    rows = [RunRow(**{k: v for k, v in row.items() if k in known})
-            for data in files for row in data["runs"]]
+    rows = [RunRow(**{k: v for k, v in row.items() if k in known}) for row in saved_rows]
     ceilings = {}
     for scenario in dict.fromkeys(r.scenario for r in rows):
         calls = scenario_calls(scenario, rate=float(saved["rate"]),
@@ -598,7 +606,8 @@ def verdicts_from(paths: Sequence[Path], candidate: str) -> int:
               f"{pool:,} tokens {ceilings[scenario]:.1%}")
     if len(rows) > len(median_rows(rows)):
         print_medians(rows)
-    for line in verdicts(rows, files[0].get("cost", {}), ceilings, candidate):
+    cost = json.loads(paths[0].read_text()).get("cost", {})
+    for line in verdicts(rows, cost, ceilings, candidate):
         print(line)
     return 0
 

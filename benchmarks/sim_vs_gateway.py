@@ -282,27 +282,17 @@ def kendall_tau(a: Sequence[float], b: Sequence[float], tie_a: Tie = None,
 
 
 # routers.py arguments that change what the gateway measured (a run's --json path does not).
-SAME_RUN_ARGS = ("replicas", "cache_tokens", "prefill_tokens_per_s", "rate", "warmup", "duration",
-                 "max_tokens", "seed")
-
-
 def merged_runs(paths: Sequence[Path]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The routers.py arguments and one row per (scenario, router) from one or more
-    ``--json`` files of the same setup: with several, each figure is the median over the
-    files that measured that row without error (the gateway's own run-to-run noise is what
-    repeated runs average out). Refuses files whose setups differ."""
-    files = [json.loads(path.read_text()) for path in paths]
-    first = files[0]["args"]
-    for path, data in zip(paths[1:], files[1:], strict=True):
-        differ = [k for k in SAME_RUN_ARGS if str(data["args"].get(k)) != str(first.get(k))]
-        if differ:
-            raise SystemExit(f"{path} was measured with other {', '.join(differ)} than "
-                             f"{paths[0]}; compare runs of one setup")
+    ``--json`` files of the same setup: with several runs of a row (files, or ``--repeats``),
+    each figure is the median over the runs that measured it without error (the gateway's own
+    run-to-run noise is what repeated runs average out). Refuses files whose setups differ
+    (routers.py's ``load_runs``)."""
+    first, runs = routers_module().load_runs(paths)
     rows: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for data in files:
-        for row in data["runs"]:
-            if not row["error"]:
-                rows.setdefault((row["scenario"], row["router"]), []).append(row)
+    for row in runs:
+        if not row["error"]:
+            rows.setdefault((row["scenario"], row["router"]), []).append(row)
     merged = []
     for (scenario, router), measured in rows.items():
         figures = {key: statistics.median(r[key] for r in measured)
