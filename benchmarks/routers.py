@@ -499,12 +499,13 @@ def vllm_section(fleet: Fleet, args: argparse.Namespace, routers: Sequence[str]
                                           "kvreuse:cache_aware", "kvreuse:exact",
                                           args.candidate)]
     rows = []
-    for router in chosen:
-        row = measure(fleet, replicas, router, "vllm-chat", calls, args.warmup,
-                      gateway_args=["--tokenizer", str(model)], block_size=32,
-                      model=VLLM_MODEL)
-        rows.append(row)
-        print_table_row(row)
+    for _ in range(args.repeats):
+        for router in chosen:
+            row = measure(fleet, replicas, router, "vllm-chat", calls, args.warmup,
+                          gateway_args=["--tokenizer", str(model)], block_size=32,
+                          model=VLLM_MODEL)
+            rows.append(row)
+            print_table_row(row)
     for replica in replicas:
         fleet.forget(replica)
     return rows

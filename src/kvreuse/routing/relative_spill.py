@@ -32,7 +32,7 @@ documents outgrow the fleet's caches, misses to the smallest cache loaded the en
 against smg's median 56.3 %, whose misses go to the fewest in flight; with in flight first,
 56.0-56.8 % (median 56.7 %, max/mean 1.12) at a p95 of 141 ms against smg's 203 ms. The
 simulator, seeded as the gateway runs, predicts 53.2 % and 56.5 %. Ties on in flight are the
-rule while a fleet warms up (nothing queued yet), and there the smallest cache still spreads the
+rule while a fleet warms up (nothing in flight yet), and there the smallest cache still spreads the
 first system prompts one per replica: on the chat workloads (belgavi, mission-4, multi-model)
 every figure is unchanged, where taking the first of the tied replicas, as smg does, loses 3 to
 14 points (docs/performance.md).
