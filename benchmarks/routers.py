@@ -368,49 +368,54 @@ def print_table(rows: Sequence[RunRow]) -> None:
         print_table_row(row)
 
 
-def median_rows(rows: Sequence[RunRow]) -> list[RunRow]:
-    """One row per (scenario, router), in first-seen order: each figure the median over the
-    runs measured without error, ``requests`` the fewest and ``lost`` the most of any run (one
-    lost request in any run is a loss). A pair with no run free of error keeps its first error."""
+def runs_by_router(rows: Sequence[RunRow]) -> dict[tuple[str, str], list[RunRow]]:
+    """Every run of each (scenario, router), in first-seen order."""
     groups: dict[tuple[str, str], list[RunRow]] = {}
     for row in rows:
         groups.setdefault((row.scenario, row.router), []).append(row)
-    out = []
-    for runs in groups.values():
-        measured = [r for r in runs if not r.error]
-        if not measured:
-            out.append(runs[0])
-            continue
+    return groups
 
-        def mid(values: Sequence[float]) -> float:
-            real = [v for v in values if v == v]  # NaN: not measured in that run
-            return statistics.median(real) if real else float("nan")
 
-        first = measured[0]
-        out.append(RunRow(
-            first.scenario, first.router, mid([r.hit_rate for r in measured]),
-            mid([r.p50_ms for r in measured]), mid([r.p95_ms for r in measured]),
-            mid([r.max_over_mean for r in measured]), min(r.requests for r in measured),
-            max(r.lost for r in measured), "", mid([r.surge_hit_rate for r in measured]),
-            mid([r.router_ms for r in measured]),
-            ", ".join(r.recording for r in measured if r.recording)))
-    return out
+def _median(values: Sequence[float]) -> float:
+    real = [v for v in values if v == v]  # NaN: not measured in that run
+    return statistics.median(real) if real else float("nan")
+
+
+def median_row(runs: Sequence[RunRow]) -> RunRow:
+    """One (scenario, router)'s runs as one row: each figure the median over the runs measured
+    without error, ``requests`` the fewest and ``lost`` the most of any run (one lost request in
+    any run is a loss). With no run free of error, the first run and its error."""
+    measured = [r for r in runs if not r.error]
+    if not measured:
+        return runs[0]
+    first = measured[0]
+    return RunRow(
+        first.scenario, first.router, _median([r.hit_rate for r in measured]),
+        _median([r.p50_ms for r in measured]), _median([r.p95_ms for r in measured]),
+        _median([r.max_over_mean for r in measured]), min(r.requests for r in measured),
+        max(r.lost for r in measured), "", _median([r.surge_hit_rate for r in measured]),
+        _median([r.router_ms for r in measured]),
+        ", ".join(r.recording for r in measured if r.recording))
+
+
+def median_rows(rows: Sequence[RunRow]) -> list[RunRow]:
+    """One :func:`median_row` per (scenario, router), in first-seen order."""
+    return [median_row(runs) for runs in runs_by_router(rows).values()]
 
 
 def print_medians(rows: Sequence[RunRow]) -> None:
     """The medians :func:`median_rows` judges, with each router's hit rate and p95 range."""
-    medians = median_rows(rows)
     print(f"{'scenario':10} {'router':26} {'runs':>4} {'hit rate':>8} {'hit range':>13} "
           f"{'p95 ms':>8} {'p95 range':>15} {'max/mean':>8} {'lost':>5}")
-    for row in medians:
-        runs = [r for r in rows if (r.scenario, r.router) == (row.scenario, row.router)
-                and not r.error]
-        if not runs:
+    for runs in runs_by_router(rows).values():
+        row = median_row(runs)
+        measured = [r for r in runs if not r.error]
+        if not measured:
             print(f"{row.scenario:10} {row.router:26} {0:4d}  ({row.error})")
             continue
-        hits = [r.hit_rate for r in runs]
-        p95s = [r.p95_ms for r in runs]
-        print(f"{row.scenario:10} {row.router:26} {len(runs):4d} {row.hit_rate:8.1%} "
+        hits = [r.hit_rate for r in measured]
+        p95s = [r.p95_ms for r in measured]
+        print(f"{row.scenario:10} {row.router:26} {len(measured):4d} {row.hit_rate:8.1%} "
               f"{min(hits):6.1%}-{max(hits):6.1%} {row.p95_ms:8.1f} "
               f"{min(p95s):7.1f}-{max(p95s):7.1f} {row.max_over_mean:8.2f} {row.lost:5d}")
 
@@ -589,12 +594,17 @@ def load_runs(paths: Sequence[Path]) -> tuple[dict[str, Any], list[dict[str, Any
     return saved, [row for data in files for row in data["runs"]]
 
 
+def run_row(saved: dict[str, Any]) -> RunRow:
+    """A row of a ``--json`` file (files from older runs carry other figures, left out)."""
+    known = {f.name for f in fields(RunRow)}
+    return RunRow(**{k: v for k, v in saved.items() if k in known})
+
+
 def verdicts_from(paths: Sequence[Path], candidate: str) -> int:
     """The verdicts of saved runs of one setup (each router judged by its medians over every
     file), the ceilings recomputed from the same seeded traffic."""
     saved, saved_rows = load_runs(paths)
-    known = {f.name for f in fields(RunRow)}  # files from older runs carry other figures
-    rows = [RunRow(**{k: v for k, v in row.items() if k in known}) for row in saved_rows]
+    rows = [run_row(row) for row in saved_rows]
     ceilings = {}
     for scenario in dict.fromkeys(r.scenario for r in rows):
         calls = scenario_calls(scenario, rate=float(saved["rate"]),
