@@ -584,7 +584,15 @@ SAME_SETUP = ("replicas", "cache_tokens", "prefill_tokens_per_s", "rate", "warmu
 def load_runs(paths: Sequence[Path]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The first file's arguments and every file's rows, from ``--json`` files of one setup;
     refuses (``SystemExit`` naming the file and the arguments) files whose setups differ."""
-    files = [json.loads(path.read_text()) for path in paths]
+    files = []
+    for path in paths:
+        try:
+            data = json.loads(path.read_text())
+            if not isinstance(data.get("args"), dict) or not isinstance(data.get("runs"), list):
+                raise ValueError("no 'args' object and 'runs' list")
+        except (OSError, ValueError, AttributeError) as exc:
+            raise SystemExit(f"{path}: not a routers.py --json file ({exc})") from None
+        files.append(data)
     saved = files[0]["args"]
     for path, data in zip(paths[1:], files[1:], strict=True):
         differ = [k for k in SAME_SETUP if str(data["args"].get(k)) != str(saved.get(k))]

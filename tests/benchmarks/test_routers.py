@@ -80,3 +80,14 @@ def test_repeats_below_one_are_refused(bench: ModuleType,
     with pytest.raises(SystemExit):
         bench.parse_args(["--repeats", "0"])
     assert "--repeats must be at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content", [None, "{bad", "[1, 2]", '{"args": {}}'])
+def test_verdicts_from_names_a_file_it_cannot_read(bench: ModuleType, tmp_path: Path,
+                                                   content: str | None) -> None:
+    """A missing, malformed or foreign file is refused with its path, not a traceback."""
+    path = tmp_path / "runs.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit, match=r"not a routers\.py --json file"):
+        bench.verdicts_from([path], "kvreuse:relative_spill")
