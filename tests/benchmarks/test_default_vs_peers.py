@@ -56,3 +56,48 @@ def test_jitter_runs_print_the_spread_per_policy(
     for policy in ("relative_spill", "cache_aware", "cache_aware_sglang", "llm_d", "dynamo_kv"):
         assert f"| {policy} | " in spread
     assert "(sd " in spread
+
+
+def bounds(bench: ModuleType, pooled: float) -> object:
+    return bench.Bounds(infinite_hit_rate=0.9, pooled_lru_hit_rate=pooled, replicas=2,
+                        cache_tokens=100)
+
+
+def test_spread_means_average_hit_rate_and_p95(bench: ModuleType) -> None:
+    """A spread's means are the plain means of its runs' hit rates and p95s."""
+    means = bench.Spread("p", (0.5, 0.7, 0.6), (1.0, 3.0, 2.0)).means()
+    assert (means.token_hit_rate, means.ttft_p95_s) == pytest.approx((0.6, 2.0))
+
+
+def test_verdict_on_means_needs_both_figures(bench: ModuleType) -> None:
+    """Judged on means: a higher mean hit rate with a higher mean p95 than the best peer fails,
+    at most its p95 passes."""
+    peer = bench.Means(0.60, 1.0)
+    slow = bench.Verdict("w", bench.Means(0.61, 1.1), peer, {"smg": peer}, bounds(bench, 0.61))
+    quick = bench.Verdict("w", bench.Means(0.61, 1.0), peer, {"smg": peer}, bounds(bench, 0.61))
+    assert (slow.passed, quick.passed) == (False, True)
+
+
+def test_jitter_runs_judge_the_means_and_set_the_exit_status(
+    bench: ModuleType, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With --jitter-runs the script prints a second verdict table on the means, and its exit
+    status is 0 exactly when every verdict there is PASS."""
+    status = bench.main(["--workloads", "mission-3", "--jitter-runs", "1"])
+    out = capsys.readouterr().out
+    on_means = out.split("On the means of the seed-0 run and 1 jittered replays")[1]
+    verdict_row = next(line for line in on_means.splitlines() if line.startswith("| mission-3"))
+    assert status == (0 if "| PASS |" in verdict_row else 1)
+
+
+def test_paired_gap_subtracts_run_by_run(bench: ModuleType) -> None:
+    """The paired gap is the mean of run-by-run differences with twice its standard error, and
+    counts the runs where the candidate's hit rate was at least the peer's."""
+    candidate = bench.Spread("c", (0.70, 0.72, 0.71), (1.0, 2.0, 3.0))
+    peer = bench.Spread("p", (0.71, 0.70, 0.71), (1.5, 1.5, 3.0))
+    gap = bench.PairedGap.of(candidate, peer)
+    assert gap.hit_diffs == pytest.approx((-0.01, 0.02, 0.0))
+    mean, two_se = bench.PairedGap.mean_and_two_se(gap.hit_diffs)
+    assert mean == pytest.approx(0.01 / 3)
+    assert two_se == pytest.approx(2 * 0.015275252 / 3 ** 0.5, rel=1e-6)
+    assert "| 2 of 3 |" in gap.cells()
