@@ -352,9 +352,12 @@ def test_health_probes_eject_and_readmit(gateway_factory: Factory) -> None:
         gateway = gateway_factory([UpstreamConfig(flaky.url, name="flaky")],
                                   health_interval_s=0.05, eject_after=2, readmit_after=2)
         deadline = time.monotonic() + 5
-        while httpx.get(gateway.url + "/ready").status_code != 503:
+        # /ready also answers 503 before the first probe (nothing probed yet): wait for the
+        # ejection itself, or the request below races the probes to a still-admitted upstream.
+        while httpx.get(gateway.url + "/ready").json()["ejected"] != ["flaky"]:
             assert time.monotonic() < deadline, "never ejected"
             time.sleep(0.05)
+        assert httpx.get(gateway.url + "/ready").status_code == 503
         assert completion(gateway, "x").status_code == 503
         state["sick"] = False
         while httpx.get(gateway.url + "/ready").status_code != 200:
