@@ -33,11 +33,13 @@ How much of a verdict is placement noise: ``--jitter-runs N`` replays each workl
 with every arrival moved by a seeded uniform draw in ``±--jitter-s`` (0.5 s; then re-sorted),
 prints, per policy, the mean, standard deviation and range of hit rate and p95 TTFT over the
 seed-0 run and the N jittered ones, and judges again on those means (same rule, same ceiling);
-the exit status then follows the verdicts on the means. Why: one policy's hit rate moves by a
-standard deviation of 0.2-0.5 points between replays that differ only by sub-second arrival
-shifts (SGLang's rule on Mooncake x4: 2.7), and some collapses happen in one replay of ten (a
-rule that put two of belgavi's system prompts on one replica during warm-up: p95 4.6 s in one
-replay, 0.4 s in the nine others), so a verdict from one seed on gaps of a few tenths is a
+the exit status then follows the verdicts on the means, and a last table gives each mean
+verdict's distance from noise (the candidate minus the best peer run by run, ± 2 standard
+errors). Why: one policy's hit rate moves by a standard deviation of up to 0.6 points between
+replays that differ only by sub-second arrival shifts (SGLang's rule on long-context: 7.7), and
+some collapses happen in one replay of ten (``relative_spill`` put three of belgavi's six
+system prompts on one replica during warm-up: p95 4.6 s in one replay, 0.4 s in the nine
+others; docs/performance.md), so a verdict from one seed on gaps of a few tenths is a
 draw; the mean of ten runs is to the simulator what ``routers.py --repeats``' medians are to
 the gateway.
 
@@ -49,6 +51,7 @@ the gateway.
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import statistics
 import sys
@@ -58,6 +61,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
+from kvreuse.errors import ConfigError
 from kvreuse.routing import build_policy
 from kvreuse.sim.config import FleetConfig, ReplicaConfig
 from kvreuse.sim.fleet import FleetSimulator
@@ -149,6 +153,11 @@ class Means:
     ttft_p95_s: float
 
 
+def stdev_or_zero(values: Sequence[float]) -> float:
+    """The sample standard deviation, 0 for a single value."""
+    return statistics.stdev(values) if len(values) > 1 else 0.0
+
+
 @dataclass(frozen=True, slots=True)
 class Spread:
     """One policy's figures over the unjittered run and its jittered replays."""
@@ -162,7 +171,7 @@ class Spread:
 
     def line(self) -> str:
         def stats(values: tuple[float, ...], fmt: Callable[[float], str]) -> str:
-            sd = statistics.stdev(values) if len(values) > 1 else 0.0
+            sd = stdev_or_zero(values)
             return (f"{fmt(statistics.fmean(values))} (sd {fmt(sd)}; "
                     f"{fmt(min(values))} .. {fmt(max(values))})")
         return f"| {self.policy} | {stats(self.hits, pct)} | {stats(self.p95s, seconds)} |"
@@ -222,10 +231,7 @@ class PairedGap:
 
     @staticmethod
     def mean_and_two_se(values: tuple[float, ...]) -> tuple[float, float]:
-        if len(values) < 2:
-            return statistics.fmean(values), 0.0
-        return (statistics.fmean(values),
-                2 * statistics.stdev(values) / len(values) ** 0.5)
+        return statistics.fmean(values), 2 * stdev_or_zero(values) / len(values) ** 0.5
 
     def cells(self) -> str:
         hit, hit_se = self.mean_and_two_se(self.hit_diffs)
@@ -291,12 +297,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--jitter-s", type=float, default=0.5,
                         help="largest arrival shift of a jittered replay, seconds")
     args = parser.parse_args(argv)
-    if args.jitter_runs < 0 or not args.jitter_s >= 0:
-        parser.error("--jitter-runs and --jitter-s must be >= 0")
+    if args.jitter_runs < 0 or not 0 <= args.jitter_s < math.inf:
+        parser.error("--jitter-runs and --jitter-s must be >= 0 (and --jitter-s finite)")
     extra = dict(parse_option(o) for o in args.option)
+    try:  # a bad candidate option is the caller's mistake: say so before any workload runs
+        build_policy(args.policy, rng=random.Random(0), **extra)
+    except ConfigError as exc:
+        parser.error(f"--policy / --option: {exc}")
     verdicts = []
-    spreads: list[tuple[str, list[Spread]]] = []
-    mean_verdicts: list[Verdict] = []
+    # Per jittered workload: its name, each policy's spread, and the verdict on their means.
+    spreads: list[tuple[str, list[Spread], Verdict]] = []
     for name in [w.strip() for w in args.workloads.split(",") if w.strip()]:
         workload = load(name, args.trace)
         if workload is None:
@@ -325,15 +335,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                       f"({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
             rows = [Spread(p, tuple(s.token_hit_rate for s in rs), tuple(s.ttft_p95_s for s in rs))
                     for p, rs in runs.items()]
-            spreads.append((name, rows))
             means = {row.policy: row.means() for row in rows}
-            mean_verdicts.append(Verdict(name, means[args.policy], means[REFERENCE],
-                                         {p: means[p] for p in PEERS}, bounds))
+            spreads.append((name, rows, Verdict(name, means[args.policy], means[REFERENCE],
+                                                {p: means[p] for p in PEERS}, bounds)))
+    if not verdicts:
+        parser.error(f"no workload of {args.workloads!r} could be loaded (names: "
+                     f"{', '.join(DEFAULT_WORKLOADS)})")
     label = args.policy + "".join(f" {k}={v}" for k, v in extra.items())
     if args.jitter_runs:
         print("Seed 0:")
     report(verdicts, label, print)
-    for name, rows in spreads:
+    for name, rows, _ in spreads:
         print("")
         print(f"{name}: seed-0 run and {args.jitter_runs} replays with arrivals jittered by "
               f"±{args.jitter_s} s")
@@ -341,6 +353,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("|---|---|---|")
         for row in rows:
             print(row.line())
+    mean_verdicts = [verdict for _, _, verdict in spreads]
     if mean_verdicts:
         print("")
         print(f"On the means of the seed-0 run and {args.jitter_runs} jittered replays (the "
@@ -352,7 +365,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "its hit rate was at least the peer's.")
         print("| workload | best peer | hit diff | runs ahead | p95 diff |")
         print("|---|---|---|---|---|")
-        for verdict, (name, rows) in zip(mean_verdicts, spreads, strict=True):
+        for name, rows, verdict in spreads:
             by_policy = {row.policy: row for row in rows}
             gap = PairedGap.of(by_policy[args.policy], by_policy[verdict.best_peer[0]])
             print(f"| {name} | {gap.cells()} |")

@@ -285,23 +285,20 @@ def kendall_tau(a: Sequence[float], b: Sequence[float], tie_a: Tie = None,
 def merged_runs(paths: Sequence[Path]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The routers.py arguments and one row per (scenario, router) from one or more
     ``--json`` files of the same setup: with several runs of a row (files, or ``--repeats``),
-    each figure is the median over the runs that measured it without error (the gateway's own
-    run-to-run noise is what repeated runs average out). Refuses files whose setups differ
-    (routers.py's ``load_runs``)."""
-    first, runs = routers_module().load_runs(paths)
-    rows: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for row in runs:
-        if not row["error"]:
-            rows.setdefault((row["scenario"], row["router"]), []).append(row)
+    each figure is the median over the runs that measured it without error (routers.py's
+    ``median_row``: the gateway's own run-to-run noise is what repeated runs average out).
+    Refuses files whose setups differ (routers.py's ``load_runs``)."""
+    routers = routers_module()
+    first, runs = routers.load_runs(paths)
     merged = []
-    for (scenario, router), measured in rows.items():
-        figures = {key: statistics.median(r[key] for r in measured)
-                   for key in ("hit_rate", "p95_ms")}
-        router_ms = [r["router_ms"] for r in measured
-                     if r.get("router_ms") is not None and r["router_ms"] == r["router_ms"]]
-        merged.append({"scenario": scenario, "router": router, "error": None, "runs": len(measured),
-                       "router_ms": statistics.median(router_ms) if router_ms else float("nan"),
-                       **figures})
+    for group in routers.runs_by_router([routers.run_row(row) for row in runs]).values():
+        measured = [run for run in group if not run.error]
+        if not measured:
+            continue
+        row = routers.median_row(measured)
+        merged.append({"scenario": row.scenario, "router": row.router, "error": None,
+                       "runs": len(measured), "router_ms": row.router_ms,
+                       "hit_rate": row.hit_rate, "p95_ms": row.p95_ms})
     return first, merged
 
 

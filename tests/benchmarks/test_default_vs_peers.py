@@ -101,3 +101,22 @@ def test_paired_gap_subtracts_run_by_run(bench: ModuleType) -> None:
     assert mean == pytest.approx(0.01 / 3)
     assert two_se == pytest.approx(2 * 0.015275252 / 3 ** 0.5, rel=1e-6)
     assert "| 2 of 3 |" in gap.cells()
+
+
+@pytest.mark.parametrize(("argv", "said"), [
+    (["--option", "slack=-1"], "slack must be >= 0"),
+    (["--option", "bogus=1"], "has no option(s) bogus"),
+    (["--policy", "nosuch"], "unknown policy 'nosuch'"),
+    (["--workloads", "nosuch"], "no workload of 'nosuch' could be loaded"),
+    (["--jitter-runs", "1", "--jitter-s", "inf"], "--jitter-s finite"),
+])
+def test_caller_mistakes_are_refused_with_a_message(
+    bench: ModuleType, capsys: pytest.CaptureFixture[str], argv: list[str], said: str
+) -> None:
+    """A bad candidate option, an unknown policy or workload, or an infinite jitter width
+    stops the script with a usage error naming it, before any workload runs (no traceback,
+    no "PASS on 0 of 0")."""
+    with pytest.raises(SystemExit) as stopped:
+        bench.main(argv)
+    assert stopped.value.code == 2
+    assert said in capsys.readouterr().err
