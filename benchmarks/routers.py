@@ -27,9 +27,17 @@ judges the medians. At 12,288-token caches one router's hit rate moves by up to 
 to run (smg on contracts: 52.6-56.6 % over nine runs), timing alone changing placements; a
 verdict from one run there is a draw. The table of medians gives each figure's range.
 
+``--seeds 1,2,3`` measures each scenario on several seeded streams (other documents, chats and
+arrival times drawn from the same distributions) and judges each router's mean over the streams
+of its per-stream medians, against the mean of the streams' ceilings; it prints each stream's
+verdict first. Why: repeats only average out timing, while the stream itself decides which rule
+is lucky. At 12,288-token caches the same two miss orders of ``relative_spill`` differ by 5 points
+on contracts at seed 7 and by nothing over twelve seeds, and the peers' rule is at its best on
+seed 7 (docs/performance.md).
+
 Everything binds 127.0.0.1 and every process started is stopped at the end. Runtime is about
-``(warmup + duration + 6 s) × scenarios × routers × repeats`` plus ~30 s; ``--quick`` is a smoke
-run.
+``(warmup + duration + 6 s) × scenarios × routers × repeats × seeds`` plus ~30 s; ``--quick``
+is a smoke run.
 
     .venv/bin/python benchmarks/routers.py --quick
     .venv/bin/python benchmarks/routers.py --duration 30 --json artifacts/bench/routers.json
@@ -47,7 +55,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +82,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 # ---------------------------------------------------------------------------- traffic
+
+
+SCENARIOS = ("belgavi", "contracts", "surge")
+"""The gateway workloads (``vllm-chat`` is ``--vllm``'s)."""
 
 
 def scenario_calls(name: str, *, rate: float, warmup_s: float, duration_s: float,
@@ -157,6 +169,9 @@ class RunRow:
     # ``--record``: the directory this kvreuse gateway run recorded its traffic to (each
     # request's arrival, prompt length and upstream: what benchmarks/sim_vs_gateway.py replays).
     recording: str = ""
+    # The seed of the scenario's stream (``--seed`` / ``--seeds``); None in rows that do not
+    # come from a run (tests) or were saved before rows carried it (``run_row`` fills it).
+    seed: int | None = None
 
 
 def reset_caches(engines: Sequence[Process]) -> None:
@@ -395,7 +410,7 @@ def median_row(runs: Sequence[RunRow]) -> RunRow:
         _median([r.max_over_mean for r in measured]), min(r.requests for r in measured),
         max(r.lost for r in measured), "", _median([r.surge_hit_rate for r in measured]),
         _median([r.router_ms for r in measured]),
-        ", ".join(r.recording for r in measured if r.recording))
+        ", ".join(r.recording for r in measured if r.recording), first.seed)
 
 
 def median_rows(rows: Sequence[RunRow]) -> list[RunRow]:
@@ -403,8 +418,50 @@ def median_rows(rows: Sequence[RunRow]) -> list[RunRow]:
     return [median_row(runs) for runs in runs_by_router(rows).values()]
 
 
+def seeds_of(rows: Sequence[RunRow]) -> list[int | None]:
+    """The stream seeds the rows were measured on, in first-seen order."""
+    return list(dict.fromkeys(r.seed for r in rows))
+
+
+def _mean(values: Sequence[float]) -> float:
+    real = [v for v in values if v == v]
+    return statistics.fmean(real) if real else float("nan")
+
+
+def seed_means(rows: Sequence[RunRow]) -> list[RunRow]:
+    """One row per (scenario, router) over several streams: each stream's runs as their
+    :func:`median_row`, then each figure the mean over the streams (each stream counts once,
+    however often it was repeated); ``requests`` the fewest and ``lost`` the most of any stream.
+    A router that measured nothing on one of the streams keeps that stream's error: it is not
+    judged on the others alone. With one stream, the medians themselves. O(rows)."""
+    per_seed = [median_rows([r for r in rows if r.seed == seed]) for seed in seeds_of(rows)]
+    groups = runs_by_router([row for medians in per_seed for row in medians])
+    out = []
+    for runs in groups.values():
+        failed = next((r for r in runs if r.error), None)
+        if failed is not None or len(runs) == 1:
+            out.append(failed or runs[0])
+            continue
+        first = runs[0]
+        out.append(RunRow(
+            first.scenario, first.router, _mean([r.hit_rate for r in runs]),
+            _mean([r.p50_ms for r in runs]), _mean([r.p95_ms for r in runs]),
+            _mean([r.max_over_mean for r in runs]), min(r.requests for r in runs),
+            max(r.lost for r in runs), "", _mean([r.surge_hit_rate for r in runs]),
+            _mean([r.router_ms for r in runs]),
+            ", ".join(r.recording for r in runs if r.recording), None))
+    return out
+
+
 def print_medians(rows: Sequence[RunRow]) -> None:
-    """The medians :func:`median_rows` judges, with each router's hit rate and p95 range."""
+    """The medians :func:`median_rows` judges, with each router's hit rate and p95 range; with
+    several streams, one table per stream seed."""
+    seeds = seeds_of(rows)
+    if len(seeds) > 1:
+        for seed in seeds:
+            print(f"# stream seed {seed}")
+            print_medians([r for r in rows if r.seed == seed])
+        return
     print(f"{'scenario':10} {'router':26} {'runs':>4} {'hit rate':>8} {'hit range':>13} "
           f"{'p95 ms':>8} {'p95 range':>15} {'max/mean':>8} {'lost':>5}")
     for runs in runs_by_router(rows).values():
@@ -423,17 +480,44 @@ def print_medians(rows: Sequence[RunRow]) -> None:
 GAP_POINTS = 0.03
 
 
+Ceilings = dict[tuple[str, "int | None"], float]
+"""The pooled-LRU bound of each (scenario, stream seed)."""
+
+
 def verdicts(rows: Sequence[RunRow], cost: dict[str, dict[str, float]],
-             ceilings: dict[str, float] | None = None,
+             ceilings: Ceilings | None = None,
              candidate: str = "kvreuse:relative_spill") -> list[str]:
     """Issue 15's verdict per scenario: ``candidate`` (the default policy) must reach the best
     peer's token hit rate (the real peer with the highest) at no higher p95 TTFT, with no
-    request lost, and close half the gap to the ceiling (``ceilings``: the pooled-LRU bound)
-    where the best peer is more than 3 points under it. Repeated runs of a router are judged
-    by their medians (:func:`median_rows`)."""
-    out = []
+    request lost, and close half the gap to the ceiling (``ceilings``: the pooled-LRU bound of
+    each scenario's stream) where the best peer is more than 3 points under it. Repeated runs
+    of a router are judged by their medians (:func:`median_rows`); runs on several streams
+    (``--seeds``) by the mean of each stream's medians (:func:`seed_means`) against the mean
+    of the streams' ceilings, after one verdict per stream."""
     ceilings = ceilings or {}
-    rows = median_rows(rows)
+    out = []
+    for scenario in dict.fromkeys(r.scenario for r in rows):
+        of_scenario = [r for r in rows if r.scenario == scenario]
+        seeds = seeds_of(of_scenario)
+        tops = {seed: ceilings[scenario, seed] for seed in seeds if (scenario, seed) in ceilings}
+        if len(seeds) > 1:
+            for seed in seeds:
+                out += scenario_verdicts(
+                    median_rows([r for r in of_scenario if r.seed == seed]),
+                    {scenario: tops[seed]} if seed in tops else {}, candidate,
+                    f", seed {seed}", surge_info=False)
+        label = (", mean of seeds " + ", ".join(str(seed) for seed in seeds)
+                 if len(seeds) > 1 else "")
+        mean_top = {scenario: statistics.fmean(tops.values())} if len(tops) == len(seeds) else {}
+        out += scenario_verdicts(seed_means(of_scenario), mean_top, candidate, label)
+    return out + cost_verdicts(cost)
+
+
+def scenario_verdicts(rows: Sequence[RunRow], ceilings: dict[str, float], candidate: str,
+                      label: str = "", *, surge_info: bool = True) -> list[str]:
+    """:func:`verdicts`' lines for rows already merged to one per (scenario, router); ``label``
+    follows the scenario's name (which stream, or the mean of which)."""
+    out = []
     for scenario in dict.fromkeys(r.scenario for r in rows):
         mine = [r for r in rows if r.scenario == scenario and r.router.startswith("kvreuse:")
                 and not r.error]
@@ -441,7 +525,7 @@ def verdicts(rows: Sequence[RunRow], cost: dict[str, dict[str, float]],
                  and not r.error]
         own = next((r for r in mine if r.router == candidate), None)
         if own is None or not peers:
-            out.append(f"[skip] {scenario}: need a {candidate} run and peer runs")
+            out.append(f"[skip] {scenario}{label}: need a {candidate} run and peer runs")
             continue
         peer = min(peers, key=lambda r: (-r.hit_rate, r.p95_ms))
         needed = peer.hit_rate
@@ -453,12 +537,12 @@ def verdicts(rows: Sequence[RunRow], cost: dict[str, dict[str, float]],
                 needed = peer.hit_rate + (top - peer.hit_rate) / 2
                 ceiling_note += f", half the gap: >= {needed:.1%}"
         ok = own.hit_rate >= needed and own.p95_ms <= peer.p95_ms and not own.lost
-        out.append(f"[{'PASS' if ok else 'FAIL'}] {scenario}: {candidate} {own.hit_rate:.1%} "
-                   f"vs best peer {peer.router} {peer.hit_rate:.1%} "
+        out.append(f"[{'PASS' if ok else 'FAIL'}] {scenario}{label}: {candidate} "
+                   f"{own.hit_rate:.1%} vs best peer {peer.router} {peer.hit_rate:.1%} "
                    f"({(own.hit_rate - peer.hit_rate) * 100:+.1f} points{ceiling_note}); p95 "
                    f"{own.p95_ms:.0f} ms vs {peer.p95_ms:.0f} ms; lost {own.lost}")
         surged = [r for r in mine + peers if r.surge_hit_rate == r.surge_hit_rate]
-        if surged:
+        if surged and surge_info:
             best_in = max((r for r in surged if r in mine), key=lambda r: r.surge_hit_rate,
                           default=None)
             peer_in = max((r for r in surged if r in peers), key=lambda r: r.surge_hit_rate,
@@ -469,6 +553,12 @@ def verdicts(rows: Sequence[RunRow], cost: dict[str, dict[str, float]],
                            f"{peer_in.router} {peer_in.surge_hit_rate:.1%} "
                            f"({(best_in.surge_hit_rate - peer_in.surge_hit_rate) * 100:+.1f} "
                            "points)")
+    return out
+
+
+def cost_verdicts(cost: dict[str, dict[str, float]]) -> list[str]:
+    """The gateway-cost sections' verdicts (added latency, proxied request rate)."""
+    out: list[str] = []
     lat = cost.get("added_latency")
     if lat:
         ok = lat["added_p50_ms"] <= 1 and lat["added_p99_ms"] <= 3 and not lat["lost"]
@@ -526,7 +616,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=float, default=10.0)
     parser.add_argument("--duration", type=float, default=20.0, help="measured seconds per run")
     parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--scenarios", default="belgavi,contracts,surge")
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     parser.add_argument("--candidate", default="kvreuse:relative_spill",
                         help="the router judged against the best peer (issue 15's verdict)")
     parser.add_argument("--routers", default="all",
@@ -538,6 +628,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--throughput-concurrency", type=int, default=64)
     parser.add_argument("--skip-cost", action="store_true", help="skip the gateway-cost runs")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--seeds", type=parse_seeds, metavar="N,N-M,...",
+                        help="measure each scenario on these seeded streams (instead of "
+                             "--seed) and judge each router's mean over them")
     parser.add_argument("--quick", action="store_true", help="smoke run: short, few routers")
     parser.add_argument("--vllm", action="store_true",
                         help="also compare on 2 real vLLM replicas (KVREUSE_VLLM_PYTHON)")
@@ -565,6 +658,25 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def parse_seeds(text: str) -> tuple[int, ...]:
+    """``--seeds``' value: distinct integers and ranges separated by commas (``1,2,7``,
+    ``1-12``)."""
+    seeds: list[int] = []
+    try:
+        for part in text.split(","):
+            first, _, last = part.partition("-")
+            seeds += range(int(first), int(last) + 1) if last else [int(first)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--seeds takes integers and ranges separated by commas (1,2,7 or 1-12), not "
+            f"{text!r}") from None
+    if not seeds:
+        raise argparse.ArgumentTypeError(f"--seeds names no seed: {text!r}")
+    if len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"--seeds lists a seed twice: {text!r}")
+    return tuple(seeds)
+
+
 def router_list(spec: str) -> list[str]:
     if spec != "all":
         return [name.strip() for name in spec.split(",") if name.strip()]
@@ -577,13 +689,15 @@ def router_list(spec: str) -> list[str]:
 
 
 SAME_SETUP = ("replicas", "cache_tokens", "prefill_tokens_per_s", "rate", "warmup", "duration",
-              "max_tokens", "seed")
-"""The arguments that make two ``--json`` files runs of one setup (the same engines and stream)."""
+              "max_tokens")
+"""The arguments that make two ``--json`` files runs of one setup (the same engines and
+traffic distribution); each row carries its stream's seed."""
 
 
 def load_runs(paths: Sequence[Path]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The first file's arguments and every file's rows, from ``--json`` files of one setup;
-    refuses (``SystemExit`` naming the file and the arguments) files whose setups differ."""
+    refuses (``SystemExit`` naming the file and the arguments) files whose setups differ. Each
+    row has its stream's ``seed`` (rows saved before rows carried it: their file's ``--seed``)."""
     files = []
     for path in paths:
         try:
@@ -592,6 +706,9 @@ def load_runs(paths: Sequence[Path]) -> tuple[dict[str, Any], list[dict[str, Any
                 raise ValueError("no 'args' object and 'runs' list")
         except (OSError, ValueError, AttributeError) as exc:
             raise SystemExit(f"{path}: not a routers.py --json file ({exc})") from None
+        for row in data["runs"]:
+            if isinstance(row, dict) and row.get("seed") is None:
+                row["seed"] = int(data["args"].get("seed", 7))
         files.append(data)
     saved = files[0]["args"]
     for path, data in zip(paths[1:], files[1:], strict=True):
@@ -610,21 +727,28 @@ def run_row(saved: dict[str, Any]) -> RunRow:
 
 def verdicts_from(paths: Sequence[Path], candidate: str) -> int:
     """The verdicts of saved runs of one setup (each router judged by its medians over every
-    file), the ceilings recomputed from the same seeded traffic."""
+    file; files of several stream seeds by the mean over the streams), the ceilings recomputed
+    from the same seeded traffic."""
     saved, saved_rows = load_runs(paths)
     rows = [run_row(row) for row in saved_rows]
-    ceilings = {}
-    for scenario in dict.fromkeys(r.scenario for r in rows):
+    ceilings: Ceilings = {}
+    for scenario, seed in dict.fromkeys((r.scenario, r.seed) for r in rows):
+        if seed is None:  # only rows built by hand lack a seed; load_runs gives every one
+            continue
         calls = scenario_calls(scenario, rate=float(saved["rate"]),
                                warmup_s=float(saved["warmup"]),
-                               duration_s=float(saved["duration"]), seed=int(saved["seed"]),
+                               duration_s=float(saved["duration"]), seed=seed,
                                max_tokens=int(saved["max_tokens"]))
         pool = int(saved["replicas"]) * int(saved["cache_tokens"])
-        ceilings[scenario] = ceiling(calls, capacity_tokens=pool)
-        print(f"{scenario:10} ceiling: one infinite cache {ceiling(calls):.1%}, pooled LRU of "
-              f"{pool:,} tokens {ceilings[scenario]:.1%}")
+        ceilings[scenario, seed] = ceiling(calls, capacity_tokens=pool)
+        print(f"{scenario:10} seed {seed}: ceiling one infinite cache {ceiling(calls):.1%}, "
+              f"pooled LRU of {pool:,} tokens {ceilings[scenario, seed]:.1%}")
     if len(rows) > len(median_rows(rows)):
         print_medians(rows)
+    seeds = seeds_of(rows)
+    if len(seeds) > 1:
+        print(f"# means over the streams of seeds {', '.join(str(seed) for seed in seeds)}")
+        print_table(seed_means(rows))
     cost = json.loads(paths[0].read_text()).get("cost", {})
     for line in verdicts(rows, cost, ceilings, candidate):
         print(line)
@@ -639,36 +763,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     if args.vllm_only:
         scenarios, args.skip_cost = [], True
+    seeds = args.seeds or (args.seed,)
     estimate = ((args.warmup + args.duration + 6) * len(routers) * len(scenarios)
-                * args.repeats)
+                * args.repeats * len(seeds))
     print(f"# {len(routers)} routers x {len(scenarios)} scenarios, about {estimate / 60:.0f} min"
           f" plus the gateway-cost runs", flush=True)
     spec = EngineSpec(model=MODEL, cache_tokens=args.cache_tokens,
                       prefill_tokens_per_s=args.prefill_tokens_per_s)
     rows: list[RunRow] = []
     cost: dict[str, dict[str, float]] = {}
-    ceilings: dict[str, float] = {}
+    ceilings: Ceilings = {}
     with Fleet(args.workdir) as fleet:
         print(f"# logs in {fleet.workdir}", flush=True)
         if args.vllm or args.vllm_only:
-            rows += vllm_section(fleet, args, routers)
+            rows += [replace(row, seed=args.seed) for row in vllm_section(fleet, args, routers)]
         engines = fleet.start_engines(args.replicas, spec) if scenarios else []
-        for scenario in scenarios:
+        for scenario, seed in ((sc, seed) for sc in scenarios for seed in seeds):
             calls = scenario_calls(scenario, rate=args.rate, warmup_s=args.warmup,
-                                   duration_s=args.duration, seed=args.seed,
+                                   duration_s=args.duration, seed=seed,
                                    max_tokens=args.max_tokens)
-            ceilings[scenario] = ceiling(calls, capacity_tokens=args.replicas * args.cache_tokens)
-            print(f"{scenario:10} {'ceiling (one infinite cache)':26} {ceiling(calls):8.1%}",
-                  flush=True)
-            print(f"{scenario:10} {'ceiling (pooled LRU)':26} {ceilings[scenario]:8.1%}",
-                  flush=True)
+            top = ceilings[scenario, seed] = ceiling(
+                calls, capacity_tokens=args.replicas * args.cache_tokens)
+            stream = f" seed {seed}" if len(seeds) > 1 else ""
+            print(f"{scenario:10} {'ceiling (one infinite cache)':26} {ceiling(calls):8.1%}"
+                  f"{stream}", flush=True)
+            print(f"{scenario:10} {'ceiling (pooled LRU)':26} {top:8.1%}{stream}", flush=True)
             window = (surge_window(args.warmup, args.duration) if scenario == "surge"
                       else None)
             for repeat in range(args.repeats):
-                suffix = f"--run{repeat + 1}" if args.repeats > 1 else ""
+                suffix = (f"--seed{seed}" if len(seeds) > 1 else "") + (
+                    f"--run{repeat + 1}" if args.repeats > 1 else "")
                 for router in routers:
-                    row = measure(fleet, engines, router, scenario, calls, args.warmup,
-                                  window=window, record=args.record, record_suffix=suffix)
+                    row = replace(measure(fleet, engines, router, scenario, calls, args.warmup,
+                                          window=window, record=args.record,
+                                          record_suffix=suffix), seed=seed)
                     rows.append(row)
                     if len(rows) == 1:
                         print_table([])
@@ -693,6 +821,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.repeats > 1:
         print(f"# medians of {args.repeats} runs")
         print_medians(rows)
+        print()
+    if len(seeds) > 1:
+        print(f"# means over the streams of seeds {', '.join(str(seed) for seed in seeds)}")
+        print_table(seed_means(rows))
         print()
     for line in verdicts(rows, cost, ceilings, args.candidate):
         print(line)

@@ -160,6 +160,25 @@ def gateway_options(router: str, policy: str, cache_tokens: int) -> dict[str, An
     return options
 
 
+def gateway_fleet(replicas: int, cache_tokens: int, prefill_tokens_per_s: float,
+                  first_byte_lag_s: float = 0.002, last_byte_lag_s: float = 0.008
+                  ) -> FleetConfig:
+    """The simulator's model of routers.py's fleet behind a gateway: ``kvreuse engine``'s
+    parameters (vLLM's block pool of ``cache_tokens`` in 16-token blocks, 15 ms overhead, 5 ms
+    per output token), queues counted from what the gateway sent (``load_view="router"``), and
+    the lags with which it hears of first tokens and response ends (module docstring)."""
+    replica = ReplicaConfig(
+        pool_tokens=cache_tokens,
+        prefill_tokens_per_s=prefill_tokens_per_s,
+        overhead_s=0.015,
+        time_per_output_token_s=0.005,
+        cache_kind="block",
+        block_size=16,
+    )
+    return FleetConfig(replicas, replica, kv_event_lag_s=0.0, load_view="router",
+                       first_byte_lag_s=first_byte_lag_s, last_byte_lag_s=last_byte_lag_s)
+
+
 @dataclass(frozen=True, slots=True)
 class SimFigures:
     """What the comparison reads of a simulated run (or the median of replays)."""
@@ -287,9 +306,17 @@ def merged_runs(paths: Sequence[Path]) -> tuple[dict[str, Any], list[dict[str, A
     ``--json`` files of the same setup: with several runs of a row (files, or ``--repeats``),
     each figure is the median over the runs that measured it without error (routers.py's
     ``median_row``: the gateway's own run-to-run noise is what repeated runs average out).
-    Refuses files whose setups differ (routers.py's ``load_runs``)."""
+    Refuses files whose setups differ (routers.py's ``load_runs``) or that hold runs of more
+    than one stream (``--seeds``): the simulator replays one stream; the arguments returned
+    name its seed."""
     routers = routers_module()
     first, runs = routers.load_runs(paths)
+    seeds = sorted({run["seed"] for run in runs})
+    if len(seeds) > 1:
+        raise SystemExit(f"these runs measured the streams of seeds {seeds}; compare one "
+                         "stream at a time (routers.py --seed, or one seed's files)")
+    if seeds:
+        first = {**first, "seed": str(seeds[0])}
     merged = []
     for group in routers.runs_by_router([routers.run_row(row) for row in runs]).values():
         measured = [run for run in group if not run.error]
@@ -332,18 +359,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     run_args, measured_runs = merged_runs(args.routers_json)
     routers = routers_module()
-    replica = ReplicaConfig(
-        pool_tokens=int(run_args["cache_tokens"]),
-        prefill_tokens_per_s=float(run_args["prefill_tokens_per_s"]),
-        overhead_s=0.015,
-        time_per_output_token_s=0.005,
-        cache_kind="block",
-        block_size=16,
-    )
-    # The gateway counts queues from what it sent and predicted (load_view="router").
-    fleet = FleetConfig(int(run_args["replicas"]), replica, kv_event_lag_s=0.0, load_view="router",
-                        first_byte_lag_s=args.first_byte_lag_ms / 1000,
-                        last_byte_lag_s=args.last_byte_lag_ms / 1000)
+    fleet = gateway_fleet(int(run_args["replicas"]), int(run_args["cache_tokens"]),
+                          float(run_args["prefill_tokens_per_s"]),
+                          args.first_byte_lag_ms / 1000, args.last_byte_lag_ms / 1000)
+    replica = fleet.replica
     ok_all = True
     print(f"cache {replica.pool_tokens:,} tokens x {fleet.replicas} replicas; "
           f"{run_args['rate']} req/s, {run_args['warmup']} s warm-up + {run_args['duration']} s")

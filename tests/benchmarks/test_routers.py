@@ -13,8 +13,8 @@ BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "routers.py"
 
 
 def row(bench: ModuleType, router: str, hit: float, p95: float, *, lost: int = 0,
-        error: str = "", scenario: str = "contracts") -> Any:
-    return bench.RunRow(scenario, router, hit, p95 / 2, p95, 1.2, 100, lost, error)
+        error: str = "", scenario: str = "contracts", seed: int | None = None) -> Any:
+    return bench.RunRow(scenario, router, hit, p95 / 2, p95, 1.2, 100, lost, error, seed=seed)
 
 
 def test_median_rows_take_each_figure_s_median_per_router(bench: ModuleType) -> None:
@@ -91,3 +91,80 @@ def test_verdicts_from_names_a_file_it_cannot_read(bench: ModuleType, tmp_path: 
         path.write_text(content)
     with pytest.raises(SystemExit, match=r"not a routers\.py --json file"):
         bench.verdicts_from([path], "kvreuse:relative_spill")
+
+
+def test_seed_means_average_each_stream_s_median(bench: ModuleType) -> None:
+    """Seed 1 run three times (median 0.54 / 210 ms) and seed 2 once (0.60 / 150 ms): the row
+    judged is their mean, each stream counting once (0.57 / 180 ms)."""
+    rows = [row(bench, "smg", 0.52, 210, seed=1), row(bench, "smg", 0.56, 190, seed=1),
+            row(bench, "smg", 0.54, 250, seed=1), row(bench, "smg", 0.60, 150, seed=2)]
+    (merged,) = bench.seed_means(rows)
+    assert (merged.hit_rate, merged.p95_ms) == (pytest.approx(0.57), pytest.approx(180))
+
+
+def test_a_stream_a_router_failed_on_keeps_it_from_the_mean(bench: ModuleType) -> None:
+    """A router that measured nothing on one stream is not judged on the others alone."""
+    rows = [row(bench, "smg", 0.6, 100, seed=1),
+            row(bench, "smg", float("nan"), float("nan"), error="did not start", seed=2)]
+    (merged,) = bench.seed_means(rows)
+    assert merged.error == "did not start"
+
+
+def test_several_streams_are_judged_each_and_on_their_mean(bench: ModuleType) -> None:
+    """The candidate loses seed 1 by one point and wins seed 2 by three: one verdict per
+    stream, then PASS on the means (0.58 against 0.57) against the mean ceiling."""
+    rows = [row(bench, "smg", 0.60, 200, seed=1), row(bench, "kvreuse:relative_spill", 0.59,
+                                                      150, seed=1),
+            row(bench, "smg", 0.54, 200, seed=2), row(bench, "kvreuse:relative_spill", 0.57,
+                                                      150, seed=2)]
+    ceilings = {("contracts", 1): 0.61, ("contracts", 2): 0.57}
+    lines = bench.verdicts(rows, {}, ceilings, "kvreuse:relative_spill")
+    assert [line.split(":")[0] for line in lines] == [
+        "[FAIL] contracts, seed 1", "[PASS] contracts, seed 2",
+        "[PASS] contracts, mean of seeds 1, 2"]
+    assert "kvreuse:relative_spill 58.0% vs best peer smg 57.0%" in lines[2]
+    assert "ceiling 59.0%" in lines[2]
+
+
+def test_one_stream_keeps_the_single_verdict(bench: ModuleType) -> None:
+    """Rows of one seed are judged as before: one line, no stream label."""
+    rows = [row(bench, "smg", 0.5, 200, seed=7), row(bench, "kvreuse:relative_spill", 0.6, 150,
+                                                     seed=7)]
+    (line,) = bench.verdicts(rows, {}, {("contracts", 7): 0.7}, "kvreuse:relative_spill")
+    assert line.startswith("[PASS] contracts: ")
+
+
+def test_seeds_take_lists_and_ranges(bench: ModuleType) -> None:
+    """``1,4-6,9`` names five streams, in that order."""
+    assert bench.parse_seeds("1,4-6,9") == (1, 4, 5, 6, 9)
+
+
+@pytest.mark.parametrize("value", ["1,x", "1,,2", "3,3", "1-3,2", "5-4"])
+def test_bad_seeds_are_refused(bench: ModuleType, capsys: pytest.CaptureFixture[str],
+                               value: str) -> None:
+    """--seeds takes distinct integers; anything else is a usage error naming the flag."""
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--seeds", value])
+    assert "--seeds" in capsys.readouterr().err
+
+
+def test_verdicts_from_judges_files_of_several_streams(bench: ModuleType, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]
+                                                       ) -> None:
+    """Saved runs of seeds 1 and 2 (rows from before rows carried their seed take their file's
+    --seed) are judged per stream and on the mean, each stream's ceiling from its own traffic."""
+    args = {"replicas": "4", "cache_tokens": "12288", "prefill_tokens_per_s": "20000.0",
+            "rate": "16.0", "warmup": "2.0", "duration": "4.0", "max_tokens": "8"}
+    paths = []
+    for seed, (mine, peer) in {1: (0.59, 0.60), 2: (0.57, 0.54)}.items():
+        runs = [{**bench.asdict(row(bench, name, hit, p95)), "seed": None}
+                for name, hit, p95 in (("smg", peer, 200), ("kvreuse:relative_spill", mine, 150))]
+        path = tmp_path / f"s{seed}.json"
+        path.write_text(json.dumps({"args": {**args, "seed": str(seed)}, "runs": runs}))
+        paths.append(path)
+    assert bench.verdicts_from(paths, "kvreuse:relative_spill") == 0
+    out = capsys.readouterr().out
+    assert "contracts  seed 1: ceiling" in out and "contracts  seed 2: ceiling" in out
+    assert "contracts, seed 1: kvreuse:relative_spill 59.0%" in out
+    assert "contracts, mean of seeds 1, 2: kvreuse:relative_spill 58.0% vs best peer smg 57.0%" \
+        in out

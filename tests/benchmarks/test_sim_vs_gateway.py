@@ -71,8 +71,21 @@ def test_several_runs_compare_as_their_medians(bench: ModuleType, tmp_path: Path
     assert rows == [{"scenario": "belgavi", "router": "kvreuse:cost", "error": None, "runs": 3,
                      "router_ms": 5.0, "hit_rate": 0.83, "p95_ms": 70.0}]
     other = _run(tmp_path / "other.json", 8, {"kvreuse:cost": (0.8, 90.0, 4.0)})
-    with pytest.raises(SystemExit, match="other seed"):
+    with pytest.raises(SystemExit, match=r"streams of seeds \[7, 8\]"):
         bench.merged_runs([runs[0], other])
+
+
+def test_the_stream_replayed_is_the_one_the_rows_measured(bench: ModuleType,
+                                                          tmp_path: Path) -> None:
+    """A routers.py --seeds 3 file keeps --seed's default 7 among its arguments, but its rows
+    measured seed 3's stream: that is the stream the comparison rebuilds."""
+    path = _run(tmp_path / "s3.json", 7, {"kvreuse:cost": (0.8, 90.0, 4.0)})
+    data = json.loads(path.read_text())
+    for row in data["runs"]:
+        row["seed"] = 3
+    path.write_text(json.dumps(data))
+    args, _ = bench.merged_runs([path])
+    assert args["seed"] == "3"
 
 
 def _requests(lengths: list[int]) -> list[Any]:
