@@ -37,11 +37,11 @@ the exit status then follows the verdicts on the means, and a last table gives e
 verdict's distance from noise (the candidate minus the best peer run by run, ± 2 standard
 errors). Why: one policy's hit rate moves by a standard deviation of up to 0.6 points between
 replays that differ only by sub-second arrival shifts (SGLang's rule on long-context: 7.7), and
-some collapses happen in one replay of ten (``relative_spill`` put three of belgavi's six
-system prompts on one replica during warm-up: p95 4.6 s in one replay, 0.4 s in the nine
-others; docs/performance.md), so a verdict from one seed on gaps of a few tenths is a
-draw; the mean of ten runs is to the simulator what ``routers.py --repeats``' medians are to
-the gateway.
+some collapses happen in one replay of ten (``relative_spill`` with misses to the fewest in
+flight first put three of belgavi's six system prompts on one replica during warm-up: p95 4.6 s
+in one replay, 0.4 s in the nine others; docs/performance.md), so a verdict from one seed on
+gaps of a few tenths is a draw; the mean of ten runs is to the simulator what ``routers.py
+--seeds``' means are to the gateway.
 
     PYTHONPATH=src .venv/bin/python benchmarks/default_vs_peers.py
     ... --workloads belgavi,mooncake-8 --policy relative_spill --option slack=1

@@ -4,7 +4,7 @@ A gateway verdict (``benchmarks/routers.py``) is measured on one seeded stream p
 (``--seed 7``): one draw of documents, system prompts and arrival times. Repeated gateway runs
 average out timing, not the draw, and the draw decides a lot: at 12,288-token caches
 ``relative_spill``'s two miss orders (smallest cache first, fewest in flight first) differ by 5
-points on contracts at seed 7 and by 0.2 over twelve seeds. Real gateway runs cost about 36 s
+points on contracts at seed 7 and by 0.1 over twelve seeds. Real gateway runs cost about 36 s
 per router, scenario and stream; this replays each scenario's stream for every seed of
 ``--seeds`` through the simulator's model of that fleet (``benchmarks/sim_vs_gateway.py``'s:
 the engines' parameters, the gateway's index budget for ``kvreuse:`` policies, the HTTP lags;

@@ -31,9 +31,10 @@ verdict from one run there is a draw. The table of medians gives each figure's r
 arrival times drawn from the same distributions) and judges each router's mean over the streams
 of its per-stream medians, against the mean of the streams' ceilings; it prints each stream's
 verdict first. Why: repeats only average out timing, while the stream itself decides which rule
-is lucky. At 12,288-token caches the same two miss orders of ``relative_spill`` differ by 5 points
-on contracts at seed 7 and by nothing over twelve seeds, and the peers' rule is at its best on
-seed 7 (docs/performance.md).
+is lucky. At 12,288-token caches two miss orders of ``relative_spill`` differ by 5 points on
+contracts at seed 7 through the gateway and by 0.1 over twelve seeds in the simulator's model,
+and seed 7 is among the streams where the peers' rule does best (docs/performance.md, "Which
+stream?").
 
 Everything binds 127.0.0.1 and every process started is stopped at the end. Runtime is about
 ``(warmup + duration + 6 s) × scenarios × routers × repeats × seeds`` plus ~30 s; ``--quick``
@@ -419,8 +420,8 @@ def median_rows(rows: Sequence[RunRow]) -> list[RunRow]:
 
 
 def seeds_of(rows: Sequence[RunRow]) -> list[int | None]:
-    """The stream seeds the rows were measured on, in first-seen order."""
-    return list(dict.fromkeys(r.seed for r in rows))
+    """The stream seeds the rows were measured on, in increasing order (None last)."""
+    return sorted({r.seed for r in rows}, key=lambda seed: (seed is None, seed or 0))
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -432,13 +433,18 @@ def seed_means(rows: Sequence[RunRow]) -> list[RunRow]:
     """One row per (scenario, router) over several streams: each stream's runs as their
     :func:`median_row`, then each figure the mean over the streams (each stream counts once,
     however often it was repeated); ``requests`` the fewest and ``lost`` the most of any stream.
-    A router that measured nothing on one of the streams keeps that stream's error: it is not
-    judged on the others alone. With one stream, the medians themselves. O(rows)."""
-    per_seed = [median_rows([r for r in rows if r.seed == seed]) for seed in seeds_of(rows)]
+    A router that measured nothing on one of the streams keeps that stream's error, and one
+    not run on every stream the rows hold gets an error saying so: neither is judged on the
+    streams it has alone. With one stream, the medians themselves. O(rows)."""
+    seeds = seeds_of(rows)
+    per_seed = [median_rows([r for r in rows if r.seed == seed]) for seed in seeds]
     groups = runs_by_router([row for medians in per_seed for row in medians])
     out = []
     for runs in groups.values():
         failed = next((r for r in runs if r.error), None)
+        if failed is None and len(runs) < len(seeds):
+            failed = replace(runs[0], error=f"measured on {len(runs)} of the {len(seeds)} "
+                             f"streams (seeds {', '.join(str(r.seed) for r in runs)})")
         if failed is not None or len(runs) == 1:
             out.append(failed or runs[0])
             continue

@@ -110,6 +110,15 @@ def test_a_stream_a_router_failed_on_keeps_it_from_the_mean(bench: ModuleType) -
     assert merged.error == "did not start"
 
 
+def test_a_router_missing_a_stream_is_not_judged_on_the_others(bench: ModuleType) -> None:
+    """A peer run on seed 7 only is left out of the mean over seeds 1 and 7, with the reason."""
+    rows = [row(bench, "vllm-router", 0.7, 100, seed=7), row(bench, "smg", 0.5, 200, seed=7),
+            row(bench, "smg", 0.5, 200, seed=1)]
+    merged = {r.router: r for r in bench.seed_means(rows)}
+    assert merged["vllm-router"].error == "measured on 1 of the 2 streams (seeds 7)"
+    assert merged["smg"].error == ""
+
+
 def test_several_streams_are_judged_each_and_on_their_mean(bench: ModuleType) -> None:
     """The candidate loses seed 1 by one point and wins seed 2 by three: one verdict per
     stream, then PASS on the means (0.58 against 0.57) against the mean ceiling."""

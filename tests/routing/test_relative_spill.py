@@ -89,13 +89,13 @@ def test_misses_go_to_the_smallest_cache_among_nearly_fastest_replicas() -> None
     assert (decision.replica, decision.branch) == ("r0", "miss")
 
 
-def test_misses_go_to_the_fewest_in_flight_before_the_smallest_cache() -> None:
+def test_misses_go_to_the_smallest_cache_before_the_fewest_in_flight() -> None:
     """Both replicas idle of queued work, r0 caching less but serving three requests against
-    r1's one: r1 takes the miss; with equal requests in flight the smaller cache r0 does."""
+    r1's one: the smaller cache r0 takes the miss; with equal caches the less busy r1 does."""
     busy = rule([0, 0], [0, 0], 1000, slack=2.0, sizes=[10, 500], in_flight=(3, 1))
-    assert (busy.replica, busy.branch) == ("r1", "miss")
-    tied = rule([0, 0], [0, 0], 1000, slack=2.0, sizes=[10, 500], in_flight=(2, 2))
-    assert tied.replica == "r0"
+    assert (busy.replica, busy.branch) == ("r0", "miss")
+    tied = rule([0, 0], [0, 0], 1000, slack=2.0, sizes=[500, 500], in_flight=(3, 1))
+    assert tied.replica == "r1"
 
 
 def test_in_flight_counts_only_among_the_nearly_fastest() -> None:
@@ -161,6 +161,14 @@ def test_bad_options_are_configuration_errors(options: dict[str, object]) -> Non
     """A negative or NaN slack, a threshold outside [0, 1] or an unknown estimator is refused."""
     with pytest.raises(ConfigError):
         build_policy("relative_spill", **options)
+
+
+def test_full_caches_tie_and_the_least_busy_takes_the_miss() -> None:
+    """Bounds of 1,000 tokens, both caches would overflow: they tie at the bound, and r1, with
+    one request in flight against r0's four, takes the miss although it holds more."""
+    full = rule([0, 0], [0, 0], 100, slack=2.0, sizes=[920, 950], bounds=[1000, 1000],
+                in_flight=(4, 1))
+    assert (full.replica, full.branch) == ("r1", "miss")
 
 
 def test_full_caches_tie_and_the_fastest_takes_the_miss() -> None:

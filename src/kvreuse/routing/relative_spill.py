@@ -17,30 +17,32 @@ average candidate with nothing cached. Then:
   then view order) if its ``ttft <= limit``;
 * **spill**: otherwise the longest match among replicas within ``limit`` (same ties);
 * **miss**: when that choice's match is at most ``cache_threshold`` (10 %) of the prompt, among
-  the replicas with ``ttft <= min ttft + MISS_WINDOW × R``, the one holding the fewest requests
-  in flight, then the one whose cache is smallest (then the shorter ``ttft``): a new prefix goes
-  where the least traffic is already being served, and among equally busy replicas where it
-  evicts least, as SGLang's documented rule does. A cache the estimator bounds
+  the replicas with ``ttft <= min ttft + MISS_WINDOW × R``, the one whose cache is smallest,
+  then the one holding the fewest requests in flight (then the shorter ``ttft``): a new prefix
+  goes where it evicts least, as SGLang's documented rule does. A cache the estimator bounds
   (``CacheEstimator.capacity_of``, a gateway's index budget) that this prompt would overflow is
-  *full* and counts as that bound: full caches tie on size.
+  *full* and counts as that bound: full caches tie on size, and among them the least busy takes
+  the miss.
 
-Why in flight first. Requests in flight follow where the hot prefixes are (each hot document or
-conversation keeps its replica busy), while a cache's size counts every prefix once whatever its
-traffic. On ``benchmarks/routers.py``'s contracts at 12,288-token engines, where the hot
-documents outgrow the fleet's caches, misses to the smallest cache loaded the engines unevenly
-(max/mean prompt tokens per engine 1.43) and five gateway runs gave 50.9-53.9 % (median 52.7 %)
-against smg's median 56.3 %, whose misses go to the fewest in flight; with in flight first,
-56.0-56.8 % (median 56.7 %, max/mean 1.12) at a p95 of 141 ms against smg's 203 ms. The
-simulator, seeded as the gateway runs, predicts 53.2 % and 56.5 %. Ties on in flight are the
-rule while a fleet warms up (nothing in flight yet), and there the smallest cache still spreads the
-first system prompts one per replica: on the chat workloads (belgavi, mission-4, multi-model)
-every figure is unchanged, where taking the first of the tied replicas, as smg does, loses 3 to
-14 points (docs/performance.md).
+Why the smallest cache before the fewest in flight. Requests in flight follow where hot
+prefixes are being served, a cache's size counts each prefix once whatever its traffic; which
+of the two places a fleet's first prefixes better depends on the stream. On
+``benchmarks/routers.py``'s contracts at 12,288-token engines and its default stream (seed 7)
+in flight first measured 56.0-56.8 % through the gateway against 50.8 % for size first (best
+peer 55.9 %), and this rule was in flight first for a while. But over twelve seeded streams of
+the same workload, replayed in the simulator as the gateway runs them, the two orders tie
+(52.8 % and 52.9 % mean hit rate, both 3.6 points over smg's rule at 70 % of its p95), seed 7
+being the stream where in flight first and smg's rule are luckiest; through the gateway, on
+seeds 1-3, size first beat the best peer by 3.3-12.3 points (docs/performance.md). On the chat
+workloads (six system prompts, a few requests in flight during warm-up) the fewest in flight
+put three of belgavi's six prompts on one replica in one replay of ten (p95 0.4 s to 4.6 s),
+where the smallest cache spreads them two by two: over ten replays of every simulator
+workload, size first passes the peers on 5 of 9, in flight first on 1.
 
 Why full caches tie. Behind ``kvreuse route`` every replica's tree is trimmed at its budget
 (2 × its KV), so once traffic has filled them all their sizes differ by whatever the last
 trims left, a few hundred tokens that say nothing about room. Measured on the same contracts
-workload before in flight came first: the simulator, which makes all 502 of a gateway run's
+workload, misses by size first: the simulator, which makes all 502 of a gateway run's
 decisions when its trees are bounded alike, predicted 51.5 % hit rate and a 210 ms p95 when
 misses followed those sizes and 53.2 % and 173 ms when full caches tied. Unbounded trees (the
 simulator's default) never fill, so the rule is unchanged there.
@@ -56,11 +58,12 @@ The knob, ``slack``, moves along one curve: 0 is pure least-TTFT placement (hit 
 queues even out), infinity is pure affinity (SGLang's rule without its fleet-wide switch: highest
 hit rate, longest queues on hot prefixes). ``kvreuse simulate --report`` plots that curve (hit
 rate against p95 TTFT as ``slack`` varies) and ``benchmarks/default_vs_peers.py`` judges the
-default against the peers' rules on every workload. The default is 4 (it was 2): with misses to
-the fewest in flight, slack 4 keeps 0.3-0.9 points more than slack 2 of the Mooncake trace at 8
-and 16 replicas and of ``long-context``, at p95s within 0.1 s, and through the gateway
-(``benchmarks/routers.py``, 12,288- and 32,768-token engines) the same hit rates at p95s 0-12 %
-higher, about the spread of one setup's p95 from run to run (docs/performance.md).
+default against the peers' rules on every workload. The default is 4 (it was 2): over ten
+replays of every simulator workload, slack 4 keeps 0.2-0.3 points more than slack 2 of the
+Mooncake trace at 4, 8 and 16 replicas and 0.4 more of ``long-context``, at p95s within 0.5 s,
+and passes the peers on 5 of 9 against 4; 3 and 8 pass the same 5. Through the gateway
+(``benchmarks/routers.py``, 12,288- and 32,768-token engines) it gave the same hit rates as 2 at
+p95s 0-12 % higher, about the spread of one setup's p95 from run to run (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -121,7 +124,7 @@ def relative_spill_rule(
             size, bound = cache_size(row[0]), cache_capacity(row[0])
             return bound if bound is not None and size + prompt_tokens > bound else size
 
-        pick = min(near, key=lambda row: (row[3], room_order(row), row[2]))
+        pick = min(near, key=lambda row: (room_order(row), row[3], row[2]))
         return RoutingDecision(pick[0], "miss", pick[1])
     longest = max(row[1] for row in rows)
     return RoutingDecision(pick[0], "affinity" if pick[1] == longest else "spill", pick[1])
