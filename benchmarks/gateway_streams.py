@@ -32,6 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from kvreuse.errors import ConfigError
 from kvreuse.routing import build_policy
 from kvreuse.sim.fleet import FleetSimulator
 from kvreuse.sim.requests import jittered
@@ -132,6 +133,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.routers = [r.strip() for r in args.routers.split(",") if r.strip()]
     if args.replays < 1:
         parser.error(f"--replays must be at least 1, not {args.replays}")
+    if not (args.rate > 0 and args.duration > 0 and args.warmup >= 0 and args.max_tokens >= 1):
+        parser.error("--rate and --duration must be > 0, --warmup >= 0 and --max-tokens >= 1")
+    try:
+        gateway_fleet(args.replicas, args.cache_tokens, args.prefill_tokens_per_s)
+    except ConfigError as exc:
+        parser.error(str(exc))
     try:
         for router in args.routers:
             policy_of(router)

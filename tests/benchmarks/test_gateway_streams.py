@@ -42,10 +42,12 @@ def test_a_short_run_prints_a_row_per_stream(bench: ModuleType,
 
 @pytest.mark.parametrize("argv", [["--routers", "kvreuse:relative_spill,nginx"],
                                   ["--scenarios", "chats"], ["--replays", "0"],
-                                  ["--seeds", "x"]])
+                                  ["--seeds", "x"], ["--cache-tokens", "0"], ["--replicas", "0"],
+                                  ["--rate", "0"], ["--duration", "nan"], ["--max-tokens", "0"]])
 def test_bad_arguments_are_usage_errors(bench: ModuleType, argv: list[str],
                                         capsys: pytest.CaptureFixture[str]) -> None:
-    """An unknown router or scenario, no replay or a bad seed list exits 2 with a message."""
+    """An unknown router or scenario, no replay, a bad seed list or a fleet or stream that cannot
+    exist exits 2 with a message."""
     with pytest.raises(SystemExit) as exit_info:
         bench.parse_args(argv)
     assert exit_info.value.code == 2
