@@ -34,8 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kvreuse.errors import ConfigError
 from kvreuse.routing import build_policy
+from kvreuse.sim.config import FleetConfig
 from kvreuse.sim.fleet import FleetSimulator
-from kvreuse.sim.requests import jittered
+from kvreuse.sim.requests import SimRequest, jittered
 from kvreuse.sim.summary import summarize
 from sim_vs_gateway import (
     PEER_RULES,
@@ -69,22 +70,27 @@ def policy_of(router: str) -> str:
                      f"{', '.join(sorted(PEER_RULES))}")
 
 
-def measure(router: str, scenario: str, seed: int, args: argparse.Namespace) -> StreamFigures:
-    fleet = gateway_fleet(args.replicas, args.cache_tokens, args.prefill_tokens_per_s)
+def replays_of(scenario: str, seed: int, args: argparse.Namespace) -> list[list[SimRequest]]:
+    """The scenario's stream for ``seed`` as the engines see it, then ``--replays`` - 1 copies
+    with arrivals moved by up to ``JITTER_S``."""
     calls = routers_bench.scenario_calls(scenario, rate=args.rate, warmup_s=args.warmup,
                                          duration_s=args.duration, seed=seed,
                                          max_tokens=args.max_tokens)
     requests = sim_requests(calls, args.max_tokens)
+    return [requests] + [jittered(requests, replay, JITTER_S)
+                         for replay in range(1, args.replays)]
+
+
+def measure(router: str, replays: Sequence[list[SimRequest]], fleet: FleetConfig
+            ) -> StreamFigures:
+    """``router``'s rule on each replay of one stream: the medians."""
     policy = policy_of(router)
-    options = gateway_options(router, policy, args.cache_tokens)
-    hits, p95s = [], []
-    for replay in range(args.replays):
-        stream = requests if replay == 0 else jittered(requests, replay, JITTER_S)
-        summary = summarize(FleetSimulator(
-            fleet, build_policy(policy, rng=random.Random(0), **options)).run(stream))
-        hits.append(summary.token_hit_rate)
-        p95s.append(summary.ttft_p95_s * 1000)
-    return StreamFigures(statistics.median(hits), statistics.median(p95s))
+    options = gateway_options(router, policy, fleet.replica.pool_tokens)
+    summaries = [summarize(FleetSimulator(
+        fleet, build_policy(policy, rng=random.Random(0), **options)).run(stream))
+        for stream in replays]
+    return StreamFigures(statistics.median(s.token_hit_rate for s in summaries),
+                         statistics.median(s.ttft_p95_s * 1000 for s in summaries))
 
 
 def cell(figures: StreamFigures) -> str:
@@ -108,9 +114,9 @@ def report(scenario: str, seeds: Sequence[int], routers: Sequence[str],
     for other in routers[1:]:
         ahead = sum(figures[candidate, s].hit_rate >= figures[other, s].hit_rate for s in seeds)
         hit_diff = (means[candidate].hit_rate - means[other].hit_rate) * 100
-        p95_diff = means[candidate].p95_ms - means[other].p95_ms
+        p95_diff = round(means[candidate].p95_ms - means[other].p95_ms)  # never "-0 ms"
         lines.append(f"{scenario}: {candidate} at or above {other}'s hit rate on {ahead} of "
-                     f"{len(seeds)} streams; means {hit_diff:+.2f} points, p95 {p95_diff:+.0f} ms")
+                     f"{len(seeds)} streams; means {hit_diff:+.2f} points, p95 {p95_diff:+d} ms")
     return lines
 
 
@@ -157,11 +163,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"# {len(args.scenarios)} scenarios x {len(args.seeds)} streams x "
           f"{len(args.routers)} routers x {args.replays} replays; cache {args.cache_tokens:,} "
           f"tokens x {args.replicas} replicas", flush=True)
+    fleet = gateway_fleet(args.replicas, args.cache_tokens, args.prefill_tokens_per_s)
     for scenario in args.scenarios:
         figures = {}
         for seed in args.seeds:
+            replays = replays_of(scenario, seed, args)
             for router in args.routers:
-                figures[router, seed] = measure(router, scenario, seed, args)
+                figures[router, seed] = measure(router, replays, fleet)
             print(f"# {scenario} seed {seed}: " + "; ".join(
                 f"{r} {cell(figures[r, seed])}" for r in args.routers), flush=True)
         print()

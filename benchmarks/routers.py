@@ -55,7 +55,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -397,21 +397,29 @@ def _median(values: Sequence[float]) -> float:
     return statistics.median(real) if real else float("nan")
 
 
+def combined_row(runs: Sequence[RunRow], center: Callable[[Sequence[float]], float],
+                 seed: int | None) -> RunRow:
+    """Runs of one (scenario, router), all measured, as one row: each figure ``center`` of the
+    runs' figures, ``requests`` the fewest and ``lost`` the most of any run (one lost request in
+    any run is a loss)."""
+    first = runs[0]
+    return RunRow(
+        first.scenario, first.router, center([r.hit_rate for r in runs]),
+        center([r.p50_ms for r in runs]), center([r.p95_ms for r in runs]),
+        center([r.max_over_mean for r in runs]), min(r.requests for r in runs),
+        max(r.lost for r in runs), "", center([r.surge_hit_rate for r in runs]),
+        center([r.router_ms for r in runs]),
+        ", ".join(r.recording for r in runs if r.recording), seed)
+
+
 def median_row(runs: Sequence[RunRow]) -> RunRow:
-    """One (scenario, router)'s runs as one row: each figure the median over the runs measured
-    without error, ``requests`` the fewest and ``lost`` the most of any run (one lost request in
-    any run is a loss). With no run free of error, the first run and its error."""
+    """One (scenario, router)'s runs of one stream as one row: each figure the median over the
+    runs measured without error (:func:`combined_row`). With no run free of error, the first run
+    and its error."""
     measured = [r for r in runs if not r.error]
     if not measured:
         return runs[0]
-    first = measured[0]
-    return RunRow(
-        first.scenario, first.router, _median([r.hit_rate for r in measured]),
-        _median([r.p50_ms for r in measured]), _median([r.p95_ms for r in measured]),
-        _median([r.max_over_mean for r in measured]), min(r.requests for r in measured),
-        max(r.lost for r in measured), "", _median([r.surge_hit_rate for r in measured]),
-        _median([r.router_ms for r in measured]),
-        ", ".join(r.recording for r in measured if r.recording), first.seed)
+    return combined_row(measured, _median, measured[0].seed)
 
 
 def median_rows(rows: Sequence[RunRow]) -> list[RunRow]:
@@ -431,8 +439,8 @@ def _mean(values: Sequence[float]) -> float:
 
 def seed_means(rows: Sequence[RunRow]) -> list[RunRow]:
     """One row per (scenario, router) over several streams: each stream's runs as their
-    :func:`median_row`, then each figure the mean over the streams (each stream counts once,
-    however often it was repeated); ``requests`` the fewest and ``lost`` the most of any stream.
+    :func:`median_row`, then each figure the mean over the streams (:func:`combined_row`; each
+    stream counts once, however often it was repeated).
     A router that measured nothing on one of the streams keeps that stream's error, and one
     not run on every stream the rows hold gets an error saying so: neither is judged on the
     streams it has alone. With one stream, the medians themselves. O(rows)."""
@@ -448,14 +456,7 @@ def seed_means(rows: Sequence[RunRow]) -> list[RunRow]:
         if failed is not None or len(runs) == 1:
             out.append(failed or runs[0])
             continue
-        first = runs[0]
-        out.append(RunRow(
-            first.scenario, first.router, _mean([r.hit_rate for r in runs]),
-            _mean([r.p50_ms for r in runs]), _mean([r.p95_ms for r in runs]),
-            _mean([r.max_over_mean for r in runs]), min(r.requests for r in runs),
-            max(r.lost for r in runs), "", _mean([r.surge_hit_rate for r in runs]),
-            _mean([r.router_ms for r in runs]),
-            ", ".join(r.recording for r in runs if r.recording), None))
+        out.append(combined_row(runs, _mean, None))
     return out
 
 
@@ -739,8 +740,7 @@ def verdicts_from(paths: Sequence[Path], candidate: str) -> int:
     rows = [run_row(row) for row in saved_rows]
     ceilings: Ceilings = {}
     for scenario, seed in dict.fromkeys((r.scenario, r.seed) for r in rows):
-        if seed is None:  # only rows built by hand lack a seed; load_runs gives every one
-            continue
+        assert seed is not None, "load_runs gives every row its stream's seed"
         calls = scenario_calls(scenario, rate=float(saved["rate"]),
                                warmup_s=float(saved["warmup"]),
                                duration_s=float(saved["duration"]), seed=seed,

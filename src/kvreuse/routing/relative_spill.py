@@ -32,7 +32,8 @@ in flight first measured 56.0-56.8 % through the gateway against 50.8 % for size
 peer 55.9 %), and this rule was in flight first for a while. But over twelve seeded streams of
 the same workload, replayed in the simulator as the gateway runs them, the two orders tie
 (52.8 % and 52.9 % mean hit rate, both 3.6 points over smg's rule at 70 % of its p95), seed 7
-being the stream where in flight first and smg's rule are luckiest; through the gateway, on
+being among the streams where smg's rule does best and the only one where size first trails it
+there; through the gateway, on
 seeds 1-3, size first beat the best peer by 3.3-12.3 points (docs/performance.md). On the chat
 workloads (six system prompts, a few requests in flight during warm-up) the fewest in flight
 put three of belgavi's six prompts on one replica in one replay of ten (p95 0.4 s to 4.6 s),
