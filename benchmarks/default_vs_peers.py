@@ -46,17 +46,23 @@ gaps of a few tenths is a draw; the mean of ten runs is to the simulator what ``
     PYTHONPATH=src .venv/bin/python benchmarks/default_vs_peers.py
     ... --workloads belgavi,mooncake-8 --policy relative_spill --option slack=1
     ... --jitter-runs 9      # verdicts on the means of ten runs per workload
+    ... --jitter-runs 29 --jobs 2   # thirty runs, two simulations at a time
+
+``--jobs N`` runs N simulations at once in worker processes (each loads a workload once);
+every simulation is seeded and independent of the others, so the output is the same for any N.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import random
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -133,6 +139,48 @@ def options_for(policy: str, workload: Workload, extra: dict[str, Any]) -> dict[
 def simulate(policy: str, workload: Workload, options: dict[str, Any]) -> RunSummary:
     built = build_policy(policy, rng=random.Random(0), **options)
     return summarize(FleetSimulator(workload.fleet, built).run(workload.requests))
+
+
+@dataclass(frozen=True, slots=True)
+class Replay:
+    """One simulation: ``policy`` (with the candidate's ``options``, else none) on workload
+    ``workload``'s stream, unjittered for ``seed`` 0, else jittered by ``seed`` within
+    ``±jitter_s``."""
+
+    workload: str
+    trace: Path
+    seed: int
+    jitter_s: float
+    policy: str
+    options: tuple[tuple[str, Any], ...]
+
+
+_LOADED: dict[tuple[str, Path], Workload] = {}
+"""Workloads this process has loaded, so that a worker parses the Mooncake trace once."""
+
+
+def replay(task: Replay) -> RunSummary:
+    """Run one :class:`Replay` (in this process or a worker's)."""
+    key = (task.workload, task.trace)
+    workload = _LOADED.get(key)
+    if workload is None:
+        loaded = load(task.workload, task.trace)
+        assert loaded is not None, f"{task.workload} loaded in the parent but not here"
+        workload = _LOADED[key] = loaded
+    if task.seed:
+        workload = replace(workload, requests=jittered(workload.requests, task.seed,
+                                                       task.jitter_s))
+    return simulate(task.policy, workload,
+                    options_for(task.policy, workload, dict(task.options)))
+
+
+def run_all(tasks: Sequence[Replay], jobs: int) -> Iterator[RunSummary]:
+    """Each task's summary, in the order of ``tasks``; ``jobs`` simulations at a time."""
+    if jobs == 1:
+        yield from map(replay, tasks)
+        return
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        yield from pool.map(replay, tasks)
 
 
 class Figures(Protocol):
@@ -296,51 +344,63 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="extra replays per workload with jittered arrivals (noise estimate)")
     parser.add_argument("--jitter-s", type=float, default=0.5,
                         help="largest arrival shift of a jittered replay, seconds")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="simulations run at once (0: one per CPU); the output is the same")
     args = parser.parse_args(argv)
     if args.jitter_runs < 0 or not 0 <= args.jitter_s < math.inf:
         parser.error("--jitter-runs and --jitter-s must be >= 0 (and --jitter-s finite)")
+    if args.jobs < 0:
+        parser.error(f"--jobs must be >= 1, or 0 for one per CPU; got {args.jobs}")
+    args.jobs = args.jobs or os.cpu_count() or 1
     extra = dict(parse_option(o) for o in args.option)
     try:  # a bad candidate option is the caller's mistake: say so before any workload runs
         build_policy(args.policy, rng=random.Random(0), **extra)
     except ConfigError as exc:
         parser.error(f"--policy / --option: {exc}")
-    verdicts = []
-    # Per jittered workload: its name, each policy's spread, and the verdict on their means.
-    spreads: list[tuple[str, list[Spread], Verdict]] = []
+    workloads = []
     for name in [w.strip() for w in args.workloads.split(",") if w.strip()]:
         workload = load(name, args.trace)
         if workload is None:
             print(f"skipped {name}: no such scenario or trace here", file=sys.stderr)
             continue
-        started = time.perf_counter()
-        results: dict[str, RunSummary] = {}
-        for policy in (args.policy, REFERENCE, *PEERS):
-            own = extra if policy == args.policy else {}
-            results[policy] = simulate(policy, workload, options_for(policy, workload, own))
-            print(f"  {name}: {policy} done ({time.perf_counter() - started:.0f} s)",
-                  file=sys.stderr, flush=True)
+        _LOADED[(name, args.trace)] = workload
+        workloads.append(workload)
+    if not workloads:
+        parser.error(f"no workload of {args.workloads!r} could be loaded (names: "
+                     f"{', '.join(DEFAULT_WORKLOADS)})")
+    policies = list(dict.fromkeys((args.policy, REFERENCE, *PEERS)))
+    candidate_options = tuple(sorted(extra.items()))
+    tasks = [Replay(w.name, args.trace, seed, args.jitter_s, policy,
+                    candidate_options if policy == args.policy else ())
+             for w in workloads for seed in range(args.jitter_runs + 1) for policy in policies]
+    verdicts = []
+    # Per jittered workload: its name, each policy's spread, and the verdict on their means.
+    spreads: list[tuple[str, list[Spread], Verdict]] = []
+    started = time.perf_counter()
+    summaries = run_all(tasks, args.jobs)
+    for workload in workloads:
+        name = workload.name
+        runs: dict[str, list[RunSummary]] = {policy: [] for policy in policies}
+        for seed in range(args.jitter_runs + 1):
+            for policy in policies:
+                runs[policy].append(next(summaries))
+                if not seed:
+                    print(f"  {name}: {policy} done ({time.perf_counter() - started:.0f} s)",
+                          file=sys.stderr, flush=True)
+            if seed:
+                print(f"  {name}: jittered replay {seed}/{args.jitter_runs} done "
+                      f"({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
+        results = {policy: summaries_of[0] for policy, summaries_of in runs.items()}
         bounds = compute_bounds(workload.requests, workload.fleet.replicas,
                                 workload.fleet.replica.pool_tokens)
         verdicts.append(Verdict(name, results[args.policy], results[REFERENCE],
                                 {p: results[p] for p in PEERS}, bounds))
         if args.jitter_runs:
-            runs = {p: [s] for p, s in results.items()}
-            for seed in range(1, args.jitter_runs + 1):
-                moved = replace(workload, requests=jittered(workload.requests, seed,
-                                                            args.jitter_s))
-                for policy in runs:
-                    own = extra if policy == args.policy else {}
-                    runs[policy].append(simulate(policy, moved, options_for(policy, moved, own)))
-                print(f"  {name}: jittered replay {seed}/{args.jitter_runs} done "
-                      f"({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
             rows = [Spread(p, tuple(s.token_hit_rate for s in rs), tuple(s.ttft_p95_s for s in rs))
                     for p, rs in runs.items()]
             means = {row.policy: row.means() for row in rows}
             spreads.append((name, rows, Verdict(name, means[args.policy], means[REFERENCE],
                                                 {p: means[p] for p in PEERS}, bounds)))
-    if not verdicts:
-        parser.error(f"no workload of {args.workloads!r} could be loaded (names: "
-                     f"{', '.join(DEFAULT_WORKLOADS)})")
     label = args.policy + "".join(f" {k}={v}" for k, v in extra.items())
     if args.jitter_runs:
         print("Seed 0:")

@@ -58,6 +58,18 @@ def test_jitter_runs_print_the_spread_per_policy(
     assert "(sd " in spread
 
 
+def test_jobs_change_nothing_but_the_speed(
+    bench: ModuleType, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two worker processes print the same tables and return the same status as one."""
+    argv = ["--workloads", "mission-3,belgavi", "--jitter-runs", "1"]
+    alone = bench.main(argv)
+    serial = capsys.readouterr().out
+    together = bench.main([*argv, "--jobs", "2"])
+    assert (together, capsys.readouterr().out) == (alone, serial)
+    assert "| belgavi x3 |" in serial and "| mission-3 x3 |" in serial
+
+
 def bounds(bench: ModuleType, pooled: float) -> object:
     return bench.Bounds(infinite_hit_rate=0.9, pooled_lru_hit_rate=pooled, replicas=2,
                         cache_tokens=100)
@@ -109,6 +121,7 @@ def test_paired_gap_subtracts_run_by_run(bench: ModuleType) -> None:
     (["--policy", "nosuch"], "unknown policy 'nosuch'"),
     (["--workloads", "nosuch"], "no workload of 'nosuch' could be loaded"),
     (["--jitter-runs", "1", "--jitter-s", "inf"], "--jitter-s finite"),
+    (["--jobs", "-1"], "--jobs must be >= 1, or 0 for one per CPU; got -1"),
 ])
 def test_caller_mistakes_are_refused_with_a_message(
     bench: ModuleType, capsys: pytest.CaptureFixture[str], argv: list[str], said: str
