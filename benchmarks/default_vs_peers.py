@@ -90,6 +90,8 @@ DEFAULT_WORKLOADS = (
     "mooncake-16", "long-context", "multi-model",
 )
 GAP_POINTS = 0.03
+MAX_JOBS = 64
+"""More worker processes than this is a typo, not a machine: each one holds a workload."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -349,8 +351,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.jitter_runs < 0 or not 0 <= args.jitter_s < math.inf:
         parser.error("--jitter-runs and --jitter-s must be >= 0 (and --jitter-s finite)")
-    if args.jobs < 0:
-        parser.error(f"--jobs must be >= 1, or 0 for one per CPU; got {args.jobs}")
+    if not 0 <= args.jobs <= MAX_JOBS:
+        parser.error(f"--jobs must be 1..{MAX_JOBS}, or 0 for one per CPU; got {args.jobs}")
     args.jobs = args.jobs or os.cpu_count() or 1
     extra = dict(parse_option(o) for o in args.option)
     try:  # a bad candidate option is the caller's mistake: say so before any workload runs
@@ -377,7 +379,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Per jittered workload: its name, each policy's spread, and the verdict on their means.
     spreads: list[tuple[str, list[Spread], Verdict]] = []
     started = time.perf_counter()
-    summaries = run_all(tasks, args.jobs)
+    summaries = run_all(tasks, min(args.jobs, len(tasks)))
     for workload in workloads:
         name = workload.name
         runs: dict[str, list[RunSummary]] = {policy: [] for policy in policies}

@@ -121,7 +121,8 @@ def test_paired_gap_subtracts_run_by_run(bench: ModuleType) -> None:
     (["--policy", "nosuch"], "unknown policy 'nosuch'"),
     (["--workloads", "nosuch"], "no workload of 'nosuch' could be loaded"),
     (["--jitter-runs", "1", "--jitter-s", "inf"], "--jitter-s finite"),
-    (["--jobs", "-1"], "--jobs must be >= 1, or 0 for one per CPU; got -1"),
+    (["--jobs", "-1"], "--jobs must be 1..64, or 0 for one per CPU; got -1"),
+    (["--jobs", "10000"], "--jobs must be 1..64, or 0 for one per CPU; got 10000"),
 ])
 def test_caller_mistakes_are_refused_with_a_message(
     bench: ModuleType, capsys: pytest.CaptureFixture[str], argv: list[str], said: str
