@@ -202,3 +202,12 @@ def test_engine_hit_rate_is_counter_deltas_since_the_first_scrape() -> None:
     assert upstream.engine_deltas() == (200.0, 50.0) and upstream.engine_hit_rate() == 0.25
     upstream.update_engine({"vllm:num_requests_waiting": 1.0})  # counters gone from the page
     assert upstream.engine_hit_rate() is None and upstream.engine_deltas() is None
+
+
+def test_load_carries_the_scraped_kv_capacity_else_the_configured_one() -> None:
+    """Policies see the engine's KV capacity: what /metrics said, else capacity_tokens=."""
+    assert state().load().kv_capacity_tokens is None
+    configured = state(capacity_tokens=5000)
+    assert configured.load().kv_capacity_tokens == 5000
+    configured.kv_capacity_tokens = 8192
+    assert configured.load().kv_capacity_tokens == 8192

@@ -189,3 +189,70 @@ def test_a_cache_with_room_beats_a_full_one() -> None:
     assert decision.replica == "r1"
     mixed = rule([0, 0], [0, 0], 100, slack=2.0, sizes=[950, 1200], bounds=[1000, None])
     assert mixed.replica == "r0"
+
+
+def sized(*queued: int, capacity: int | None = 100) -> tuple[ReplicaLoad, ...]:
+    """Idle-but-queued replicas whose KV capacity is ``capacity`` tokens (None: not known)."""
+    return tuple(ReplicaLoad(f"r{i}", q, 0, 0, capacity) for i, q in enumerate(queued))
+
+
+def sent(policy: RelativeSpill, start: int, length: int, replica: str, at: float,
+         cached: int = 0) -> None:
+    """The router sent a ``length``-token prompt (tokens from ``start``) to ``replica``."""
+    prompt = request(list(range(start, start + length)), f"{start}@{at}")
+    policy.on_routed(prompt, RoutingDecision(replica, "affinity", cached), at)
+
+
+def miss_at(policy: RelativeSpill, fleet: tuple[ReplicaLoad, ...], at: float,
+            length: int = 50) -> str:
+    """Where a new ``length``-token prompt nobody holds goes at ``at``."""
+    decision = policy.route(request(list(range(90_000, 90_000 + length)), "new"),
+                            FleetView(fleet, at))
+    assert decision is not None and decision.branch == "miss"
+    return decision.replica
+
+
+def test_a_miss_goes_to_a_cache_with_room_before_a_smaller_full_one() -> None:
+    """r1 holds 90 of its 100 tokens of KV, r0 600 of 1,000: the old order (smallest cache)
+    would pick r1, but a 50-token prompt evicts nothing only on r0."""
+    policy = RelativeSpill(estimator=ApproxTrees(), cost=COST)
+    fleet = (ReplicaLoad("r0", 0, 0, 0, 1000), ReplicaLoad("r1", 0, 0, 0, 100))
+    policy.evictions.observe(fleet)
+    sent(policy, 0, 600, "r0", 0.0)
+    sent(policy, 10_000, 90, "r1", 0.0)
+    assert miss_at(policy, fleet, 1.0) == "r0"
+
+
+def test_when_every_cache_is_full_the_oldest_lru_prefix_takes_the_miss() -> None:
+    """Both caches full for a 50-token prompt; r0's least recently used prefix was last used
+    40 s ago, r1's 20 s ago: r0 takes the miss although its tree is larger. Capacities unknown,
+    the old order (smaller tree) picks r1."""
+    for capacity, expected in ((100, "r0"), (None, "r1")):
+        policy = RelativeSpill(estimator=ApproxTrees(), cost=COST)
+        policy.evictions.observe(sized(0, 0, capacity=capacity))
+        sent(policy, 0, 70, "r0", 0.0)
+        sent(policy, 10_000, 60, "r1", 20.0)
+        assert miss_at(policy, sized(0, 0, capacity=capacity), 40.0) == expected
+
+
+def test_equally_old_lru_prefixes_send_the_miss_where_fewer_cached_tokens_were_served() -> None:
+    """Both full, LRU prefixes used 8 and 9 s ago (the same 10 s step); r0 just served 70
+    cached tokens, r1 none: r1 takes the miss although its tree is larger."""
+    policy = RelativeSpill(estimator=ApproxTrees(), cost=COST)
+    policy.evictions.observe(sized(0, 0))
+    sent(policy, 0, 70, "r0", 0.0)
+    sent(policy, 0, 70, "r0", 1.0, cached=70)
+    sent(policy, 10_000, 80, "r1", 2.0)
+    assert miss_at(policy, sized(0, 0), 10.0) == "r1"
+
+
+def test_a_full_cache_miss_waits_at_most_the_full_miss_window() -> None:
+    """r0 has the oldest LRU prefix. A 50-token prompt (prefill 0.05 s): with r0 0.05 s behind,
+    the window is min(0.7 x R = 0.0525 s, 3 x 0.05 s), so r0 takes it (the 0.2 x R window of
+    caches with room would not reach it); 0.1 s behind (window 0.07 s), r1 does."""
+    for queued, expected in ((50, "r0"), (100, "r1")):
+        policy = RelativeSpill(estimator=ApproxTrees(), cost=COST)
+        policy.evictions.observe(sized(0, 0))
+        sent(policy, 0, 70, "r0", 0.0)
+        sent(policy, 10_000, 70, "r1", 30.0)
+        assert miss_at(policy, sized(queued, 0), 40.0) == expected

@@ -174,3 +174,43 @@ def test_a_child_block_does_not_keep_its_evicted_parent_held() -> None:
     assert mirror.predict(RequestView("q", pack([*range(12), 99]), 13), ["r0"], 0.0) == {"r0": 4}
     assert mirror.tree_tokens("r0") == 8
     mirror.check_invariants()
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_lru_stamp_is_the_last_use_of_the_least_recently_used_prompt(seed: int) -> None:
+    """Disjoint prompts sent and matched at random: each replica's lru_stamp is the oldest last
+    use among the prompts it holds (None while it holds none)."""
+    rng = random.Random(seed)
+    trees = ApproxTrees(eviction_interval_s=1e9)
+    prompts = [RequestView(f"q{i}", pack(list(range(i * 1000, i * 1000 + rng.randint(5, 50)))),
+                           0) for i in range(20)]
+    last_use: dict[str, dict[int, float]] = {rid: {} for rid in REPLICAS}
+    assert trees.lru_stamp("r0") is None
+    for step in range(300):
+        now = float(step)
+        i = rng.randrange(len(prompts))
+        prompt = RequestView(prompts[i].request_id, prompts[i].tokens,
+                             len(prompts[i].tokens) // TOKEN_BYTES)
+        if rng.random() < 0.5:
+            trees.predict(prompt, REPLICAS, now)  # touches it wherever it is held
+            for held in last_use.values():
+                if i in held:
+                    held[i] = now
+        else:
+            replica = rng.choice(REPLICAS)
+            trees.record(prompt, replica, now)
+            last_use[replica][i] = now
+        for rid in REPLICAS:
+            expected = min(last_use[rid].values()) if last_use[rid] else None
+            assert trees.lru_stamp(rid) == expected, f"step {step} {rid}"
+    trees.check_invariants()
+
+
+def test_lru_stamp_moves_on_when_the_least_recently_used_prompt_is_evicted() -> None:
+    """Under a cap, sending a third prompt evicts the oldest: the stamp becomes the next one's."""
+    trees = ApproxTrees(capacity_tokens=100, eviction_interval_s=1e9)
+    for i, at in enumerate((1.0, 2.0, 3.0)):
+        trees.record(RequestView(f"q{i}", pack(list(range(i * 1000, i * 1000 + 40))), 40),
+                     "r0", at)
+    assert trees.lru_stamp("r0") == 2.0
+    trees.check_invariants()

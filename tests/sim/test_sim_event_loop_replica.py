@@ -339,3 +339,27 @@ def test_an_unknown_load_view_is_a_config_error() -> None:
     """The error names the choices."""
     with pytest.raises(ConfigError, match="load_view must be one of"):
         FleetConfig(1, load_view="gateway")
+
+
+class CapacityWatcher:
+    """Records the KV capacity each routed request's candidates reported."""
+
+    def __init__(self) -> None:
+        self.inner = build_policy("round_robin")
+        self.capacities: list[int | None] = []
+
+    def route(self, request: RequestView, fleet: Any) -> Any:
+        self.capacities.extend(load.kv_capacity_tokens for load in fleet.replicas)
+        return self.inner.route(request, fleet)
+
+    def __getattr__(self, name: str) -> Any:  # on_routed, on_finished, on_kv_event
+        return getattr(self.inner, name)
+
+
+def test_replicas_report_their_pool_as_kv_capacity() -> None:
+    """Every replica's load view carries its pool size, as a gateway's carries the engine's."""
+    replica = ReplicaConfig(pool_tokens=12_345, prefill_tokens_per_s=1000.0, overhead_s=0.0)
+    watcher = CapacityWatcher()
+    FleetSimulator(FleetConfig(2, replica), watcher).run(  # type: ignore[arg-type]
+        [make_request(0, 0.0, list(range(10)), 1)])
+    assert watcher.capacities == [12_345, 12_345]

@@ -252,6 +252,7 @@ class UpstreamState:
             queued_prefill_tokens=int(tokens / weight),
             queued_requests=int(queued / weight),
             in_flight=int(self.in_flight / weight),
+            kv_capacity_tokens=self.kv_capacity_tokens or self.config.capacity_tokens,
         )
 
     def update_engine(self, scraped: dict[str, float]) -> None:

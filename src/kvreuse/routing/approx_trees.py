@@ -105,6 +105,26 @@ class ApproxTrees(FleetTrie[_Node]):
         cap = None if bit is None else self._caps.get(bit)
         return self.capacity_tokens if cap is None else cap
 
+    def lru_stamp(self, replica: ReplicaId) -> float | None:
+        """When ``replica``'s least recently used leaf was last used: what the next eviction
+        from its tree would drop (None: it holds nothing). Drops stale heap entries on the way,
+        so O(log h) amortised."""
+        bit = self._bits.get(replica)
+        if bit is None:
+            return None
+        heap = self._heaps[bit]
+        while heap:
+            stamp, node_id, node = heap[0]
+            if node.parent is None or not node.holders & bit or node.below.get(bit):
+                heapq.heappop(heap)  # removed, no longer held, or no longer a leaf
+                continue
+            current = node.stamp[bit]
+            if current != stamp:
+                heapq.heapreplace(heap, (current, node_id, node))
+                continue
+            return stamp
+        return None
+
     # ------------------------------------------------------------------ queries
 
     def cached_blocks(self, replica: ReplicaId) -> int:

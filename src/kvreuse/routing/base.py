@@ -51,13 +51,16 @@ class ReplicaLoad:
 
     ``queued_prefill_tokens``: prompt tokens waiting to be prefilled (or being prefilled);
     ``queued_requests``: requests waiting for or in prefill; ``in_flight``: every request the
-    replica holds (queued, prefilling or decoding) — SGLang's router calls this the load.
+    replica holds (queued, prefilling or decoding) — SGLang's router calls this the load;
+    ``kv_capacity_tokens``: how many tokens of KV its cache holds (None: not known), the
+    simulator's pool or what a gateway scraped from the engine.
     """
 
     replica_id: ReplicaId
     queued_prefill_tokens: int = 0
     queued_requests: int = 0
     in_flight: int = 0
+    kv_capacity_tokens: int | None = None
 
 
 REPLICA_ID = operator.attrgetter("replica_id")

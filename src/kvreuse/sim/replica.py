@@ -140,6 +140,7 @@ class Replica:
             self.queued_prefill_tokens,
             len(self.waiting) + (self.busy is not None),
             self.in_flight,
+            self._capacity,
         )
 
     # ------------------------------------------------------------------ request life
