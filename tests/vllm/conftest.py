@@ -8,6 +8,7 @@ a failure.
 from __future__ import annotations
 
 import os
+import socket
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -100,6 +101,26 @@ class LiveGateway:
             time.sleep(0.02)
 
 
+def wait_released(endpoints: list[str], timeout_s: float = 10.0) -> None:
+    """Wait until no socket listens on the ``tcp://127.0.0.1:P`` endpoints a gateway binds:
+    the previous test's gateway closed its SUB sockets, but ZeroMQ's I/O thread unbinds them
+    a moment later, and a bind in that moment fails with "Address already in use" (seen once
+    in a fresh-clone run). Probes as ZeroMQ binds (SO_REUSEADDR), so only a listener blocks."""
+    deadline = time.monotonic() + timeout_s
+    for endpoint in endpoints:
+        port = int(endpoint.rsplit(":", 1)[1])
+        while True:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    probe.bind(("127.0.0.1", port))  # fails while a socket listens there
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"{endpoint} still bound after {timeout_s} s") from None
+            time.sleep(0.05)
+
+
 @pytest.fixture
 def gateway_for(replicas: list[Replica], tokenizer: HFPromptTokenizer
                 ) -> Iterator[Callable[..., LiveGateway]]:
@@ -107,6 +128,7 @@ def gateway_for(replicas: list[Replica], tokenizer: HFPromptTokenizer
     running: list[LiveGateway] = []
 
     def start(chosen: list[Replica] | None = None, **options: object) -> LiveGateway:
+        wait_released([r.events for r in chosen or replicas])
         upstreams = tuple(
             UpstreamConfig(r.url, name=r.name, events=r.events, replay=r.replay,
                            topic="kv-events")
