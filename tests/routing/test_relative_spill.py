@@ -20,7 +20,7 @@ from kvreuse.routing import (
     TenantPinned,
     build_policy,
 )
-from kvreuse.routing.relative_spill import RelativeSpill, relative_spill_rule
+from kvreuse.routing.relative_spill import EvictionModel, RelativeSpill, relative_spill_rule
 from kvreuse.tokens import pack
 
 COST = CostModel(prefill_tokens_per_s=1000.0, overhead_s=0.0)
@@ -256,3 +256,15 @@ def test_a_full_cache_miss_waits_at_most_the_full_miss_window() -> None:
         sent(policy, 0, 70, "r0", 0.0)
         sent(policy, 10_000, 70, "r1", 30.0)
         assert miss_at(policy, sized(queued, 0), 40.0) == expected
+
+
+def test_the_eviction_model_never_holds_more_than_its_bound() -> None:
+    """A replica reporting an absurd capacity (a forged /metrics) keeps at most max_tokens in
+    the model, so a flood of unique prompts cannot grow it without bound."""
+    model = EvictionModel(max_tokens=500)
+    model.observe((ReplicaLoad("r0", 0, 0, 0, 10**12),))
+    for i in range(100):
+        model.record(request(list(range(i * 1000, i * 1000 + 40)), f"q{i}"), "r0", 0, float(i))
+    assert model.lru.tree_tokens("r0") <= 500
+    assert model.has_room("r0", 1000)  # the reported capacity still says what fits
+    model.lru.check_invariants()

@@ -107,23 +107,10 @@ class ApproxTrees(FleetTrie[_Node]):
 
     def lru_stamp(self, replica: ReplicaId) -> float | None:
         """When ``replica``'s least recently used leaf was last used: what the next eviction
-        from its tree would drop (None: it holds nothing). Drops stale heap entries on the way,
-        so O(log h) amortised."""
+        from its tree would drop (None: it holds nothing). O(log h) amortised."""
         bit = self._bits.get(replica)
-        if bit is None:
-            return None
-        heap = self._heaps[bit]
-        while heap:
-            stamp, node_id, node = heap[0]
-            if node.parent is None or not node.holders & bit or node.below.get(bit):
-                heapq.heappop(heap)  # removed, no longer held, or no longer a leaf
-                continue
-            current = node.stamp[bit]
-            if current != stamp:
-                heapq.heapreplace(heap, (current, node_id, node))
-                continue
-            return stamp
-        return None
+        entry = None if bit is None else self._lru_leaf(bit)
+        return None if entry is None else entry[0]
 
     # ------------------------------------------------------------------ queries
 
@@ -204,22 +191,35 @@ class ApproxTrees(FleetTrie[_Node]):
         heap = self._heaps[bit]
         freed = 0
         parked: _Entry | None = None
-        while freed < wanted and heap:
-            entry = heapq.heappop(heap)
-            stamp, node_id, node = entry
-            if node.parent is None or not node.holders & bit or node.below.get(bit):
-                continue  # removed, no longer held, or no longer a leaf of this replica
-            current = node.stamp[bit]
-            if current != stamp:
-                heapq.heappush(heap, (current, node_id, node))
-                continue
-            if node is keep:
+        while freed < wanted:
+            entry = self._lru_leaf(bit)
+            if entry is None:
+                break
+            heapq.heappop(heap)
+            if entry[2] is keep:
                 parked = entry
                 continue
-            freed += self._drop(bit, node)
+            freed += self._drop(bit, entry[2])
         if parked is not None:
             heapq.heappush(heap, parked)
         return freed
+
+    def _lru_leaf(self, bit: int) -> _Entry | None:
+        """The heap entry of ``bit``'s least recently used leaf, left on top of its heap (None:
+        it holds none). Stale entries on the way are dropped (removed, no longer held, no longer
+        a leaf of this replica) or re-filed at the leaf's current stamp: O(log h) amortised."""
+        heap = self._heaps[bit]
+        while heap:
+            stamp, node_id, node = heap[0]
+            if node.parent is None or not node.holders & bit or node.below.get(bit):
+                heapq.heappop(heap)
+                continue
+            current = node.stamp[bit]
+            if current != stamp:
+                heapq.heapreplace(heap, (current, node_id, node))
+                continue
+            return heap[0]
+        return None
 
     def _drop(self, bit: int, node: _Node) -> int:
         """``node`` stops being held by ``bit``; unlinked once nobody holds it."""

@@ -141,9 +141,12 @@ class EvictionModel:
 
     :meth:`observe` is called with each request's candidates before the choice, :meth:`record`
     once the request was sent. O(prompt) per record (one tree insert), O(log h) amortised per
-    query."""
+    query. A replica's tree holds at most ``max_tokens``, whatever capacity it reports (a
+    forged ``/metrics`` must not make a flood of unique prompts grow it without bound), as the
+    router's own trees are trimmed to ``ApproxTrees.max_tree_tokens``."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_tokens: int = 2**26) -> None:
+        self.max_tokens = max_tokens
         self.lru = ApproxTrees(capacity_tokens=0)
         self._capacity: dict[ReplicaId, int] = {}
         self._served: dict[ReplicaId, tuple[float, float]] = {}  # replica -> (value, at)
@@ -154,7 +157,7 @@ class EvictionModel:
             capacity = load.kv_capacity_tokens
             if capacity is not None and self._capacity.get(load.replica_id) != capacity:
                 self._capacity[load.replica_id] = capacity
-                self.lru.set_capacity(load.replica_id, capacity)
+                self.lru.set_capacity(load.replica_id, min(capacity, self.max_tokens))
 
     def has_room(self, replica: ReplicaId, tokens: int) -> bool:
         """Whether ``tokens`` more fit in ``replica``'s cache without evicting (True when its
@@ -221,19 +224,20 @@ def relative_spill_rule(
             size, bound = cache_size(row[0]), cache_capacity(row[0])
             return bound if bound is not None and size + prompt_tokens > bound else size
 
-        if evictions is not None and not any(
-            evictions.has_room(row[0], prompt_tokens) for row in near
-        ):
-            share, prefills = FULL_MISS_WINDOW
-            wide = fastest + min(share * reference, prefills * (overhead + prompt_tokens / rate))
-            pick = min(
-                (row for row in rows if row[2] <= wide),
-                key=lambda row: (not evictions.has_room(row[0], prompt_tokens),
-                                 evictions.eviction_cost(row[0], now), room_order(row), row[3]),
-            )
-            return RoutingDecision(pick[0], "miss", pick[1])
         if evictions is not None:
-            near = [row for row in near if evictions.has_room(row[0], prompt_tokens)]
+            full = {row[0] for row in rows if not evictions.has_room(row[0], prompt_tokens)}
+            roomy = [row for row in near if row[0] not in full]
+            if not roomy:
+                share, prefills = FULL_MISS_WINDOW
+                wide = fastest + min(share * reference,
+                                     prefills * (overhead + prompt_tokens / rate))
+                pick = min(
+                    (row for row in rows if row[2] <= wide),
+                    key=lambda row: (row[0] in full, evictions.eviction_cost(row[0], now),
+                                     room_order(row), row[3]),
+                )
+                return RoutingDecision(pick[0], "miss", pick[1])
+            near = roomy
         pick = min(near, key=lambda row: (room_order(row), row[3], row[2]))
         return RoutingDecision(pick[0], "miss", pick[1])
     longest = max(row[1] for row in rows)
