@@ -43,10 +43,20 @@ in one replay, 0.4 s in the nine others; docs/performance.md), so a verdict from
 gaps of a few tenths is a draw; the mean of ten runs is to the simulator what ``routers.py
 --seeds``' means are to the gateway.
 
+Where a verdict is a tie, ``--at-arrival`` says whether any router could have done better
+with the caches as they stood: it replays each policy's seed-0 run and, at every measured
+arrival, asks every eligible replica's cache (a read that changes nothing) how long a prefix
+of the prompt it holds, then prints the share of prompt tokens cached on the chosen replica,
+the share the best replica held, and how many requests went past a longer prefix. On every
+workload ``relative_spill`` and the best peer send all but a dozen spills of ~4,000 requests to
+the longest prefix (docs/performance.md): what separates them is what the caches hold, which
+only earlier misses and evictions decide.
+
     PYTHONPATH=src .venv/bin/python benchmarks/default_vs_peers.py
     ... --workloads belgavi,mooncake-8 --policy relative_spill --option slack=1
     ... --jitter-runs 9      # verdicts on the means of ten runs per workload
     ... --jitter-runs 29 --jobs 2   # thirty runs, two simulations at a time
+    ... --at-arrival --jobs 2       # each request's cached prefix against the fleet's longest
 
 ``--jobs N`` runs N simulations at once in worker processes (each loads a workload once);
 every simulation is seeded and independent of the others, so the output is the same for any N.
@@ -65,10 +75,11 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from kvreuse.errors import ConfigError
 from kvreuse.routing import build_policy
+from kvreuse.routing.base import FleetView, RequestView, RoutingDecision
 from kvreuse.sim.config import FleetConfig, ReplicaConfig
 from kvreuse.sim.fleet import FleetSimulator
 from kvreuse.sim.requests import SimRequest, jittered
@@ -89,6 +100,7 @@ DEFAULT_WORKLOADS = (
     "belgavi", "contract-library", "mission-3", "mission-4", "mooncake-4", "mooncake-8",
     "mooncake-16", "long-context", "multi-model",
 )
+T = TypeVar("T")
 GAP_POINTS = 0.03
 MAX_JOBS = 64
 """More worker processes than this is a typo, not a machine: each one holds a workload."""
@@ -144,6 +156,63 @@ def simulate(policy: str, workload: Workload, options: dict[str, Any]) -> RunSum
 
 
 @dataclass(frozen=True, slots=True)
+class ArrivalProbe:
+    """Where one run's policy sent each measured request, against the fleet's caches at that
+    moment: the prompt tokens cached on the chosen replica, the longest prefix any eligible
+    replica held, and how many requests went past a longer one. ``requests_elsewhere`` 0 means
+    no router choosing among the caches as they stood could have cached more at arrival; what
+    is left to gain is in what the caches hold, which only earlier placements shape."""
+
+    workload: str
+    policy: str
+    token_hit_rate: float
+    prompt_tokens: int
+    chosen_cached_tokens: int
+    best_cached_tokens: int
+    requests_elsewhere: int
+    requests: int
+
+    def row(self) -> str:
+        share = self.prompt_tokens or 1
+        return (f"| {self.workload} | {self.policy} | {pct(self.token_hit_rate)} | "
+                f"{pct(self.chosen_cached_tokens / share)} | "
+                f"{pct(self.best_cached_tokens / share)} | "
+                f"{self.requests_elsewhere} of {self.requests} |")
+
+
+def probe_arrivals(policy: str, workload: Workload, options: dict[str, Any]) -> ArrivalProbe:
+    """Simulate ``policy`` on ``workload`` as :func:`simulate` does, asking every eligible
+    replica's cache at each arrival how long a prefix of the prompt it holds (a read that
+    changes nothing: the run's figures are the plain run's). O(replicas x prompt) more per
+    request."""
+    built = build_policy(policy, rng=random.Random(0), **options)
+    simulator = FleetSimulator(workload.fleet, built)
+    by_view = {id(request.view): request for request in workload.requests}
+    replicas = {replica.replica_id: replica for replica in simulator.replicas}
+    decide = built.route
+    seen: dict[int, tuple[int, int]] = {}  # request id -> (cached on the chosen, longest)
+
+    def probed_route(request: RequestView, fleet: FleetView) -> RoutingDecision | None:
+        decision = decide(request, fleet)
+        if decision is not None:
+            sim_request = by_view[id(request)]
+            held = {load.replica_id: replicas[load.replica_id].memory.cached_prefix(sim_request)
+                    for load in fleet.replicas}
+            seen[sim_request.request_id] = (held[decision.replica], max(held.values()))
+        return decision
+
+    # An instance attribute shadows the class's method for this run's simulator only.
+    built.route = probed_route  # type: ignore[method-assign]
+    records = [r for r in simulator.run(workload.requests).records if r.measured]
+    prompt = sum(r.prompt_tokens for r in records)
+    probed = [seen[r.request_id] for r in records]
+    return ArrivalProbe(workload.name, policy,
+                        sum(r.cached_tokens for r in records) / (prompt or 1), prompt,
+                        sum(chosen for chosen, _ in probed), sum(best for _, best in probed),
+                        sum(best > chosen for chosen, best in probed), len(records))
+
+
+@dataclass(frozen=True, slots=True)
 class Replay:
     """One simulation: ``policy`` (with the candidate's ``options``, else none) on workload
     ``workload``'s stream, unjittered for ``seed`` 0, else jittered by ``seed`` within
@@ -161,8 +230,8 @@ _LOADED: dict[tuple[str, Path], Workload] = {}
 """Workloads this process has loaded, so that a worker parses the Mooncake trace once."""
 
 
-def replay(task: Replay) -> RunSummary:
-    """Run one :class:`Replay` (in this process or a worker's)."""
+def replayed_workload(task: Replay) -> Workload:
+    """The stream :class:`Replay` ``task`` runs (loaded once per process)."""
     key = (task.workload, task.trace)
     workload = _LOADED.get(key)
     if workload is None:
@@ -172,17 +241,31 @@ def replay(task: Replay) -> RunSummary:
     if task.seed:
         workload = replace(workload, requests=jittered(workload.requests, task.seed,
                                                        task.jitter_s))
+    return workload
+
+
+def replay(task: Replay) -> RunSummary:
+    """Run one :class:`Replay` (in this process or a worker's)."""
+    workload = replayed_workload(task)
     return simulate(task.policy, workload,
                     options_for(task.policy, workload, dict(task.options)))
 
 
-def run_all(tasks: Sequence[Replay], jobs: int) -> Iterator[RunSummary]:
-    """Each task's summary, in the order of ``tasks``; ``jobs`` simulations at a time."""
+def probe_replay(task: Replay) -> ArrivalProbe:
+    """:func:`probe_arrivals` on one :class:`Replay` (in this process or a worker's)."""
+    workload = replayed_workload(task)
+    return probe_arrivals(task.policy, workload,
+                          options_for(task.policy, workload, dict(task.options)))
+
+
+def run_all(tasks: Sequence[Replay], jobs: int, run: Callable[[Replay], T]) -> Iterator[T]:
+    """``run`` of each task (:func:`replay`: its summary), in the order of ``tasks``; ``jobs``
+    simulations at a time."""
     if jobs == 1:
-        yield from map(replay, tasks)
+        yield from map(run, tasks)
         return
     with ProcessPoolExecutor(max_workers=jobs) as pool:
-        yield from pool.map(replay, tasks)
+        yield from pool.map(run, tasks)
 
 
 class Figures(Protocol):
@@ -348,6 +431,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="largest arrival shift of a jittered replay, seconds")
     parser.add_argument("--jobs", type=int, default=1,
                         help="simulations run at once (0: one per CPU); the output is the same")
+    parser.add_argument("--at-arrival", action="store_true",
+                        help="instead of verdicts: the seed-0 run of every policy, with the "
+                             "cached prefix on the chosen replica at each arrival against the "
+                             "longest any eligible replica held")
     args = parser.parse_args(argv)
     if args.jitter_runs < 0 or not 0 <= args.jitter_s < math.inf:
         parser.error("--jitter-runs and --jitter-s must be >= 0 (and --jitter-s finite)")
@@ -375,11 +462,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     tasks = [Replay(w.name, args.trace, seed, args.jitter_s, policy,
                     candidate_options if policy == args.policy else ())
              for w in workloads for seed in range(args.jitter_runs + 1) for policy in policies]
+    if args.at_arrival:
+        print("At each measured request's arrival (seed-0 runs): prompt tokens cached on the "
+              "replica the policy chose, the longest prefix any eligible replica held, and the "
+              "requests sent past a longer one.")
+        print("| workload | policy | hit rate | cached on the chosen replica at arrival | "
+              "longest cached anywhere at arrival | requests sent past a longer prefix |")
+        print("|---|---|---|---|---|---|")
+        seed0 = [task for task in tasks if task.seed == 0]
+        for probe in run_all(seed0, min(args.jobs, len(seed0)), probe_replay):
+            print(probe.row(), flush=True)
+        return 0
     verdicts = []
     # Per jittered workload: its name, each policy's spread, and the verdict on their means.
     spreads: list[tuple[str, list[Spread], Verdict]] = []
     started = time.perf_counter()
-    summaries = run_all(tasks, min(args.jobs, len(tasks)))
+    summaries = run_all(tasks, min(args.jobs, len(tasks)), replay)
     for workload in workloads:
         name = workload.name
         runs: dict[str, list[RunSummary]] = {policy: [] for policy in policies}

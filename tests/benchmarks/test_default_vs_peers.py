@@ -70,6 +70,40 @@ def test_jobs_change_nothing_but_the_speed(
     assert "| belgavi x3 |" in serial and "| mission-3 x3 |" in serial
 
 
+def test_arrival_probe_counts_requests_sent_past_a_longer_prefix(bench: ModuleType) -> None:
+    """Round robin sends chat turns past the replica holding their history, and the probe
+    counts them; the longest prefix held anywhere is never shorter than the chosen one's."""
+    workload = bench.load("mission-3", bench.TRACE)
+    probe = bench.probe_arrivals("round_robin", workload, {})
+    assert probe.requests == sum(r.measured for r in workload.requests)
+    assert 0 < probe.requests_elsewhere < probe.requests
+    assert probe.best_cached_tokens > probe.chosen_cached_tokens > 0
+    assert probe.prompt_tokens == sum(r.prompt_len for r in workload.requests if r.measured)
+
+
+def test_arrival_probe_reads_the_caches_without_changing_the_run(bench: ModuleType) -> None:
+    """Asking every cache at each arrival touches no LRU: the probed run's hit rate is the
+    plain run's, to the last digit."""
+    workload = bench.load("mission-3", bench.TRACE)
+    for policy in ("relative_spill", "cache_aware_smg"):
+        options = bench.options_for(policy, workload, {})
+        probe = bench.probe_arrivals(policy, workload, options)
+        plain = bench.simulate(policy, workload, options)
+        assert probe.token_hit_rate == plain.token_hit_rate
+        assert probe.best_cached_tokens >= probe.chosen_cached_tokens
+
+
+def test_at_arrival_prints_one_row_per_policy(
+    bench: ModuleType, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--at-arrival prints the probe's row for the candidate, the reference and every peer."""
+    assert bench.main(["--workloads", "mission-3", "--at-arrival"]) == 0
+    out = capsys.readouterr().out
+    for policy in ("relative_spill", "cache_aware", *bench.PEERS):
+        assert f"| mission-3 | {policy} | " in out
+    assert "longest cached anywhere at arrival" in out
+
+
 def bounds(bench: ModuleType, pooled: float) -> object:
     return bench.Bounds(infinite_hit_rate=0.9, pooled_lru_hit_rate=pooled, replicas=2,
                         cache_tokens=100)

@@ -11,6 +11,7 @@ from kvreuse.identity import CacheIdentity
 from kvreuse.routing import CacheMirror, RequestView
 from kvreuse.sim import ReplicaConfig, SimRequest
 from kvreuse.sim.block_memory import BlockMemory
+from kvreuse.sim.config import CACHE_KINDS
 from kvreuse.sim.memory import Job
 from kvreuse.sim.runner import run_scenario
 from kvreuse.sim.scenarios import RunSpec, get_scenario
@@ -95,3 +96,27 @@ def test_block_events_keep_an_exact_mirror(seed: int, models: tuple[str, ...]) -
             assert mirror.predict(view, ["r0"], now)["r0"] == expected, f"step {step}"
     assert memory.evicted_tokens > 0, "the stress never evicted: make the pool smaller"
     mirror.check_invariants()
+
+
+@pytest.mark.parametrize("kind", ["radix", "block"])
+def test_cached_prefix_is_peek_without_touching(kind: str) -> None:
+    """cached_prefix finds what peek finds, for either memory, and reading it leaves the cache
+    as it was (the same tokens held and used)."""
+    memory = CACHE_KINDS[kind]("r0", ReplicaConfig(pool_tokens=4096, cache_kind=kind,
+                                                   block_size=16), None)
+    rng = random.Random(7)
+    shared = [rng.randrange(50) for _ in range(100)]
+    served = [SimRequest(i, float(i), pack([*shared[: 40 + 20 * i], 1000 + i]), 41 + 20 * i, 1)
+              for i in range(4)]
+    for when, request in enumerate(served):
+        job = Job(request, "test", 0)
+        assert memory.admit(job, float(when))
+        memory.prefilled(job, float(when))
+        memory.release(job, float(when))
+    queries = [*served, SimRequest(9, 9.0, pack([*shared[:70], 7, 7]), 72, 1),
+               SimRequest(10, 9.0, pack([49 - t for t in shared[:30]]), 30, 1)]
+    held = (memory.cache.total_tokens if kind == "radix" else None, memory.used_tokens)
+    found = [memory.cached_prefix(q) for q in queries]
+    assert held == (memory.cache.total_tokens if kind == "radix" else None, memory.used_tokens)
+    assert found == [memory.peek(q, 99.0) for q in queries]
+    assert max(found) > 0

@@ -27,7 +27,7 @@ from typing import Any, Generic, TypeVar
 from mypy_extensions import mypyc_attr
 
 from kvreuse.identity import DEFAULT_IDENTITY, CacheIdentity
-from kvreuse.tokens import TOKEN_BYTES, common_prefix_tokens
+from kvreuse.tokens import TOKEN_BYTES, Tokens, as_buffer, common_prefix_tokens
 
 N = TypeVar("N", bound="TrieNode[Any]")
 
@@ -114,6 +114,19 @@ class PrefixTrie(Generic[N]):
         if root is not None:
             self._last_identity, self._last_root = identity, root
         return root
+
+    def prefix_length(self, tokens: Tokens, identity: CacheIdentity | None = None) -> int:
+        """Tokens of ``tokens`` the trie holds from ``identity``'s root, in whole pages: what a
+        match would find, read without touching, splitting or creating anything (for
+        observers that must not change the cache they look at). O(tokens compared + depth)."""
+        root = self.find_root(identity)
+        if root is None:
+            return 0
+        buf = as_buffer(tokens)
+        _, pos, diverging = self._descend(root, buf, 0, len(buf) - len(buf) % self._page_bytes)
+        if diverging is not None:
+            pos += self._common(diverging, buf, pos)
+        return pos // TOKEN_BYTES
 
     def _drop_root(self, identity: CacheIdentity) -> None:
         """Forget ``identity``'s root (its trie must be empty). O(1)."""

@@ -80,6 +80,9 @@ class BlockMemory:
             return 0
         return self.cache.match(request.tokens, request.identity, now, touch=False).length
 
+    def cached_prefix(self, request: SimRequest) -> int:
+        return self.peek(request, 0.0)  # match(touch=False) reads, whatever the time
+
     def admit(self, job: Job, now: float) -> bool:
         request = job.request
         self._now = now

@@ -117,6 +117,12 @@ class ReplicaMemory(Protocol):
         and when lpm orders the queue."""
         ...
 
+    def cached_prefix(self, request: SimRequest) -> int:
+        """Cached prefix of ``request`` now, read without touching or changing the cache: for
+        observers outside the run (``benchmarks/default_vs_peers.py --at-arrival``), whose
+        looking must not move the run's figures."""
+        ...
+
     def admit(self, job: Job, now: float) -> bool:
         """``job`` is picked to prefill: set ``job.cached``, hold its prefix and reserve its
         KV; ``False`` (nothing held) when it does not fit even after evicting idle cache."""
@@ -174,6 +180,11 @@ class RadixMemory:
         if not self._caching:
             return 0
         return self.cache.match_length(request.tokens, request.identity, now)
+
+    def cached_prefix(self, request: SimRequest) -> int:
+        if not self._caching:
+            return 0
+        return self.cache.prefix_length(request.tokens, request.identity)
 
     def admit(self, job: Job, now: float) -> bool:
         request = job.request
