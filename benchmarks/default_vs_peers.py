@@ -438,6 +438,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.jitter_runs < 0 or not 0 <= args.jitter_s < math.inf:
         parser.error("--jitter-runs and --jitter-s must be >= 0 (and --jitter-s finite)")
+    if args.at_arrival and args.jitter_runs:
+        parser.error("--at-arrival probes the seed-0 run of each policy only; drop --jitter-runs")
     if not 0 <= args.jobs <= MAX_JOBS:
         parser.error(f"--jobs must be 1..{MAX_JOBS}, or 0 for one per CPU; got {args.jobs}")
     args.jobs = args.jobs or os.cpu_count() or 1
@@ -469,8 +471,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("| workload | policy | hit rate | cached on the chosen replica at arrival | "
               "longest cached anywhere at arrival | requests sent past a longer prefix |")
         print("|---|---|---|---|---|---|")
-        seed0 = [task for task in tasks if task.seed == 0]
-        for probe in run_all(seed0, min(args.jobs, len(seed0)), probe_replay):
+        for probe in run_all(tasks, min(args.jobs, len(tasks)), probe_replay):
             print(probe.row(), flush=True)
         return 0
     verdicts = []

@@ -157,13 +157,14 @@ def test_paired_gap_subtracts_run_by_run(bench: ModuleType) -> None:
     (["--jitter-runs", "1", "--jitter-s", "inf"], "--jitter-s finite"),
     (["--jobs", "-1"], "--jobs must be 1..64, or 0 for one per CPU; got -1"),
     (["--jobs", "10000"], "--jobs must be 1..64, or 0 for one per CPU; got 10000"),
+    (["--at-arrival", "--jitter-runs", "2"], "--at-arrival probes the seed-0 run"),
 ])
 def test_caller_mistakes_are_refused_with_a_message(
     bench: ModuleType, capsys: pytest.CaptureFixture[str], argv: list[str], said: str
 ) -> None:
-    """A bad candidate option, an unknown policy or workload, or an infinite jitter width
-    stops the script with a usage error naming it, before any workload runs (no traceback,
-    no "PASS on 0 of 0")."""
+    """A bad candidate option, an unknown policy or workload, an infinite jitter width or
+    jittered replays with --at-arrival stop the script with a usage error naming it, before any
+    workload runs (no traceback, no "PASS on 0 of 0")."""
     with pytest.raises(SystemExit) as stopped:
         bench.main(argv)
     assert stopped.value.code == 2
