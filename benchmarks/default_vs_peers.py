@@ -52,8 +52,13 @@ workload ``relative_spill`` and the best peer send all but a dozen spills of ~4,
 the longest prefix (docs/performance.md): what separates them is what the caches hold, which
 only earlier misses and evictions decide.
 
+Besides the default workloads, ``--workloads hot-prefix-2,hot-prefix-4,hot-prefix-8`` loads a
+stress stream (:func:`hot_prefix_workload`): one prefix shared by every request on a small
+fleet, where a bound that counts the hot replica's own queue never spills.
+
     PYTHONPATH=src .venv/bin/python benchmarks/default_vs_peers.py
     ... --workloads belgavi,mooncake-8 --policy relative_spill --option slack=1
+    ... --workloads hot-prefix-2,hot-prefix-4 --option alternative_slack=inf
     ... --jitter-runs 9      # verdicts on the means of ten runs per workload
     ... --jitter-runs 29 --jobs 2   # thirty runs, two simulations at a time
     ... --at-arrival --jobs 2       # each request's cached prefix against the fleet's longest
@@ -86,6 +91,7 @@ from kvreuse.sim.requests import SimRequest, jittered
 from kvreuse.sim.scenarios import SCENARIOS, get_scenario
 from kvreuse.sim.summary import RunSummary, summarize
 from kvreuse.sim.trace import Bounds, compute_bounds
+from kvreuse.tokens import pack
 from kvreuse.trace import parse_trace_lines, trace_requests
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -133,7 +139,31 @@ def trace_workload(name: str, trace: Path) -> Workload:
     return Workload(name, requests, FleetConfig(replicas, replica, kv_event_lag_s=0.0), {})
 
 
+HOT_PREFIX = (40.0, 2_400, 2_000, 200)
+"""The hot-prefix stress stream: requests per second (Poisson), requests, the prefix every
+request shares (one tenant's system prompt), each request's own tokens."""
+
+
+def hot_prefix_workload(name: str) -> Workload:
+    """``hot-prefix-N``: every request shares one prefix, at a rate one of N replicas cannot
+    serve alone (about 1.4 × its capacity), caches large enough to hold it anywhere: a rule
+    that stays on the longest prefix whatever the wait queues on one replica while the
+    others idle."""
+    replicas = int(name.rsplit("-", 1)[1])
+    rate, count, shared, own = HOT_PREFIX
+    draw = random.Random(1)
+    requests, at = [], 0.0
+    for index in range(count):
+        at += draw.expovariate(rate)
+        tokens = list(range(shared)) + [shared + index * own + k for k in range(own)]
+        requests.append(SimRequest(index, at, pack(tokens), len(tokens), 10))
+    replica = ReplicaConfig(pool_tokens=100_000, time_per_output_token_s=0.001)
+    return Workload(name, requests, FleetConfig(replicas, replica, kv_event_lag_s=0.0), {})
+
+
 def load(name: str, trace: Path) -> Workload | None:
+    if name.startswith("hot-prefix-") and name.rsplit("-", 1)[1].isdigit():
+        return hot_prefix_workload(name)
     if name.startswith("mooncake-"):
         return trace_workload(name, trace) if trace.exists() else None
     return scenario_workload(name) if name in SCENARIOS else None

@@ -169,3 +169,21 @@ def test_caller_mistakes_are_refused_with_a_message(
         bench.main(argv)
     assert stopped.value.code == 2
     assert said in capsys.readouterr().err
+
+
+def test_hot_prefix_queues_on_one_replica_only_without_the_alternative_bound(
+    bench: ModuleType,
+) -> None:
+    """hot-prefix-2: every request shares one 2,000-token prefix at about 1.4 × one replica's
+    capacity. Without the bound on the replicas lacking the prefix, relative_spill keeps every
+    request on one replica (max/mean load 2) and its p95 grows with the run; with it, one spill
+    copies the prefix and both replicas serve."""
+    workload = bench.load("hot-prefix-2", bench.TRACE)
+    shared = workload.requests[0].tokens[:8000]  # 2,000 tokens of 4 bytes
+    assert all(r.tokens[:8000] == shared for r in workload.requests)
+    assert len({r.tokens for r in workload.requests}) == len(workload.requests)
+    bounded = bench.simulate("relative_spill", workload, {})
+    unbounded = bench.simulate("relative_spill", workload, {"alternative_slack": float("inf")})
+    assert unbounded.max_over_mean_load == pytest.approx(2.0)
+    assert bounded.max_over_mean_load < 1.3
+    assert bounded.ttft_p95_s < unbounded.ttft_p95_s / 3

@@ -20,7 +20,12 @@ from kvreuse.routing import (
     TenantPinned,
     build_policy,
 )
-from kvreuse.routing.relative_spill import EvictionModel, RelativeSpill, relative_spill_rule
+from kvreuse.routing.relative_spill import (
+    ALTERNATIVE_SLACK,
+    EvictionModel,
+    RelativeSpill,
+    relative_spill_rule,
+)
 from kvreuse.tokens import pack
 
 COST = CostModel(prefill_tokens_per_s=1000.0, overhead_s=0.0)
@@ -35,13 +40,15 @@ def loads(*queued: int, in_flight: tuple[int, ...] | None = None) -> tuple[Repli
 
 def rule(matched: list[int], queued: list[int], prompt: int, slack: float,
          sizes: list[int] | None = None, in_flight: tuple[int, ...] | None = None,
-         threshold: float = 0.1, bounds: list[int | None] | None = None) -> RoutingDecision:
+         threshold: float = 0.1, bounds: list[int | None] | None = None,
+         alternative_slack: float = ALTERNATIVE_SLACK) -> RoutingDecision:
     names = [f"r{i}" for i in range(len(queued))]
     size = dict(zip(names, sizes or [0] * len(queued), strict=True))
     bound = dict(zip(names, bounds or [None] * len(queued), strict=True))
     return relative_spill_rule({f"r{i}": m for i, m in enumerate(matched)},
                                loads(*queued, in_flight=in_flight), prompt, COST,
-                               size.__getitem__, threshold, slack, bound.__getitem__)
+                               size.__getitem__, threshold, slack, bound.__getitem__,
+                               alternative_slack=alternative_slack)
 
 
 def test_affinity_while_the_wait_is_within_slack_times_the_fleet_prefill_time() -> None:
@@ -118,6 +125,33 @@ def test_slack_zero_is_least_ttft_and_infinity_is_pure_affinity() -> None:
     assert rule([900, 0], [10**9, 0], 1000, slack=math.inf).branch == "affinity"
 
 
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_one_hot_replica_spills_past_24_times_the_others_prefill_time(replicas: int) -> None:
+    """r0 holds 900 of 1,000 tokens, the others idle, r1 holding 200: slack 4 × R alone would
+    wait forever on 2 or 4 replicas (R grows with r0's queue), but R_else = 1.0 s bounds the
+    wait at 0.8 + 24 × 1.0 = 24.8 s: 24,600 queued tokens stay, 24,800 spill to r1."""
+    matched = [900, 200] + [0] * (replicas - 2)
+    idle = [0] * (replicas - 1)
+    assert ALTERNATIVE_SLACK == 24.0
+    assert rule(matched, [24_600, *idle], 1000, slack=4.0).branch == "affinity"
+    spilled = rule(matched, [24_800, *idle], 1000, slack=4.0)
+    assert (spilled.replica, spilled.branch) == ("r1", "spill")
+
+
+def test_without_the_alternative_bound_one_hot_replica_queues_without_limit() -> None:
+    """alternative_slack = inf is the rule before the bound: ten thousand seconds of queue on
+    the prefix's replica and an idle other one, still affinity on 2 replicas at slack 4."""
+    decision = rule([900, 200], [10**7, 0], 1000, slack=4.0, alternative_slack=math.inf)
+    assert decision.branch == "affinity"
+
+
+def test_the_alternative_bound_needs_a_replica_without_the_longest_prefix() -> None:
+    """Every replica holds the same 900 tokens: there is no elsewhere, the fleet bound alone
+    decides (R = 5,000 s + 1 s on both, so 10 million queued tokens stay)."""
+    decision = rule([900, 900], [10**7, 10**7 - 1000], 1000, slack=4.0)
+    assert (decision.replica, decision.branch) == ("r1", "affinity")
+
+
 def request(tokens: list[int], request_id: str = "q") -> RequestView:
     return RequestView(request_id, pack(tokens), len(tokens))
 
@@ -156,9 +190,12 @@ def test_empty_fleet_is_backpressure() -> None:
 
 
 @pytest.mark.parametrize("options", [{"slack": -1.0}, {"slack": math.nan},
+                                     {"alternative_slack": -1.0},
+                                     {"alternative_slack": math.nan},
                                      {"cache_threshold": 1.5}, {"estimator": "psychic"}])
 def test_bad_options_are_configuration_errors(options: dict[str, object]) -> None:
-    """A negative or NaN slack, a threshold outside [0, 1] or an unknown estimator is refused."""
+    """A negative or NaN slack or alternative slack, a threshold outside [0, 1] or an unknown
+    estimator is refused."""
     with pytest.raises(ConfigError):
         build_policy("relative_spill", **options)
 

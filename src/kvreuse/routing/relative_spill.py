@@ -8,10 +8,11 @@ caller allows: tenant pins, a model's replicas)::
     hit(r)   = predicted cached prefix (the router's approximate trees, or KV events)
     ttft(r)  = queue_delay(r) + overhead + (prompt - hit(r)) / rate        (CostModel)
     R        = mean queue_delay over the candidates + overhead + prompt / rate
-    limit    = min ttft + slack × R
+    R_else   = the same over the candidates holding less than the longest match
+    limit    = min ttft + min(slack × R, ALTERNATIVE_SLACK × R_else)
 
 ``R`` is the fleet's current prefill time for this request: what it would wait and compute on an
-average candidate with nothing cached. Then:
+average candidate with nothing cached; ``R_else`` what it would cost away from its prefix. Then:
 
 * **affinity**: the longest match (ties to the shorter ``ttft``, then fewer requests in flight,
   then view order) if its ``ttft <= limit``;
@@ -79,6 +80,24 @@ misses followed those sizes and 53.2 % and 173 ms when full caches tied. Unbound
 simulator's default) never reach a bound; there, as behind a gateway, :class:`EvictionModel`
 says when a cache is full.
 
+Why a second bound, on the replicas without the prefix. ``R`` counts the hot replica's own
+queue: with one replica loaded and the rest idle, ``slack × R`` grows as fast as that queue
+whenever there are ``slack`` candidates or fewer. So on a fleet of 2 to 4 replicas, a prefix
+every request shares (one tenant's system prompt) kept all traffic on one replica while the
+others idled. ``benchmarks/default_vs_peers.py --workloads hot-prefix-2,hot-prefix-4``: 2,400
+requests at 40 a second sharing a 2,000-token prefix, p95 TTFT 23.1 s and growing with the
+run, where every peer spreads the load (SGLang's rule 2.3 s, llm-d's and Dynamo's 0.04-0.12 s,
+at the same hit rate). Bounding the wait by ``ALTERNATIVE_SLACK`` (24) times ``R_else`` makes
+one spill copy the prefix to an idle replica, after which the two share it (ties go to the
+shorter ``ttft``): p95 4.7 s there, still the worst of the rules on that stream. Smaller values
+bound it tighter but cost hits where caches are small and each copy evicts (thirty runs each,
+against the best peer): at 8, 0.12 s there, but mission-4 −0.06 ± 0.04 points against SGLang's
+rule and Mooncake ×4 −0.21 ± 0.09 against smg's; at 16, 2.9 s, −0.03 ± 0.04 and −0.12 ± 0.07;
+at 24, +0.01 ± 0.02 and −0.09 ± 0.06 (without the bound +0.03 ± 0.03 and −0.06 ± 0.06). On
+mission-4 it fires in the replays where warm-up put two of the surging tenant's prompts on one
+replica (mean p95 1.41 s against 1.45 s without it); on the overloaded Mooncake ×4 it changes
+20 of 30 runs (16 at 32). Long-context and Mooncake ×16 are unchanged at every value tried.
+
 Why relative. ``cache_aware``'s bound is a fixed 200 ms: on 12,000-token documents a miss costs
 1.2 s of prefill, so a 200 ms queue difference spills the request, scatters the documents and the
 fleet falls over (the ``long-context`` scenario: 30 % hit rate and a 50 s p95 where SGLang's rule
@@ -128,6 +147,12 @@ LRU_AGE_STEP_S = 10.0
 
 HIT_VALUE_TAU_S = 120.0
 """Time constant of the decayed count of cached tokens each replica has served."""
+
+ALTERNATIVE_SLACK = 24.0
+"""A request waits on the longest prefix at most this many times what it would cost on an
+average replica without that prefix (``R`` of those replicas alone): the bound ``slack × R``
+includes the hot replica's own queue in ``R``, so it alone never fires on a fleet of ``slack``
+replicas or fewer while only one is loaded."""
 
 SLACKS = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0, float("inf"))
 """The knob's values ``kvreuse simulate --report`` plots."""
@@ -197,22 +222,29 @@ def relative_spill_rule(
     cache_capacity: Callable[[ReplicaId], int | None] = lambda replica: None,
     evictions: EvictionModel | None = None,
     now: float = 0.0,
+    alternative_slack: float = ALTERNATIVE_SLACK,
 ) -> RoutingDecision:
     """The rule of the module docstring. ``loads`` is not empty; ``cache_capacity`` is each
     replica's bound (None: unbounded); ``evictions`` (None: no capacity known) places misses
-    on full caches at ``now``. O(replicas)."""
+    on full caches at ``now``; ``alternative_slack`` bounds the wait by ``R_else``
+    (infinity: no such bound). O(replicas)."""
     rate, overhead = cost.prefill_tokens_per_s, cost.overhead_s
     rows: list[tuple[ReplicaId, int, float, int]] = []
-    total_delay = 0.0
+    delays: list[float] = []
     for load in loads:
         rid = load.replica_id
         hit = matched[rid]
         delay = cost.queue_delay_s(load)
-        total_delay += delay
+        delays.append(delay)
         rows.append((rid, hit, delay + cost.prefill_s(prompt_tokens - hit), load.in_flight))
     fastest = min(row[2] for row in rows)
-    reference = total_delay / len(rows) + overhead + prompt_tokens / rate
+    longest = max(row[1] for row in rows)
+    reference = sum(delays) / len(rows) + overhead + prompt_tokens / rate
     limit = fastest + slack * reference if slack != float("inf") else float("inf")
+    elsewhere = [delay for delay, row in zip(delays, rows, strict=True) if row[1] < longest]
+    if elsewhere and slack != float("inf"):
+        alternative = sum(elsewhere) / len(elsewhere) + overhead + prompt_tokens / rate
+        limit = min(limit, fastest + alternative_slack * alternative)
     # The fastest replica is always within the limit, so ``within`` is never empty.
     within = [row for row in rows if row[2] <= limit]
     pick = min(within, key=lambda row: (-row[1], row[2], row[3]))
@@ -240,7 +272,6 @@ def relative_spill_rule(
             near = roomy
         pick = min(near, key=lambda row: (room_order(row), row[3], row[2]))
         return RoutingDecision(pick[0], "miss", pick[1])
-    longest = max(row[1] for row in rows)
     return RoutingDecision(pick[0], "affinity" if pick[1] == longest else "spill", pick[1])
 
 
@@ -259,12 +290,17 @@ class RelativeSpill(EstimatorPolicy):
         slack: float = 4.0,
         cache_threshold: float = 0.1,
         cost: CostModel | None = None,
+        alternative_slack: float = ALTERNATIVE_SLACK,
     ) -> None:
         if not slack >= 0:  # also refuses NaN
             raise ConfigError(f"slack must be >= 0 (inf for pure affinity), got {slack}")
+        if not alternative_slack >= 0:
+            raise ConfigError("alternative_slack must be >= 0 (inf: no bound from the replicas "
+                              f"without the prefix), got {alternative_slack}")
         if not 0.0 <= cache_threshold <= 1.0:
             raise ConfigError(f"cache_threshold must be in [0, 1], got {cache_threshold}")
         self.slack = slack
+        self.alternative_slack = alternative_slack
         self.cache_threshold = cache_threshold
         self.cost = cost or CostModel()
         self.evictions = EvictionModel()
@@ -285,6 +321,7 @@ class RelativeSpill(EstimatorPolicy):
             self.estimator.capacity_of,
             self.evictions,
             fleet.now,
+            self.alternative_slack,
         )
 
     def on_routed(self, request: RequestView, decision: RoutingDecision, now: float) -> None:
