@@ -215,7 +215,8 @@ def write_tenants(tmp_path: Path, caller_salt: str = "reject") -> Path:
 
 def test_tenants_unknown_key_401_caller_salt_400(engines: list[Engine], tmp_path: Path,
                                                 gateway_factory: Factory) -> None:
-    """Without a known key: 401; with a caller-chosen salt: 400 naming cache_salt."""
+    """Without a known key: 401; with a caller-chosen salt: 400 naming cache_salt; a null
+    salt is no salt."""
     gateway = gateway_factory(engines, tenants=str(write_tenants(tmp_path)))
     body = {"model": "sim", "prompt": "x"}
     assert httpx.post(gateway.url + "/v1/completions", json=body).status_code == 401
@@ -225,6 +226,9 @@ def test_tenants_unknown_key_401_caller_salt_400(engines: list[Engine], tmp_path
     salted = httpx.post(gateway.url + "/v1/completions", json={**body, "cache_salt": "mine"},
                         headers={"authorization": "Bearer key-a"})
     assert salted.status_code == 400 and salted.json()["error"]["param"] == "cache_salt"
+    unset = httpx.post(gateway.url + "/v1/completions", json={**body, "cache_salt": None},
+                       headers={"authorization": "Bearer key-a"})
+    assert unset.status_code == 200  # null is "no salt", as everywhere else
 
 
 def test_tenant_salts_isolate_and_strip_mode_drops_caller_salts(
@@ -432,3 +436,51 @@ def test_metrics_expose_the_listed_families(engines: list[Engine],
     ):
         assert family in text, family
     assert 'branch="affinity"' in text
+
+
+class SlowTokenizer:
+    """The text approximation, but a prompt containing SLOW holds its caller for 3 s and
+    every call notes the thread it ran on: a stand-in for a real tokenizer on a 7 MB chat."""
+
+    name = "slow"
+    blocking = True
+
+    def __init__(self) -> None:
+        import threading
+
+        from kvreuse.gateway.prompts import TextApproximation
+        self.inner = TextApproximation()
+        self.threads: list[str] = []
+        self._current = threading.current_thread
+
+    def completion(self, prompt: str) -> Any:
+        self.threads.append(self._current().name)
+        if "SLOW" in prompt:
+            time.sleep(3.0)
+        return self.inner.completion(prompt)
+
+    def chat(self, messages: Any, **options: Any) -> Any:
+        self.threads.append(self._current().name)
+        return self.inner.chat(messages, **options)
+
+
+def test_a_blocking_tokenizer_runs_off_the_event_loop(engines: list[Engine],
+                                                      gateway_factory: Factory) -> None:
+    """A tokenizer that takes 3 s on one prompt does not hold other clients: /health answers
+    meanwhile, and every call ran on the gateway's tokenizing thread (one at a time)."""
+    import threading
+
+    tokenizer = SlowTokenizer()
+    gateway = gateway_factory(engines, prompt_tokenizer=tokenizer)
+    slow: list[httpx.Response] = []
+    sender = threading.Thread(target=lambda: slow.append(completion(gateway, "SLOW " * 10)))
+    sender.start()
+    time.sleep(0.5)  # the slow prompt is being tokenized now
+    started = time.monotonic()
+    assert httpx.get(gateway.url + "/health", timeout=10).status_code == 200
+    assert time.monotonic() - started < 1.0
+    assert not slow  # still tokenizing
+    sender.join(timeout=30)
+    assert slow and slow[0].status_code == 200
+    assert completion(gateway, unique_text()).status_code == 200
+    assert tokenizer.threads and all(t.startswith("kvreuse-tokenize") for t in tokenizer.threads)

@@ -20,6 +20,18 @@ def test_wrong_method_on_a_generate_endpoint_is_405(engines: list[Engine],
     gateway = gateway_factory(engines)
     response = httpx.get(gateway.url + "/v1/completions")
     assert response.status_code == 405 and response.headers["allow"] == "POST"
+    assert response.json()["error"]["type"] == "MethodNotAllowed"
+
+
+def test_unknown_paths_and_methods_answer_in_openai_error_shape(engines: list[Engine],
+                                                               gateway_factory: Factory) -> None:
+    """Starlette's own 404 and 405 carry OpenAI's error body, as every other refusal does."""
+    gateway = gateway_factory(engines)
+    missing = httpx.get(gateway.url + "/v1/nothing-here")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == 404
+    wrong = httpx.post(gateway.url + "/health")
+    assert wrong.status_code == 405 and wrong.json()["error"]["type"] == "MethodNotAllowed"
+    assert "GET" in wrong.headers["allow"]
 
 
 def test_chunked_request_body_is_read_whole(engines: list[Engine],

@@ -378,6 +378,56 @@ def test_a_response_over_the_limit_is_a_502_naming_it(fleet: Fleet,
         fleet.forget(huge)
 
 
+@pytest.mark.parametrize("status", [0, 101, 999])
+def test_a_status_no_proxy_can_relay_is_a_502_naming_it(fleet: Fleet, gateway_factory: Factory,
+                                                        status: int) -> None:
+    """An upstream answering 0, 101 or 999: the client gets a readable 502 naming the status
+    (uvicorn cannot write 0 or 999: the client used to get no byte; 101 was relayed)."""
+    odd = fleet.start_misbehaving(f"status-{status}", "status", "--status", str(status))
+    gateway = gateway_factory([upstream(odd)], retries=0)
+    response = post(gateway.url)
+    assert response.status_code == 502
+    message = response.json()["error"]["message"]
+    assert f"status {status}" in message or "Invalid status code" in message  # httptools' word
+    fleet.forget(odd)
+
+
+def test_a_second_response_to_one_request_is_dropped(fleet: Fleet,
+                                                     gateway_factory: Factory) -> None:
+    """An upstream sending two responses in one write: the client gets the first alone, not
+    the two bodies joined."""
+    twice = fleet.start_misbehaving("twice", "twice", "--usage", "{}")
+    gateway = gateway_factory([upstream(twice)])
+    for _ in range(2):  # the second request must not read the first's leftover
+        response = post(gateway.url)
+        assert response.status_code == 200
+        assert response.json()["choices"][0]["text"] == "ok"
+    fleet.forget(twice)
+
+
+@pytest.mark.parametrize("usage", [
+    '{"prompt_tokens": 10, "prompt_tokens_details": {"cached_tokens": 1%s}}' % ("0" * 400),
+    '{"prompt_tokens": 1%s, "prompt_tokens_details": {"cached_tokens": 5}}' % ("0" * 400),
+    '{"prompt_tokens": 10, "prompt_tokens_details": {"cached_tokens": -30}}',
+    '{"prompt_tokens": 10, "prompt_tokens_details": {"cached_tokens": 11}}',
+    '{"prompt_tokens": true, "prompt_tokens_details": {"cached_tokens": 1}}',
+])
+def test_usage_no_engine_could_report_leaves_metrics_readable(
+        fleet: Fleet, gateway_factory: Factory, usage: str) -> None:
+    """Huge, negative or inconsistent usage figures are ignored: /metrics keeps answering and
+    no counter moves (a 10**400 once made every later scrape a 500)."""
+    liar = fleet.start_misbehaving("usage", "usage", "--usage", usage)
+    gateway = gateway_factory([upstream(liar)])
+    assert post(gateway.url).status_code == 200
+    metrics = httpx.get(gateway.url + "/metrics", timeout=10)
+    assert metrics.status_code == 200
+    assert "kvreuse_gateway_token_hit_rate" not in metrics.text or all(
+        not line.startswith("kvreuse_gateway_token_hit_rate{") or line.endswith(" 0.0")
+        for line in metrics.text.splitlines())
+    assert gateway.gateway.tallies.get(liar.name) is None
+    fleet.forget(liar)
+
+
 def test_client_disconnect_cancels_a_non_streamed_request(fleet: Fleet,
                                                           gateway_factory: Factory) -> None:
     """A client that leaves a non-streamed request: the gateway closes the upstream request,

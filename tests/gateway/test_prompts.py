@@ -90,6 +90,24 @@ def test_content_parts_are_joined_with_newlines(hf: HFPromptTokenizer) -> None:
     assert "a\nb<|im_end|>" in hf.render([{"role": "user", "content": parts}])
 
 
+def test_template_kwargs_override_the_request_fields_as_vllm(hf: HFPromptTokenizer) -> None:
+    """chat_template_kwargs may set add_generation_prompt, tools or documents (vLLM merges them
+    over the request's); they used to collide with the gateway's own and raise a TypeError."""
+    messages = [{"role": "user", "content": "hi"}]
+    text = hf.render(messages, template_kwargs={"add_generation_prompt": False})
+    assert text == hf.render(messages, add_generation_prompt=False)
+    hf.render(messages, template_kwargs={"tools": [], "documents": []})
+
+
+@pytest.mark.parametrize("kwargs", [{"messages": []}, {"tools": 5}, {"documents": "text"}])
+def test_template_kwargs_that_cannot_render_are_input_errors(
+        hf: HFPromptTokenizer, kwargs: dict[str, object]) -> None:
+    """messages in chat_template_kwargs, tools or documents that are not arrays: an input error
+    naming the field (a 400), not a TypeError (a 500)."""
+    with pytest.raises(InputFormatError, match=r"chat_template_kwargs|tools|documents"):
+        hf.render([{"role": "user", "content": "hi"}], template_kwargs=kwargs)
+
+
 def test_bad_content_names_the_field(hf: HFPromptTokenizer) -> None:
     """A content part that is not an object is refused with its path."""
     with pytest.raises(InputFormatError, match=r"messages\[0\]\.content\[0\]"):

@@ -64,3 +64,20 @@ def test_a_prompt_batch_routes_on_its_first_prompt() -> None:
     """Batched prompts are accepted; routing reads the first."""
     assert parse_request("completion", {"model": "m", "prompt": ["a", "b"]}).prompt == "a"
     assert parse_request("completion", {"model": "m", "prompt": [[1, 2], [3]]}).prompt == [1, 2]
+
+
+@pytest.mark.parametrize("levels", [128, 129, 900])
+def test_both_decoders_refuse_nesting_past_128_levels(levels: int) -> None:
+    """The fast decoder refuses what the stdlib path refuses: 129 levels or more is a 400
+    naming the body (it used to take up to about 900 and forward them)."""
+    from kvreuse.gateway.validation import decode_body
+
+    raw = b'{"a": ' + b"[" * (levels - 1) + b"]" * (levels - 1) + b"}"
+    if levels <= 128:
+        assert decode_body(raw).value["a"] is not None
+        assert parse_json_body(raw)["a"] is not None
+        return
+    for decode in (decode_body, parse_json_body):
+        with pytest.raises(RequestError) as refused:
+            decode(raw)
+        assert refused.value.param == "body"

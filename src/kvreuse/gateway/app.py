@@ -26,11 +26,13 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from prometheus_client import generate_latest
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -72,6 +74,7 @@ from kvreuse.gateway.upstreams import (
 from kvreuse.gateway.validation import (
     BODY_PROBLEMS,
     ENDPOINT_KINDS,
+    ParsedRequest,
     RequestError,
     as_request_error,
     decode_body,
@@ -79,8 +82,19 @@ from kvreuse.gateway.validation import (
     parse_request,
 )
 from kvreuse.routing import RoutingPolicy, build_policy
+from kvreuse.tokens import TokenBuffer
 
 log = logging.getLogger("kvreuse.gateway")
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own refusals (an unknown path, a wrong method) in OpenAI's error shape, as
+    every other answer of the gateway."""
+    assert isinstance(exc, HTTPException), "registered for HTTPException only"
+    kind = {404: "NotFound", 405: "MethodNotAllowed"}.get(exc.status_code, "BadRequest")
+    message = f"{request.url.path}: {exc.detail}"
+    return JSONResponse(error_body(message, kind, exc.status_code), status_code=exc.status_code,
+                        headers=dict(exc.headers or {}))
 
 
 def no_upstream(model: str) -> dict[str, Any]:
@@ -138,6 +152,7 @@ class Gateway:
         for upstream in self.upstreams:
             self.router.set_budget(upstream.name, self.index_budget(upstream))
         self.tallies: dict[str, TokenTally] = {}
+        self._tokenizing: ThreadPoolExecutor | None = None
         self.state = GatewayState(self.upstreams, self.tallies, self.router.streams,
                                   self.router.index_size, health=self.router.health,
                                   index_budget=self.router.budget_of)
@@ -175,6 +190,7 @@ class Gateway:
                 Route("/metrics", self.prometheus, methods=["GET"]),
             ],
             lifespan=self._lifespan,
+            exception_handlers={HTTPException: _http_error},
         )
         # What the --metrics-port listener serves (the CLI routes that port's requests here).
         self.metrics_app = Starlette(
@@ -238,6 +254,18 @@ class Gateway:
                 await pool.aclose()
             if self.recorder is not None:
                 await asyncio.to_thread(self.recorder.close)
+            if self._tokenizing is not None:
+                self._tokenizing.shutdown(wait=False, cancel_futures=True)
+                self._tokenizing = None
+
+    async def _tokenize(self, parsed: ParsedRequest) -> TokenBuffer:
+        """The prompt's tokens from a blocking tokenizer, computed on the gateway's one
+        tokenizing thread: the event loop keeps serving others meanwhile, and the tokenizer's
+        memo is only ever touched by that thread."""
+        if self._tokenizing is None:
+            self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="kvreuse-tokenize")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizing, self.router.tokens_for, parsed)
 
     def _subscriber(self, upstream: UpstreamState) -> EventSubscriber:
         name = upstream.name
@@ -416,8 +444,9 @@ class Gateway:
 
     async def prometheus(self, request: Request) -> Response:
         if self.config.metrics_port is not None:
-            return JSONResponse({"detail": f"/metrics is served on port "
-                                           f"{self.config.metrics_port}"}, status_code=404)
+            return JSONResponse(error_body(f"/metrics is served on port "
+                                           f"{self.config.metrics_port}", "NotFound", 404),
+                                status_code=404)
         return await self._metrics_page(request)
 
     async def _metrics_page(self, request: Request) -> Response:
@@ -454,8 +483,8 @@ class Gateway:
                 if scope["method"] == "POST":
                     await self._generate(scope, receive, send, path, kind)
                 else:
-                    await send_json(send, 405, {"detail": "Method Not Allowed"},
-                                    [(b"allow", b"POST")])
+                    await send_json(send, 405, error_body(
+                        f"{path} takes POST", "MethodNotAllowed", 405), [(b"allow", b"POST")])
                 return
         await self._starlette(scope, receive, send)
 
@@ -515,7 +544,7 @@ class Gateway:
             decoded = decode_body(raw)
             body = decoded.value
             if self.tenants is not None and "cache_salt" in body:
-                if self.tenants.caller_salt == "reject":
+                if self.tenants.caller_salt == "reject" and body["cache_salt"] is not None:
                     raise RequestError(
                         "cache_salt is set by the gateway from your API key; remove it",
                         "cache_salt")
@@ -527,11 +556,15 @@ class Gateway:
                 body["cache_salt"] = salt
             # Only a tenant's salt changes the body; otherwise the caller's bytes go upstream.
             forwarded = decoded.encode() if self.tenants is not None else raw
+            allowed = tenant.upstreams if tenant else None
+            tokens = None
+            if self.tokenizer.blocking:
+                self.router.serving(parsed.model, allowed)  # an unknown model is a 404 first
+                tokens = await self._tokenize(parsed)
             plan = self.router.plan(
                 parsed, record.request_id, self.router.identity(parsed.model, salt),
-                tenant=tenant.name if tenant else None,
-                allowed=tenant.upstreams if tenant else None,
-                session_id=session_id,
+                tenant=tenant.name if tenant else None, allowed=allowed,
+                session_id=session_id, tokens=tokens,
             )
         except ClientGone:
             record.status = CLIENT_LEFT

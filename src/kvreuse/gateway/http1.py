@@ -8,6 +8,12 @@ timeout, and the wait for the first byte (the status line, and for a stream the 
 chunk) by a deadline of its own; a reader that falls more than ``HIGH_WATER_BYTES`` behind
 pauses the socket (whole bodies are drained as they arrive, so only their size limit bounds
 them).
+
+What no proxy can relay is a protocol error (:class:`UpstreamProtocolError`, a 502 to the
+client when no other candidate answers): a status outside 200-599 (a 1xx or 101 as the answer,
+a 0 or 999 that uvicorn cannot even write, which once left the client with no byte at all),
+response headers over ``MAX_RESPONSE_HEAD_BYTES``. A second response in answer to one request
+is dropped, and the connection is not reused.
 """
 
 from __future__ import annotations
@@ -22,6 +28,9 @@ import httptools
 from kvreuse.errors import KvreuseError
 
 HIGH_WATER_BYTES = 1 << 20
+MAX_RESPONSE_HEAD_BYTES = 1 << 18
+"""An upstream's response headers over this many bytes (names and values) are a protocol
+error: an engine sends a few hundred, and an endless head once grew the gateway by 220 MiB."""
 
 
 class UpstreamError(KvreuseError):
@@ -98,6 +107,8 @@ class Http1Connection(asyncio.Protocol):
         self.headers_done = False
         self.framed = False  # content-length or chunked: else the body ends at close
         self.complete = False
+        self.surplus = False  # the upstream sent more than one response: never reuse
+        self.head_bytes = 0
         self.keep_alive = False
         self.got_bytes = False
         self.error: UpstreamError | None = None
@@ -141,18 +152,41 @@ class Http1Connection(asyncio.Protocol):
 
     # ------------------------------------------------------------------ httptools callbacks
 
+    def on_message_begin(self) -> None:
+        if self.complete:  # a second response to one request: keep the first, drop the rest
+            self.surplus = True
+            self.keep_alive = False
+
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self.surplus:
+            return
+        self.head_bytes += len(name) + len(value)
+        if self.head_bytes > MAX_RESPONSE_HEAD_BYTES:
+            self._refuse(f"response headers over {MAX_RESPONSE_HEAD_BYTES} bytes")
+            return
         name = name.lower()
         if name in (b"content-length", b"transfer-encoding"):
             self.framed = True
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
-        self.status = self.parser.get_status_code()
+        if self.surplus or self.error is not None:
+            return
+        status = self.parser.get_status_code()
+        if not 200 <= status <= 599:
+            self._refuse(f"status {status}, which is no final HTTP answer a proxy can relay")
+            return
+        self.status = status
         self.headers_done = True
         self._wake()
 
+    def _refuse(self, what: str) -> None:
+        self._fail(UpstreamProtocolError(f"{self.pool.url} answered with {what}"))
+        self.close()
+
     def on_body(self, body: bytes) -> None:
+        if self.surplus or self.error is not None:
+            return
         self.body.append(body)
         self.buffered += len(body)
         if self.buffered > HIGH_WATER_BYTES and not self.paused and self.transport is not None:
@@ -161,6 +195,8 @@ class Http1Connection(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self.surplus or self.error is not None:
+            return
         self.complete = True
         self.keep_alive = self.parser.should_keep_alive()
         self._wake()

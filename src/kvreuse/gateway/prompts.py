@@ -40,6 +40,9 @@ class PromptTokenizer(Protocol):
     """Turns a request's prompt into the token ids the engine will prefill."""
 
     name: str
+    blocking: bool
+    """True when a call may hold the caller for long (a real tokenizer on a multi-megabyte
+    chat: 13 s for 7 MB): the gateway then calls it off its event loop, one call at a time."""
 
     def completion(self, prompt: str) -> TokenBuffer:
         """Called per /v1/completions request with a text prompt. O(len(prompt))."""
@@ -118,6 +121,7 @@ class TextApproximation:
     """Routing without a tokenizer; see the module docstring."""
 
     name = "approx-4-bytes"
+    blocking = False  # a UTF-8 encode: 0.1 s for 8 MB
 
     def completion(self, prompt: str) -> TokenBuffer:
         return approximate_tokens(prompt)
@@ -144,7 +148,10 @@ class TextApproximation:
 
 
 class HFPromptTokenizer:
-    """A Hugging Face tokenizer directory; see the module docstring."""
+    """A Hugging Face tokenizer directory; see the module docstring. Not safe to call from two
+    threads at once (its memo)."""
+
+    blocking = True
 
     def __init__(self, directory: str | Path, *, memo_entries: int = 65_536,
                  memo_bytes: int = 64 * 1024 * 1024) -> None:
@@ -249,12 +256,17 @@ class HFPromptTokenizer:
                 "chat requests cannot be rendered"
             )
         plain = normalized_messages(messages)
-        text = self._template.render(
-            plain,
-            tools=tools,
-            add_generation_prompt=add_generation_prompt and not continue_final_message,
-            **dict(template_kwargs or {}),
-        )
+        options: dict[str, Any] = {
+            "tools": tools,
+            "add_generation_prompt": add_generation_prompt and not continue_final_message,
+        }
+        extra = dict(template_kwargs or {})
+        if "messages" in extra:
+            raise InputFormatError(
+                "chat_template_kwargs cannot set 'messages': send them as the request's "
+                "messages", "chat_template_kwargs")
+        options.update(extra)  # as vLLM: they override tools, documents, add_generation_prompt
+        text = self._template.render(plain, **options)
         if continue_final_message and plain:
             # transformers: cut the rendering right after the final message's (stripped) text.
             final = str(plain[-1]["content"]).strip()

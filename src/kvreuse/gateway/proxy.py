@@ -72,17 +72,29 @@ class UsageScanner:
             self.usage = usage
 
 
+MAX_USAGE_TOKENS = 2**40
+"""A usage figure above this is not a count an engine could report: the gateway ignores it, as
+it does negative ones, booleans and non-integers (a single 10**400 once made every later
+``/metrics`` scrape fail converting the running total to a float)."""
+
+
+def token_count(value: object) -> int | None:
+    """``value`` if it is a plausible token count from an upstream's usage, else None."""
+    return value if type(value) is int and 0 <= value <= MAX_USAGE_TOKENS else None
+
+
 def cached_tokens_of(usage: dict[str, Any] | None) -> tuple[int, int] | None:
     """``(prompt_tokens, cached_tokens)`` from an OpenAI usage object, or None when the engine
-    did not report cached tokens."""
+    did not report cached tokens or reported figures no engine could (:func:`token_count`;
+    more cached than prompt tokens)."""
     if not usage:
         return None
     details = usage.get("prompt_tokens_details")
-    prompt = usage.get("prompt_tokens")
-    if not isinstance(details, dict) or not isinstance(prompt, int):
+    prompt = token_count(usage.get("prompt_tokens"))
+    if not isinstance(details, dict) or prompt is None:
         return None
-    cached = details.get("cached_tokens")
-    return (prompt, cached) if isinstance(cached, int) else None
+    cached = token_count(details.get("cached_tokens"))
+    return (prompt, cached) if cached is not None and cached <= prompt else None
 
 
 class _UsageEnvelope(msgspec.Struct):
@@ -308,8 +320,9 @@ class Forwarder:
             upstream.record_success(probe=False)
         self.metrics.count_request(upstream.name, self.policy_name, candidate.branch,
                                    str(status), plan.request.identity.model)
-        if usage is not None and type(usage.get("completion_tokens")) is int:
-            record.completion_tokens = usage["completion_tokens"]
+        completion = token_count(usage.get("completion_tokens")) if usage is not None else None
+        if completion is not None:
+            record.completion_tokens = completion
         counted = cached_tokens_of(usage)
         if counted is not None:
             record.prompt_tokens, record.cached_tokens = counted

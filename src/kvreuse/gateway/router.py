@@ -222,16 +222,18 @@ class Router:
         tenant: str | None = None,
         allowed: Sequence[str] | None = None,
         session_id: str | None = None,
+        tokens: TokenBuffer | None = None,
     ) -> Plan | None:
-        """Tokenize and route among the healthy upstreams serving the request's model (of
-        ``allowed``); None when all of them are ejected. Raises a 404 :class:`RequestError`
-        when no upstream serves the model, :class:`InputFormatError` when the prompt cannot be
-        rendered."""
+        """Tokenize (unless ``tokens`` are given: :meth:`tokens_for`'s, computed elsewhere) and
+        route among the healthy upstreams serving the request's model (of ``allowed``); None
+        when all of them are ejected. Raises a 404 :class:`RequestError` when no upstream
+        serves the model, :class:`InputFormatError` when the prompt cannot be rendered."""
         started = time.perf_counter()
         eligible = tuple(u for u in self.serving(parsed.model, allowed) if u.healthy)
         if not eligible:
             return None
-        tokens = self.tokens_for(parsed)
+        if tokens is None:
+            tokens = self.tokens_for(parsed)
         request = RequestView(
             request_id, tokens, num_tokens(tokens), identity, tenant,
             session_id or parsed.session_id,

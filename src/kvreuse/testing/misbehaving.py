@@ -12,7 +12,13 @@
 * ``error``: ``500`` with a JSON error body;
 * ``close``: closes the connection without a byte;
 * ``midstream``: a stream that sends one SSE event and then closes the connection;
-* ``silent-stream``: the headers of an SSE stream, then nothing, ever.
+* ``silent-stream``: the headers of an SSE stream, then nothing, ever;
+* ``status``: a JSON completion under the status line ``--status`` (0, 101, 999: what no proxy
+  can relay);
+* ``usage``: a small JSON completion whose ``usage`` object is ``--usage``'s text as given
+  (``{"prompt_tokens": 10, "prompt_tokens_details": {"cached_tokens": 1e400}}`` is not
+  expressible as a Python value, so the text is sent raw);
+* ``twice``: two complete responses in answer to one request.
 
 Plain asyncio streams (no framework), so each misbehaviour is exactly what it says. Every
 generate request is counted; ``GET /stats`` answers ``{"requests": N, "open": M, "request_ids":
@@ -29,7 +35,8 @@ import json
 import signal
 from collections.abc import Sequence
 
-MODES = ("hang", "huge", "slow", "error", "close", "midstream", "silent-stream")
+MODES = ("hang", "huge", "slow", "error", "close", "midstream", "silent-stream", "status",
+         "usage", "twice")
 GENERATE = (b"/v1/completions", b"/v1/chat/completions")
 
 
@@ -37,7 +44,8 @@ class Misbehaving:
     """The server's state and request handling."""
 
     def __init__(self, mode: str, *, size: int = 2 << 20, delay_s: float = 5.0,
-                 chunked: bool = False, model: str = "sim") -> None:
+                 chunked: bool = False, model: str = "sim", status: int = 999,
+                 usage: str = "{}") -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.mode = mode
@@ -45,6 +53,8 @@ class Misbehaving:
         self.delay_s = delay_s
         self.chunked = chunked
         self.model = model
+        self.status = status
+        self.usage = usage
         self.requests = 0
         self.open = 0
         self.request_ids: list[str] = []
@@ -119,6 +129,14 @@ class Misbehaving:
                 writer.write(b"%x\r\n%s\r\n" % (len(event), event))
                 await writer.drain()
                 return False
+            if self.mode in ("status", "usage", "twice"):
+                answer = (b'{"id": "cmpl-x", "object": "text_completion", "choices": [{"index": 0,'
+                          b' "text": "ok", "finish_reason": "length"}], "usage": %s}'
+                          % self.usage.encode())
+                self._answer(writer, self.status if self.mode == "status" else 200, answer)
+                if self.mode == "twice":
+                    self._answer(writer, 200, b'{"second": "response"}')
+                return True
             if self.mode == "slow":
                 await asyncio.sleep(self.delay_s)
             await self._huge(writer)
@@ -168,9 +186,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--delay", type=float, default=5.0, help="seconds before slow answers")
     parser.add_argument("--chunked", action="store_true", help="chunked, not content-length")
     parser.add_argument("--model", default="sim")
+    parser.add_argument("--status", type=int, default=999, help="the status of 'status' mode")
+    parser.add_argument("--usage", default="{}", help="the raw usage JSON of 'usage' mode")
     args = parser.parse_args(argv)
     asyncio.run(serve(Misbehaving(args.mode, size=args.bytes, delay_s=args.delay,
-                                  chunked=args.chunked, model=args.model), args.port))
+                                  chunked=args.chunked, model=args.model, status=args.status,
+                                  usage=args.usage), args.port))
     return 0
 
 

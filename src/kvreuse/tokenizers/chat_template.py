@@ -154,6 +154,10 @@ class ChatTemplate:
         """
         if not messages:
             raise InputFormatError("a chat needs at least one message", where="messages")
+        for name, value in (("tools", tools), ("documents", documents)):
+            if value is not None and (not isinstance(value, Sequence)
+                                      or isinstance(value, (str, bytes))):
+                raise InputFormatError(f"{name} must be an array", name)
         if tools is not None:
             for index, tool in enumerate(tools):
                 if not isinstance(tool, Mapping):
