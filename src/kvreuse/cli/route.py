@@ -44,7 +44,7 @@ tokens, status, TTFT, total time; never the salt); warnings and errors go to std
 
 Limits: --upstream-timeout (to an upstream's first byte; past it the request is cancelled
 there and tried on the next candidate), --idle-timeout (idle client keep-alive connections),
---head-timeout (a request head, or a stalled body), --max-connections (more clients get a fast
+--head-timeout (a request head, then its whole body), --max-connections (more clients get a fast
 503), --max-response-bytes (a larger whole response is a 502). Upstreams failing requests in a
 row are ejected even while their /health answers. Every failure reaches the client as an
 OpenAI error body (or, inside a stream, an SSE error event) and is logged with the request id
@@ -93,7 +93,7 @@ def register(subparsers: Any) -> None:
                         "(default 30)")
     parser.add_argument("--head-timeout", type=float, metavar="S",
                         help="seconds a client has to send a complete request head, and "
-                        "between pieces of its body (default 10)")
+                        "then its whole body (plus 1 s per MiB received) (default 10)")
     parser.add_argument("--max-connections", type=int, metavar="N",
                         help="client connections open at once; more get a fast 503 "
                         "(default: half the open-file limit, at most 10000)")

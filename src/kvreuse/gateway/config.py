@@ -33,7 +33,7 @@ production")::
 
     upstream_timeout_s = 60.0       # to an upstream's first byte; then the next candidate
     idle_timeout_s = 30.0           # an idle keep-alive client connection is closed
-    head_timeout_s = 10.0           # a connection without a complete request head is closed
+    head_timeout_s = 10.0           # to send a complete request head, then its whole body
     max_connections = 4096          # more clients at once get a fast 503 (default: from
                                     # the open-file limit)
     max_response_bytes = 67108864   # a larger whole response is a 502 naming the limit

@@ -397,13 +397,15 @@ class Router:
         stats = self.streams[upstream]
         now = self.clock()
         self.silent_since.pop(upstream, None)
-        for event in batch.events:
-            applied = index.apply(event, now)
-            stats.orphan_blocks += applied.orphan_blocks
-            stats.unknown_removals += applied.unknown_removals
-            stats.ignored_events += applied.ignored
-            for routing_event in applied.routing_events:
-                self._tell_policy(self.upstreams[upstream], routing_event)
+        # One call for the batch: vLLM evicts a prompt as one BlockRemoved per block, tail
+        # first, and the index tells such a run as one removal (per event it was O(n^2)
+        # tokens: 16,000 blocks held the event loop 16.6 s).
+        applied = index.apply_batch(batch.events, now)
+        stats.orphan_blocks += applied.orphan_blocks
+        stats.unknown_removals += applied.unknown_removals
+        stats.ignored_events += applied.ignored_events
+        for routing_event in applied.routing_events:
+            self._tell_policy(self.upstreams[upstream], routing_event)
         stats.trimmed_blocks = index.trimmed_blocks
 
     def _tell_policy(self, upstream: UpstreamState, event: KvEvent) -> None:

@@ -3,8 +3,29 @@ traffic needs and uvicorn does not have.
 
 * **Request heads in time**: a connection that has not sent a complete request head within
   ``head_timeout_s`` of opening (or of the first byte of its next request) gets a 408 and is
-  closed; so does a request whose body stops arriving for as long. Slow-loris clients cannot
-  hold connections.
+  closed.
+* **Request bodies in time**: a body must arrive whole within ``head_timeout_s`` of the end of
+  its head, plus one second per MiB of it received (:data:`MIN_BODY_BYTES_PER_S`): a deadline
+  for the whole body, not a timer that each byte restarts, so a client trickling a byte now
+  and then is closed as surely as a silent one. The allowance per MiB is there because the
+  largest body a gateway takes (``max_body_bytes``, 8 MiB by default) needs 10 s at
+  6.7 Mbit/s, less than some real uplinks give; a client holding a connection by sending just
+  fast enough holds it at most ``head_timeout_s + max_body_bytes / 1 MiB/s`` (18 s by
+  default), since a larger body is refused (413). Past the deadline: a 408 (or, if the request
+  was already answered, a plain close) and the connection is closed. Only the reading of a
+  request is timed: an answer, however long it streams, never is. A request received while an
+  earlier answer on its connection is under way (pipelined) is timed from that answer's end.
+  Slow-loris clients therefore hold a connection for a bounded time; they still hold one
+  while they do, which ``max_connections`` bounds.
+* **Request heads of bounded size**: a request head (request line and headers, from its first
+  byte to its blank line, counted afresh for each request of a keep-alive connection) larger
+  than :data:`MAX_HEAD_BYTES` (64 KiB) gets a 431 and the connection is closed; the parser is
+  never given more than that much of a head, so no head costs more memory or parsing time
+  than one of 64 KiB. Real clients send well under 8 KiB (an OpenAI SDK about 1 KiB); 64 KiB
+  is four times Node.js's default limit (16 KiB) and twice the total nginx allows by
+  default (4 x 8 KiB), room for long bearer tokens and tracing headers. Without a cap,
+  httptools joins the pieces of a header as they arrive (time quadratic in its size), on the
+  event loop, which every other client waits for.
 * **Idle keep-alive connections** are closed after ``idle_timeout_s`` (uvicorn's
   ``timeout_keep_alive``).
 * **A connection limit** (``max_connections``): a client over it gets an immediate
@@ -16,6 +37,9 @@ traffic needs and uvicorn does not have.
   a task per request waiting on ``receive`` to learn of it.
 * **The open-file limit** is raised to its hard limit at start
   (:func:`raise_open_file_limit`); the default connection limit is derived from it.
+
+Every refusal here (408, 431, 503) has an OpenAI error body and ``connection: close``, and is
+logged at most once per 10 s per kind, with the count of those held back.
 
 :class:`GuardedHttpProtocol` extends uvicorn's httptools protocol (the gateway needs httptools
 anyway: its upstream client parses with it); :func:`uvicorn_options` gives the keyword options
@@ -43,6 +67,12 @@ log = logging.getLogger("kvreuse.gateway.serve")
 LINGER_S = 1.0  # how long a refused connection waits for the client to read its 503
 MAX_DEFAULT_CONNECTIONS = 10_000
 RESERVED_FILES = 128  # for upstream pools' control connections, logs, sockets of ZeroMQ
+MAX_HEAD_BYTES = 64 * 1024  # a larger request head is a 431 (see the module docstring)
+MIN_BODY_BYTES_PER_S = 1 << 20  # each MiB of a body received adds 1 s to its deadline
+
+_HEAD_END = b"\r\n\r\n"
+_HEAD = "its request head"  # (the phases a client can be late with, as the log names them)
+_BODY = "its request body"
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,29 +89,43 @@ def _raw_response(status: int, reason: str, message: str, kind: str) -> bytes:
             f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode() + body
 
 
-# Floods of refused or too-slow clients cost a line per 10 s each, with the count held back.
+# Floods of refused, too-slow or too-large clients cost a line per 10 s each, with the count
+# held back.
 _over_limit = ThrottledLog(log, burst=1, interval_s=10.0)
 _too_slow = ThrottledLog(log, burst=1, interval_s=10.0)
+_too_large = ThrottledLog(log, burst=1, interval_s=10.0)
 
 
 class GuardedHttpProtocol(HttpToolsProtocol):
-    """uvicorn's HTTP/1.1 protocol plus a head/body timeout and a connection limit (see the
-    module docstring). Subclassed per server by :func:`protocol_class` to carry its limits."""
+    """uvicorn's HTTP/1.1 protocol plus head and body deadlines, a cap on the size of request
+    heads and a connection limit (see the module docstring). Subclassed per server by
+    :func:`protocol_class` to carry its limits."""
 
     limits: ClassVar[ConnectionLimits] = ConnectionLimits(MAX_DEFAULT_CONNECTIONS, 10.0)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._timer: asyncio.TimerHandle | None = None
-        # What the client is late with while a request is incomplete ("its request head",
-        # "its request body"; None between requests), and since when: one timer per
+        # What the client is late with while a request is incomplete (_HEAD, _BODY; None
+        # between requests and behind an answer under way), and since when: one timer per
         # connection checks it, re-armed only when it fires, so that a request arriving
         # whole costs no timer at all.
         self._phase: str | None = None
         self._since = 0.0
         self._hook: DisconnectHook | None = None  # the current request's
         self._refused = False  # over the connection limit: never served
-        self._draining = False  # answered 408: reading and dropping until the close
+        self._draining = False  # answered 408 or 431: reading and dropping until the close
+        self._pending_431 = False  # ... the 431 waiting for the answers before it
+        # What the parser is reading, whatever the answers are doing: "head" (from the end of
+        # the last request, before its next one's first byte too, to on_headers_complete),
+        # "body" (to on_message_complete) or "upgrade" (nothing is counted any more).
+        self._reading = "head"
+        self._head_bytes = 0  # of the head being read, fed to the parser
+        self._head_tail = b""  # its last bytes, to find a blank line split between reads
+        self._body_left: int | None = None  # of a body of declared length, not yet parsed
+        self._body_bytes = 0  # of the current request's body, received
+        self._body_fed = 0  # of every body on this connection (see data_received)
+        self._messages = 0  # requests completely read on this connection
 
     # ------------------------------------------------------------------ connection
 
@@ -90,7 +134,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._refuse(transport)
             return
         super().connection_made(transport)
-        self._start("its request head")
+        self._start(_HEAD)
         self._arm(self.limits.head_timeout_s)
 
     def _refuse(self, transport: asyncio.Transport) -> None:
@@ -111,11 +155,53 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self.loop.call_later(LINGER_S, transport.close)
 
     def data_received(self, data: bytes) -> None:
+        """Feed ``data`` to the parser in pieces that end where a head or a body of declared
+        length ends (see :meth:`_cut`), so that the bytes of each head are counted exactly
+        and the parser never holds more than :data:`MAX_HEAD_BYTES` of one."""
         if self._refused or self._draining:
             return  # read and dropped, so that the close is a clean one
-        super().data_received(data)
+        start, end = 0, len(data)
+        while start < end:
+            stop = self._cut(data, start, end)
+            piece = data if stop - start == end else data[start:stop]
+            in_body, body_fed, messages = self._reading == "body", self._body_fed, self._messages
+            super().data_received(piece)
+            if self.transport.is_closing() or self._reading == "upgrade":
+                return  # refused as malformed (400), or upgraded (the rest is not HTTP)
+            start = stop
+            if self._reading == "body":
+                continue
+            if self._messages == messages:  # no request ended: the piece was all head
+                self._head_bytes += len(piece)
+            elif in_body:  # a body ended in it: what followed it is the next head
+                # (exact for a declared length; a chunked body's framing is counted too)
+                self._head_bytes = len(piece) - (self._body_fed - body_fed)
+            else:  # the piece ended where the head of a request without a body ends
+                self._head_bytes = 0
+            self._head_tail = piece[-3:] if self._head_bytes else b""
+            if self._head_bytes >= MAX_HEAD_BYTES:
+                self._head_too_large()
+                return
         if self._phase is not None and self._timer is None:
             self._arm(self.limits.head_timeout_s)
+
+    def _cut(self, data: bytes, start: int, end: int) -> int:
+        """Where the next piece of ``data[start:end]`` for the parser ends: at the blank line
+        that ends a head, at the end of a body of declared length, and never past what the
+        head being read may still take."""
+        if self._reading == "upgrade":
+            return end
+        if self._reading == "body":
+            if self._body_left is not None and self._body_left > 0:
+                return min(end, start + self._body_left)
+            return min(end, start + MAX_HEAD_BYTES)  # chunked: the next head may follow
+        limit = min(end, start + MAX_HEAD_BYTES - self._head_bytes)
+        if self._head_tail:
+            found = (self._head_tail + data[start:start + 3]).find(_HEAD_END)
+            if found >= 0:
+                return min(limit, start + found + len(_HEAD_END) - len(self._head_tail))
+        found = data.find(_HEAD_END, start, limit)
+        return limit if found < 0 else found + len(_HEAD_END)
 
     def eof_received(self) -> bool | None:  # type: ignore[override]
         if self._refused or self._draining:
@@ -137,9 +223,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         if self._phase is None:  # (a first request's head is timed from the connection)
-            cycle = self.cycle
-            if cycle is None or cycle.response_complete:  # not behind an answer under way
-                self._start("its request head")
+            self._retime()
 
     def on_headers_complete(self) -> None:
         # The request's disconnect hook: spares the app a task per request watching receive.
@@ -147,22 +231,67 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         extensions = self.scope.setdefault("extensions", {})
         extensions[DISCONNECT_HOOK] = {"hook": hook}  # ASGI extensions are dicts
         super().on_headers_complete()
+        self._head_bytes, self._head_tail, self._body_bytes = 0, b"", 0
         if self.parser.should_upgrade():
-            self._phase = None
-        else:
-            self._start("its request body")
+            self._reading, self._phase = "upgrade", None
+            return
+        self._reading = "body"
+        self._body_left = self._declared_length()
+        self._retime()
+
+    def _declared_length(self) -> int | None:
+        """The request's content-length (0 without one); None for a chunked body."""
+        length = 0
+        for name, value in self.headers:
+            if name == b"transfer-encoding":
+                return None
+            if name == b"content-length":
+                try:
+                    length = int(value)
+                except ValueError:
+                    return None
+        return length
 
     def on_body(self, body: bytes) -> None:
         super().on_body(body)
-        self._since = self.loop.time()  # progress: the body's clock restarts
+        size = len(body)
+        self._body_bytes += size
+        self._body_fed += size
+        if self._body_left is not None:
+            self._body_left -= size
 
     def on_message_complete(self) -> None:
-        self._phase = None
+        self._reading, self._phase = "head", None
+        self._messages += 1
         super().on_message_complete()
 
     def on_response_complete(self) -> None:
-        self._phase = None  # answered before its body was all read (a 413): no 408 after
-        super().on_response_complete()
+        super().on_response_complete()  # (starts the next pipelined request, if any)
+        if self.transport.is_closing():
+            return
+        if self._pending_431:
+            if not self.pipeline and self.cycle.response_complete:
+                self._answer_431()
+            return
+        if self._draining:
+            return
+        # What arrived behind this answer (the start of the next request, or the rest of
+        # this request's body, answered early) is timed from now.
+        self._phase = None
+        self._retime()
+        if self._phase is not None and self._timer is None:
+            self._arm(self.limits.head_timeout_s)
+
+    def _retime(self) -> None:
+        """Time what the parser is reading, unless it waits behind an answer under way
+        (pipelined): a head when every answer is complete, a body when its own request is
+        being served (none queued before it)."""
+        if self._reading == "head" and (self.cycle is None or self.cycle.response_complete):
+            self._start(_HEAD)
+        elif self._reading == "body" and not self.pipeline:
+            self._start(_BODY)
+        else:
+            self._phase = None
 
     def _start(self, phase: str) -> None:
         self._phase = phase
@@ -176,39 +305,74 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._timer.cancel()
             self._timer = None
 
+    def _allowed_s(self) -> float:
+        """How long the current phase may take: ``head_timeout_s``, and for a body not yet
+        answered one second more per :data:`MIN_BODY_BYTES_PER_S` received."""
+        allowed = self.limits.head_timeout_s
+        if self._phase == _BODY and not (self.cycle is not None and self.cycle.response_started):
+            allowed += self._body_bytes / MIN_BODY_BYTES_PER_S
+        return allowed
+
     def _check(self) -> None:
-        """The timer fired: 408 when the current phase has outlasted the timeout, else wait
+        """The timer fired: 408 when the current phase has outlasted its deadline, else wait
         for what is left of it (or for nothing, between requests)."""
         self._timer = None
         if self._phase is None:
             return
-        left = self._since + self.limits.head_timeout_s - self.loop.time()
+        left = self._since + self._allowed_s() - self.loop.time()
         if left > 0.001:
             self._arm(left)
             return
         self._too_slow(self._phase)
 
-    def _too_slow(self, what: str) -> None:
+    def _too_slow(self, phase: str) -> None:
+        allowed = self._allowed_s()
         self._phase = None
         if self.transport is None or self.transport.is_closing():
             return
-        seconds = f"{self.limits.head_timeout_s:g}"
+        seconds = f"{allowed:.3g}"
         _too_slow.warning("closed a client connection that did not send %s within %s s",
-                          what, seconds)
+                          phase, seconds)
         cycle = self.cycle
-        if cycle is not None and not cycle.response_complete and cycle.response_started:
-            self.transport.close()  # an answer is under way: nothing else can be said
+        if cycle is not None and cycle.response_started and (
+                phase == _BODY or not cycle.response_complete):
+            # Its request already has an answer (or one is under way): nothing else can be
+            # said on this connection.
+            self.transport.close()
             return
         if cycle is not None and not cycle.response_complete:
             cycle.disconnected = True  # the app sees the client gone; its answer is dropped
             cycle.message_event.set()
-        # As for a refused connection: answer, half-close, drop what still comes, close when
-        # the client has read it, so that no reset destroys the answer.
+        what = "body" if phase == _BODY else "head"
+        self._answer_and_close(408, "Request Timeout",
+                               f"the request did not arrive in time: no complete {what} "
+                               f"within {seconds} s", "RequestTimeout")
+
+    def _head_too_large(self) -> None:
+        """The head being read is over :data:`MAX_HEAD_BYTES`: stop reading the connection
+        and answer 431, at once or, behind answers under way (pipelined), after them."""
+        self._phase = None
+        self._disarm()
+        self._draining = True  # what else the client sends is dropped, never parsed
+        _too_large.warning("refused a request head over %d bytes (431) and closed the "
+                           "connection", MAX_HEAD_BYTES)
+        if self.pipeline or (self.cycle is not None and not self.cycle.response_complete):
+            self._pending_431 = True
+            return
+        self._answer_431()
+
+    def _answer_431(self) -> None:
+        self._pending_431 = False
+        self._answer_and_close(
+            431, "Request Header Fields Too Large",
+            f"the request head (request line and headers) is larger than {MAX_HEAD_BYTES} "
+            "bytes", "RequestHeaderFieldsTooLarge")
+
+    def _answer_and_close(self, status: int, reason: str, message: str, kind: str) -> None:
+        """As for a refused connection: answer, half-close, drop what still comes, close when
+        the client has read it, so that no reset destroys the answer."""
         self._draining = True
-        self.transport.write(_raw_response(
-            408, "Request Timeout",
-            f"the request did not arrive in time: no complete {what.split()[-1]} within "
-            f"{seconds} s", "RequestTimeout"))
+        self.transport.write(_raw_response(status, reason, message, kind))
         if self.transport.can_write_eof():
             self.transport.write_eof()
         self.loop.call_later(LINGER_S, self.transport.close)

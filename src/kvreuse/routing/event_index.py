@@ -24,14 +24,20 @@ stays a hit while any copy remains; the index therefore counts copies per hash. 
 it the counts run high until ``AllBlocksCleared``.)
 
 Each applied event is also translated into the path-based events of :mod:`kvreuse.routing.events`
-(full token paths), which is what the routing policies consume. The tree is the kernel of
+(full token paths), which is what the routing policies consume. Blocks that go one after another
+along a chain (an engine evicting a prompt tail first, a trim of a long chain, a run of holes) are
+told as one :class:`KvRemoved` of the run (the path to its deepest block, kept up to its first):
+a path per block would cost O(depth) each, O(n^2) tokens for an n-block chain.
+:meth:`EventIndex.apply_batch` does so across the events of a batch too. The tree is the kernel of
 :mod:`kvreuse.index.trie` with one block per node (blocks never split), compiled with it
 (:mod:`kvreuse.native`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import islice
 
 from mypy_extensions import mypyc_attr
 
@@ -83,6 +89,73 @@ class Applied:
     orphan_blocks: int = 0
     unknown_removals: int = 0
     ignored: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class BatchApplied:
+    """What a batch of events did (:meth:`EventIndex.apply_batch`): the sums of
+    :class:`Applied`, ``ignored_events`` counting the ignored ones."""
+
+    routing_events: tuple[KvEvent, ...] = ()
+    orphan_blocks: int = 0
+    unknown_removals: int = 0
+    ignored_events: int = 0
+
+
+def _only_child(parent: _Block, child: _Block) -> bool:
+    """``parent`` has no child but (at most) ``child``. O(1)."""
+    children = parent.children
+    return not children or (len(children) == 1 and next(iter(children.values())) is child)
+
+
+class _Removals:
+    """Routing events in order, blocks that lost their last copy gathered into runs: a block
+    removed right after its only child's run, or right after its parent's run when it is that
+    parent's only child, joins the run, told as one :class:`KvRemoved` (the path to the run's
+    deepest block, kept up to its first block). That is what the blocks' own events would leave
+    a policy holding: the one exception :class:`KvRemoved` makes (the first tokens of a removed
+    block that open a sibling still held) can only apply to a block with a sibling, which
+    starts a run of its own. One path per run: O(tokens of the run + depth) per run."""
+
+    __slots__ = ("bottom", "now", "out", "replica", "top")
+
+    def __init__(self, replica: str, now: float) -> None:
+        self.replica = replica
+        self.now = now
+        self.out: list[KvEvent] = []
+        self.top: _Block | None = None  # the run's first block (nearest the root)
+        self.bottom: _Block | None = None  # its deepest
+
+    def removed(self, block: _Block) -> None:
+        """``block`` has no copy left (the removal is done: it may be unlinked already)."""
+        top, bottom = self.top, self.bottom
+        if top is not None and bottom is not None:
+            if block is top.parent and _only_child(block, top):
+                self.top = block
+                return
+            if block.parent is bottom and _only_child(bottom, block):
+                self.bottom = block
+                return
+            self.flush()
+        self.top = self.bottom = block
+
+    def emit(self, event: KvEvent) -> None:
+        """Any other routing event, after the removals before it."""
+        self.flush()
+        self.out.append(event)
+
+    def flush(self) -> None:
+        top, bottom = self.top, self.bottom
+        if top is None or bottom is None:
+            return
+        self.top = self.bottom = None
+        self.out.append(KvRemoved(self.replica, bottom.path(), top.end - top.num_tokens,
+                                  top.identity, self.now))
+
+    def events(self) -> tuple[KvEvent, ...]:
+        """Everything told so far, the pending run included."""
+        self.flush()
+        return tuple(self.out)
 
 
 def salt_of(extra_keys: tuple[object, ...] | None, lora_name: str | None) -> str | None:
@@ -155,21 +228,52 @@ class EventIndex(PrefixTrie[_Block]):
         keys name, and ``witness``, packed tokens from the first prompt token that contain the
         stored blocks (the simulator holds the request's): the routing events of those blocks
         are then slices of it, not walks to the root. O(tokens of the event + depth of its
-        parent)."""
+        parent); removals and trims O(blocks + tokens of each run + its depth)."""
+        told = _Removals(self.replica, now)
+        orphans, unknown, ignored = self._apply(event, told, identity, witness)
+        return Applied(told.events(), orphans, unknown, ignored)
+
+    def apply_batch(self, events: Iterable[KVCacheEvent], now: float = 0.0) -> BatchApplied:
+        """:meth:`apply` each event in turn, the routing events of the whole batch told at
+        once: removals that continue one another across events (vLLM publishes a
+        ``BlockRemoved`` per evicted block, a prompt tail first) make one :class:`KvRemoved`,
+        so evicting an n-block chain costs O(n) blocks and tokens, not O(n^2). A policy told
+        these events holds what it would hold told each event's. O(sum of :meth:`apply`)."""
+        told = _Removals(self.replica, now)
+        orphans = unknown = ignored = 0
+        for event in events:
+            placed, missing, skipped = self._apply(event, told, None, None)
+            orphans += placed
+            unknown += missing
+            ignored += skipped
+        return BatchApplied(told.events(), orphans, unknown, ignored)
+
+    def _apply(self, event: KVCacheEvent, told: _Removals, identity: CacheIdentity | None,
+               witness: bytes | None) -> tuple[int, int, bool]:
+        """Fold ``event`` in, its routing events to ``told``; returns its orphan blocks, its
+        unknown removals and whether it was ignored."""
         if isinstance(event, AllBlocksCleared):
+            told.flush()  # while the removed blocks' paths are still those of this tree
             self.reset()
-            return Applied((KvCleared(self.replica, now),))
+            told.emit(KvCleared(self.replica, told.now))
+            return 0, 0, False
         if event.medium not in CACHED_MEDIA:
-            return Applied(ignored=True)
+            return 0, 0, True
         if isinstance(event, BlockStored):
-            applied = self._stored(event, now, identity, witness)
+            orphans = self._stored(event, told, identity, witness)
             budget = self.budget_tokens
             if budget is not None and self._tree_tokens > budget:
-                trimmed = self._trim(budget, now)
-                return Applied(applied.routing_events + trimmed, applied.orphan_blocks)
-            return applied
+                self._trim(budget, told)
+            return orphans, 0, False
         assert isinstance(event, BlockRemoved), f"unknown event {event!r}"
-        return self._removed(event, now)
+        unknown = 0
+        for block_hash in event.block_hashes:
+            block = self._by_hash.get(block_hash)
+            if block is None:
+                unknown += 1
+                continue
+            self._forget(block, block_hash, told)
+        return 0, unknown, False
 
     def reset(self) -> None:
         """Forget everything (AllBlocksCleared, or a sequence gap that cannot be replayed)."""
@@ -184,31 +288,40 @@ class EventIndex(PrefixTrie[_Block]):
         self.budget_tokens = tokens
         if tokens is None or self._tree_tokens <= tokens:
             return []
-        return list(self._trim(tokens, 0.0))
+        told = _Removals(self.replica, 0.0)
+        self._trim(tokens, told)
+        return list(told.events())
 
-    def _trim(self, budget: int, now: float) -> tuple[KvEvent, ...]:
+    def _trim(self, budget: int, told: _Removals) -> None:
         """Forget the blocks stored longest ago until the tree fits ``budget``. The engine's
         cache cannot hold more than its capacity, so a tree past it holds blocks whose removal
         was lost (or forged stores): the oldest are the likeliest gone. Amortized O(1) per
-        block (each hash is trimmed once)."""
-        out: list[KvEvent] = []
+        block (each hash is trimmed once), plus the tokens of the runs told."""
+        # The oldest hashes are read a batch at a time (batches doubling): reading the first
+        # key anew after each deletion would rescan the deleted slots, O(n^2) for one trim.
+        # Forgetting a hash deletes that hash only, so each one read is still there.
+        batch = 16
         while self._tree_tokens > budget and self._by_hash:
-            block_hash = next(iter(self._by_hash))
-            self.trimmed_blocks += 1
-            self._forget(self._by_hash[block_hash], block_hash, now, out, all_copies=True)
-        return tuple(out)
+            for block_hash in list(islice(self._by_hash, batch)):
+                if self._tree_tokens <= budget:
+                    break
+                self.trimmed_blocks += 1
+                self._forget(self._by_hash[block_hash], block_hash, told, all_copies=True)
+            batch *= 2
 
-    def _stored(self, event: BlockStored, now: float, identity: CacheIdentity | None,
-                witness: bytes | None) -> Applied:
+    def _stored(self, event: BlockStored, told: _Removals, identity: CacheIdentity | None,
+                witness: bytes | None) -> int:
+        """Place ``event``'s blocks; returns how many could not be (an unknown parent)."""
+        now = told.now
         hashes = event.block_hashes
         size = len(event.token_ids) // len(hashes)
-        cleared: tuple[KvEvent, ...] = ()
         if size * TOKEN_BYTES != self._page_bytes:
             # Blocks of another size (a restarted engine, a forged event): the tree is filed by
             # whole blocks of the old size, so it starts over.
             if self._roots:
+                told.flush()
                 self.reset()
-                cleared = (KvCleared(self.replica, now),)
+                told.emit(KvCleared(self.replica, now))
             self._page_bytes = size * TOKEN_BYTES
         parent: _Block
         if event.parent_block_hash is None:
@@ -220,7 +333,7 @@ class EventIndex(PrefixTrie[_Block]):
         else:
             found = self._by_hash.get(event.parent_block_hash)
             if found is None:
-                return Applied(cleared, orphan_blocks=len(hashes))
+                return len(hashes)
             parent = found
         self.block_size = event.block_size
         step = size * TOKEN_BYTES
@@ -231,7 +344,7 @@ class EventIndex(PrefixTrie[_Block]):
         node = parent
         # Blocks a reused hash leaves without a copy, told after the store: one may be in the
         # stored chain itself.
-        moved: list[KvEvent] = []
+        moved = _Removals(self.replica, now)
         for i, block_hash in enumerate(hashes):
             key = source[base + i * step : base + (i + 1) * step]
             child: _Block | None = node.children.get(key)
@@ -248,42 +361,33 @@ class EventIndex(PrefixTrie[_Block]):
             if previous is not None and previous is not child:
                 # One hash for other tokens: a collision or a publisher bug; newest wins, and
                 # the policy hears that the old block went.
-                self._forget(previous, block_hash, now, moved, all_copies=True)
+                self._forget(previous, block_hash, moved, all_copies=True)
             self._by_hash[block_hash] = child
             node = child
-        stored = KvStored(self.replica, node.path(), node.identity, now)
+        told.emit(KvStored(self.replica, node.path(), node.identity, now))
+        for routed in moved.events():
+            told.emit(routed)
         if self._tree_tokens == self._present_tokens:  # no hole anywhere: the common case
-            return Applied((*cleared, stored, *moved))
+            return 0
         # A store below a hole (a forged or out-of-order stream: vLLM computes a parent before
         # its child): the routing event claims the whole path, so the holes are taken back.
-        holes: list[KvEvent] = []
+        holes = _Removals(self.replica, now)
         above = parent
         while above.parent is not None:
             if not above.hashes:
-                holes.append(KvRemoved(self.replica, above.path(), above.end - above.num_tokens,
-                                       above.identity, now))
+                holes.removed(above)
             above = above.parent
-        return Applied((*cleared, stored, *moved, *holes))
+        for routed in holes.events():
+            told.emit(routed)
+        return 0
 
-    def _removed(self, event: BlockRemoved, now: float) -> Applied:
-        out: list[KvEvent] = []
-        unknown = 0
-        for block_hash in event.block_hashes:
-            block = self._by_hash.get(block_hash)
-            if block is None:
-                unknown += 1
-                continue
-            self._forget(block, block_hash, now, out)
-        return Applied(tuple(out), unknown_removals=unknown)
-
-    def _forget(self, block: _Block, block_hash: BlockHash, now: float, out: list[KvEvent], *,
+    def _forget(self, block: _Block, block_hash: BlockHash, told: _Removals, *,
                 all_copies: bool = False) -> None:
-        """Drop a copy (or all) of ``block_hash``; a block left with none goes to ``out`` as a
-        :class:`KvRemoved` (an unlinked block keeps its path to the root for that)."""
+        """Drop a copy (or all) of ``block_hash``; a block left with none is told removed (an
+        unlinked block keeps its path to the root for that)."""
         self._drop_hash(block, block_hash, all_copies=all_copies)
         if not block.hashes:
-            out.append(KvRemoved(self.replica, block.path(),
-                                 block.end - block.num_tokens, block.identity, now))
+            told.removed(block)
 
     def _drop_hash(self, block: _Block, block_hash: BlockHash, *, all_copies: bool = False) -> None:
         copies = block.hashes[block_hash] - 1
