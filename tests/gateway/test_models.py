@@ -462,3 +462,46 @@ def test_retries_stay_among_the_upstreams_serving_the_model(gateway_factory: Fac
     assert sample(gateway.url, "kvreuse_gateway_retries_total", upstream="a") == 2.0
     a.server.stop()
     b.server.stop()
+
+
+def test_a_batch_too_costly_to_tell_makes_the_index_start_over() -> None:
+    """A forged batch whose holes would be told with O(n^2) tokens: the router forgets the
+    upstream (KvCleared to the policy, index empty), counts the drop and logs; later events
+    are learned again."""
+    from kvreuse.gateway.prompts import TextApproximation
+    from kvreuse.gateway.router import Router
+    from kvreuse.gateway.upstreams import UpstreamState
+    from kvreuse.index.events import BlockRemoved, BlockStored
+    from kvreuse.index.hashing import BlockHash
+    from kvreuse.kv_event_codec import EventBatch
+    from kvreuse.routing import build_policy
+    from kvreuse.tokens import pack
+
+    def h(value: int) -> BlockHash:
+        return BlockHash(value.to_bytes(8, "big"))
+
+    upstream = UpstreamState(UpstreamConfig("http://h:1", name="u", events="tcp://h:2"),
+                             eject_after=3, readmit_after=2)
+    policy = build_policy("exact", block_size=16)
+    router = Router(policy, [upstream], TextApproximation())
+    upstream.learned(({"id": "a"},))
+    router.models_changed(upstream, None)
+    blocks = 8_000
+    chain = BlockStored(tuple(h(1 + i) for i in range(blocks)), None,
+                        tuple(i % 50_000 for i in range(blocks * 16)), 16)
+    router.apply_batch("u", EventBatch(0, 0.0, (chain,)))
+    assert router.indexes["u"].tree_tokens == blocks * 16
+    head = pack([i % 50_000 for i in range(64)] + [0])
+    fleet = FleetView((upstream.load(),))
+    head_view = RequestView("q", head, num_tokens(head), router.identity("a", None))
+    assert policy.predict(head_view, fleet)["u"] == 64
+    holes = tuple(BlockRemoved((h(1 + i),)) for i in range(0, blocks - 1, 2))
+    router.apply_batch("u", EventBatch(1, 0.0, holes))
+    assert router.indexes["u"].tree_tokens == 0
+    assert router.streams["u"].dropped == {"too_costly": 1}
+    assert policy.predict(head_view, fleet)["u"] == 0
+    prompt = pack([5, 6, 7, 8] * 4 + [0])
+    view = RequestView("r", prompt, num_tokens(prompt), router.identity("a", None))
+    router.apply_batch("u", EventBatch(2, 0.0, (BlockStored((h(90_001),), None,
+                                                            tuple([5, 6, 7, 8] * 4), 16),)))
+    assert policy.predict(view, fleet)["u"] == 16

@@ -190,3 +190,47 @@ def test_a_removed_block_with_a_sibling_starts_its_own_run() -> None:
         mirror.apply(routed)
     probe = pack([1, 2, 3, 5, 9])
     assert mirror.predict(RequestView("p", probe, 1), ["r0"], 0.0)["r0"] == index.match(probe) == 4
+
+
+def test_a_batch_of_alternate_holes_overflows_instead_of_telling_n_squared_tokens() -> None:
+    """Every other block of an 8,000-block chain removed (a forged stream: each hole would be
+    told with its whole path, 256 million tokens): the batch reports overflowed with no routing
+    events, past told_tokens_limit, and the index is still consistent."""
+    index = EventIndex("r0")
+    index.apply(chain(8_000))
+    removals = [BlockRemoved((h(1 + i),)) for i in range(0, 7_999, 2)]
+    applied = index.apply_batch(removals, 1.0)
+    assert applied.overflowed and applied.routing_events == ()
+    assert applied.unknown_removals == 0
+    assert index.told_tokens_limit() < 256_000_000
+    index.check_invariants()
+
+
+def test_a_batch_under_the_limit_is_told_in_full() -> None:
+    """The same holes on a 1,000-block chain tell 4 million tokens: under the limit, told."""
+    index = EventIndex("r0")
+    index.apply(chain(1_000))
+    applied = index.apply_batch([BlockRemoved((h(1 + i),)) for i in range(0, 999, 2)], 1.0)
+    assert not applied.overflowed and len(applied.routing_events) == 500
+
+
+def test_a_snapshot_past_the_limit_is_none() -> None:
+    """routing_snapshot of a chain with thousands of holes: None, not O(n^2) tokens."""
+    index = EventIndex("r0")
+    index.apply(chain(8_000))
+    for i in range(0, 7_999, 2):
+        index.apply(BlockRemoved((h(1 + i),)))
+    assert index.routing_snapshot() is None
+    small = EventIndex("r1")
+    small.apply(chain(10))
+    assert small.routing_snapshot() is not None
+
+
+def test_the_limit_grows_with_the_budget() -> None:
+    """At least MIN_TOLD_TOKENS_LIMIT, and 4 x the index's budget when that is larger."""
+    from kvreuse.routing.event_index import MIN_TOLD_TOKENS_LIMIT
+
+    index = EventIndex("r0")
+    assert index.told_tokens_limit() == MIN_TOLD_TOKENS_LIMIT
+    index.set_budget(MIN_TOLD_TOKENS_LIMIT)
+    assert index.told_tokens_limit() == 4 * MIN_TOLD_TOKENS_LIMIT

@@ -38,6 +38,7 @@ from kvreuse.errors import ConfigError
 from kvreuse.gateway.metrics import IndexSize
 from kvreuse.gateway.prompts import PromptTokenizer, request_tokens
 from kvreuse.gateway.subscriber import StreamStats
+from kvreuse.gateway.telemetry import ThrottledLog
 from kvreuse.gateway.upstreams import UpstreamState
 from kvreuse.gateway.validation import ParsedRequest, RequestError
 from kvreuse.identity import CacheIdentity
@@ -122,6 +123,7 @@ class Router:
         # Called with an upstream's name when its index turns suspect (the gateway asks that
         # upstream's subscriber to rebuild it from the replay socket).
         self.on_suspect: Callable[[str], None] = lambda name: None
+        self._overflow_log = ThrottledLog(log, burst=2, interval_s=10.0)
         inner = getattr(policy, "inner", policy)  # TenantPinned wraps one
         # The policy holding a cache estimator (a shared index may replace it), if any.
         self.estimating = inner if isinstance(inner, EstimatorPolicy) else None
@@ -166,8 +168,12 @@ class Router:
         if index is None:
             return
         now = self.clock()
+        snapshot = index.routing_snapshot(now)
+        if snapshot is None:
+            self._overflowed(upstream.name, "its index is too fragmented to re-tell")
+            return
         self.policy.on_kv_event(KvCleared(upstream.name, now))
-        for event in index.routing_snapshot(now):
+        for event in snapshot:
             self._tell_policy(upstream, event)
 
     def served_models(self, allowed: Sequence[str] | None = None) -> list[str]:
@@ -401,6 +407,10 @@ class Router:
         # first, and the index tells such a run as one removal (per event it was O(n^2)
         # tokens: 16,000 blocks held the event loop 16.6 s).
         applied = index.apply_batch(batch.events, now)
+        if applied.overflowed:
+            self._overflowed(upstream, "one batch of its events would tell more than "
+                             f"{index.told_tokens_limit()} tokens of paths")
+            return
         stats.orphan_blocks += applied.orphan_blocks
         stats.unknown_removals += applied.unknown_removals
         stats.ignored_events += applied.ignored_events
@@ -424,6 +434,14 @@ class Router:
             if model not in upstream.adapters:
                 self.policy.on_kv_event(
                     dataclasses.replace(event, identity=self._with_model(event.identity, model)))
+
+    def _overflowed(self, upstream: str, why: str) -> None:
+        """``upstream``'s events cannot be told at a bounded cost (forged, or a stream no
+        engine sends): forget what it holds and learn it again from the events that follow
+        (no replay: it would bring the same batch back)."""
+        self._overflow_log.warning("KV events of %s: %s; its index starts over", upstream, why)
+        self.streams[upstream].drop("too_costly")
+        self.mark_cold(upstream, why)
 
     def mark_cold(self, upstream: str, reason: str) -> None:
         """Forget what ``upstream`` holds: its events can no longer be trusted to be complete."""

@@ -49,6 +49,10 @@ from kvreuse.routing.events import KvCleared, KvEvent, KvRemoved, KvStored
 from kvreuse.tokens import TOKEN_BYTES, TokenBuffer, pack
 
 CACHED_MEDIA = ("GPU",)
+UNLIMITED_TOKENS = 1 << 62
+MIN_TOLD_TOKENS_LIMIT = 1 << 24
+"""The least :meth:`EventIndex.told_tokens_limit` says (64 MB of token ids), whatever the
+budget."""
 """Events about other media (a CPU or disk offload tier) do not change what prefix caching hits."""
 
 
@@ -94,12 +98,15 @@ class Applied:
 @dataclass(frozen=True, slots=True)
 class BatchApplied:
     """What a batch of events did (:meth:`EventIndex.apply_batch`): the sums of
-    :class:`Applied`, ``ignored_events`` counting the ignored ones."""
+    :class:`Applied`, ``ignored_events`` counting the ignored ones; ``overflowed``: the
+    routing events would have told more than :meth:`EventIndex.told_tokens_limit` tokens of
+    paths and were dropped (``routing_events`` is empty)."""
 
     routing_events: tuple[KvEvent, ...] = ()
     orphan_blocks: int = 0
     unknown_removals: int = 0
     ignored_events: int = 0
+    overflowed: bool = False
 
 
 def _only_child(parent: _Block, child: _Block) -> bool:
@@ -117,11 +124,14 @@ class _Removals:
     block that open a sibling still held) can only apply to a block with a sibling, which
     starts a run of its own. One path per run: O(tokens of the run + depth) per run."""
 
-    __slots__ = ("bottom", "now", "out", "replica", "top")
+    __slots__ = ("allowance", "bottom", "now", "out", "replica", "top")
 
-    def __init__(self, replica: str, now: float) -> None:
+    def __init__(self, replica: str, now: float, allowance: list[int] | None = None) -> None:
         self.replica = replica
         self.now = now
+        # Tokens of paths this call may still materialise, shared with the nested collectors
+        # of one call: past it no event is built (:attr:`overflowed`).
+        self.allowance = allowance if allowance is not None else [UNLIMITED_TOKENS]
         self.out: list[KvEvent] = []
         self.top: _Block | None = None  # the run's first block (nearest the root)
         self.bottom: _Block | None = None  # its deepest
@@ -144,13 +154,29 @@ class _Removals:
         self.flush()
         self.out.append(event)
 
+    def stored(self, node: _Block) -> None:
+        """The :class:`KvStored` of ``node``'s path, after the removals before it."""
+        self.flush()
+        if self.spend(node.end):
+            self.out.append(KvStored(self.replica, node.path(), node.identity, self.now))
+
+    def spend(self, tokens: int) -> bool:
+        """Whether a path of ``tokens`` may still be built (it is then counted)."""
+        self.allowance[0] -= tokens
+        return self.allowance[0] >= 0
+
+    @property
+    def overflowed(self) -> bool:
+        return self.allowance[0] < 0
+
     def flush(self) -> None:
         top, bottom = self.top, self.bottom
         if top is None or bottom is None:
             return
         self.top = self.bottom = None
-        self.out.append(KvRemoved(self.replica, bottom.path(), top.end - top.num_tokens,
-                                  top.identity, self.now))
+        if self.spend(bottom.end):
+            self.out.append(KvRemoved(self.replica, bottom.path(), top.end - top.num_tokens,
+                                      top.identity, self.now))
 
     def events(self) -> tuple[KvEvent, ...]:
         """Everything told so far, the pending run included."""
@@ -238,15 +264,28 @@ class EventIndex(PrefixTrie[_Block]):
         once: removals that continue one another across events (vLLM publishes a
         ``BlockRemoved`` per evicted block, a prompt tail first) make one :class:`KvRemoved`,
         so evicting an n-block chain costs O(n) blocks and tokens, not O(n^2). A policy told
-        these events holds what it would hold told each event's. O(sum of :meth:`apply`)."""
-        told = _Removals(self.replica, now)
+        these events holds what it would hold told each event's. O(sum of :meth:`apply`),
+        the paths told bounded by :meth:`told_tokens_limit`: past it the batch's routing
+        events are dropped and ``overflowed`` is set (the caller must then forget what the
+        policy was told of this replica)."""
+        told = _Removals(self.replica, now, [self.told_tokens_limit()])
         orphans = unknown = ignored = 0
         for event in events:
             placed, missing, skipped = self._apply(event, told, None, None)
             orphans += placed
             unknown += missing
             ignored += skipped
+        if told.overflowed:
+            return BatchApplied((), orphans, unknown, ignored, overflowed=True)
         return BatchApplied(told.events(), orphans, unknown, ignored)
+
+    def told_tokens_limit(self) -> int:
+        """How many tokens of paths one batch (or a snapshot) may tell: a legitimate batch
+        tells what it stored and runs of what it evicted, each at most a prompt's path, far
+        under this; a forged one can make every other block of a long chain a hole, each told
+        with its whole path (O(n^2): 8,000 blocks of 16 tokens, 256 million tokens)."""
+        budget = self.budget_tokens
+        return max(MIN_TOLD_TOKENS_LIMIT, 4 * budget if budget is not None else 0)
 
     def _apply(self, event: KVCacheEvent, told: _Removals, identity: CacheIdentity | None,
                witness: bytes | None) -> tuple[int, int, bool]:
@@ -344,7 +383,7 @@ class EventIndex(PrefixTrie[_Block]):
         node = parent
         # Blocks a reused hash leaves without a copy, told after the store: one may be in the
         # stored chain itself.
-        moved = _Removals(self.replica, now)
+        moved = _Removals(self.replica, now, told.allowance)
         for i, block_hash in enumerate(hashes):
             key = source[base + i * step : base + (i + 1) * step]
             child: _Block | None = node.children.get(key)
@@ -364,14 +403,14 @@ class EventIndex(PrefixTrie[_Block]):
                 self._forget(previous, block_hash, moved, all_copies=True)
             self._by_hash[block_hash] = child
             node = child
-        told.emit(KvStored(self.replica, node.path(), node.identity, now))
+        told.stored(node)
         for routed in moved.events():
             told.emit(routed)
         if self._tree_tokens == self._present_tokens:  # no hole anywhere: the common case
             return 0
         # A store below a hole (a forged or out-of-order stream: vLLM computes a parent before
         # its child): the routing event claims the whole path, so the holes are taken back.
-        holes = _Removals(self.replica, now)
+        holes = _Removals(self.replica, now, told.allowance)
         above = parent
         while above.parent is not None:
             if not above.hashes:
@@ -408,17 +447,26 @@ class EventIndex(PrefixTrie[_Block]):
             # An emptied namespace goes too: caller-chosen salts must not pile up roots.
             self._drop_root(node.identity)
 
-    def routing_snapshot(self, now: float = 0.0) -> list[KvEvent]:
+    def routing_snapshot(self, now: float = 0.0) -> list[KvEvent] | None:
         """The index's contents as routing events: a :class:`KvStored` per present block with
         no present child, then a :class:`KvRemoved` per hole, so a policy told only these holds
-        what it would have been told event by event. O(blocks + tokens of the stored paths)."""
+        what it would have been told event by event; None when their paths would pass
+        :meth:`told_tokens_limit` (the caller then forgets the replica's contents). O(blocks
+        + tokens of the paths told)."""
+        allowance = self.told_tokens_limit()
         stored: list[KvEvent] = []
         holes: list[KvEvent] = []
         for _identity, node in self.nodes():
             if not node.present:
+                allowance -= node.end
+                if allowance < 0:
+                    return None
                 holes.append(KvRemoved(self.replica, node.path(),
                                        node.end - node.num_tokens, node.identity, now))
             elif not any(child.present for child in node.children.values()):
+                allowance -= node.end
+                if allowance < 0:
+                    return None
                 stored.append(KvStored(self.replica, node.path(),
                                        node.identity, now))
         return stored + holes
