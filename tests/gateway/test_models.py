@@ -21,11 +21,17 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvreuse.gateway.config import UpstreamConfig
+from kvreuse.gateway.prompts import TextApproximation
+from kvreuse.gateway.router import Router
+from kvreuse.gateway.upstreams import UpstreamState
 from kvreuse.gateway.validation import parse_request
-from kvreuse.routing import FleetView, RequestView
+from kvreuse.index.events import BlockRemoved, BlockStored
+from kvreuse.index.hashing import BlockHash
+from kvreuse.kv_event_codec import EventBatch
+from kvreuse.routing import FleetView, RequestView, RoutingPolicy, build_policy
 from kvreuse.testing.processes import EngineSpec, Fleet, Process, wait_http
 from kvreuse.testing.servers import ServerThread, free_port
-from kvreuse.tokens import num_tokens
+from kvreuse.tokens import num_tokens, pack
 
 from .fleet import RunningGateway, start_engine
 
@@ -358,27 +364,26 @@ def test_kv_events_reach_the_policy_under_each_served_name(gateway_factory: Fact
         engine.server.stop()
 
 
-def test_a_model_added_to_an_upstream_gets_its_cached_contents() -> None:
-    """When an upstream's served set changes, the policy forgets it and is told its whole
-    KV-event index again under the new names, holes included; dropped names predict nothing."""
-    from kvreuse.gateway.prompts import TextApproximation
-    from kvreuse.gateway.router import Router
-    from kvreuse.gateway.upstreams import UpstreamState
-    from kvreuse.index.events import BlockRemoved, BlockStored
-    from kvreuse.index.hashing import BlockHash
-    from kvreuse.kv_event_codec import EventBatch
-    from kvreuse.routing import build_policy
-    from kvreuse.tokens import pack
+def h(value: int) -> BlockHash:
+    return BlockHash(value.to_bytes(8, "big"))
 
-    def h(value: int) -> BlockHash:
-        return BlockHash(value.to_bytes(8, "big"))
 
+def event_router(block_size: int) -> tuple[Router, UpstreamState, RoutingPolicy]:
+    """A router over one upstream ``u`` that publishes KV events and serves model ``a``, with
+    an ``exact`` policy of ``block_size``."""
     upstream = UpstreamState(UpstreamConfig("http://h:1", name="u", events="tcp://h:2"),
                              eject_after=3, readmit_after=2)
-    policy = build_policy("exact", block_size=2)
+    policy = build_policy("exact", block_size=block_size)
     router = Router(policy, [upstream], TextApproximation())
     upstream.learned(({"id": "a"},))
     router.models_changed(upstream, None)
+    return router, upstream, policy
+
+
+def test_a_model_added_to_an_upstream_gets_its_cached_contents() -> None:
+    """When an upstream's served set changes, the policy forgets it and is told its whole
+    KV-event index again under the new names, holes included; dropped names predict nothing."""
+    router, upstream, policy = event_router(block_size=2)
     events = (BlockStored((h(1), h(2), h(3)), None, (1, 2, 3, 4, 5, 6), 2),
               BlockStored((h(4),), h(1), (7, 8), 2),
               BlockStored((h(5), h(6)), None, (9, 9, 8, 8), 2),
@@ -406,18 +411,6 @@ def test_lora_adapters_are_models_of_their_own_in_the_event_index() -> None:
     """A LoRA adapter listed with a parent is its own namespace: blocks stored for the base
     model predict nothing for the adapter (vLLM hashes the LoRA in) and the other way round,
     both in the policy's mirror and in the gateway's own prediction."""
-    from kvreuse.gateway.prompts import TextApproximation
-    from kvreuse.gateway.router import Router
-    from kvreuse.gateway.upstreams import UpstreamState
-    from kvreuse.index.events import BlockStored
-    from kvreuse.index.hashing import BlockHash
-    from kvreuse.kv_event_codec import EventBatch
-    from kvreuse.routing import build_policy
-    from kvreuse.tokens import pack
-
-    def h(value: int) -> BlockHash:
-        return BlockHash(value.to_bytes(8, "big"))
-
     upstream = UpstreamState(UpstreamConfig("http://h:1", name="u", events="tcp://h:2"),
                              eject_after=3, readmit_after=2)
     policy = build_policy("exact", block_size=2)
@@ -468,24 +461,7 @@ def test_a_batch_too_costly_to_tell_makes_the_index_start_over() -> None:
     """A forged batch whose holes would be told with O(n^2) tokens: the router forgets the
     upstream (KvCleared to the policy, index empty), counts the drop and logs; later events
     are learned again."""
-    from kvreuse.gateway.prompts import TextApproximation
-    from kvreuse.gateway.router import Router
-    from kvreuse.gateway.upstreams import UpstreamState
-    from kvreuse.index.events import BlockRemoved, BlockStored
-    from kvreuse.index.hashing import BlockHash
-    from kvreuse.kv_event_codec import EventBatch
-    from kvreuse.routing import build_policy
-    from kvreuse.tokens import pack
-
-    def h(value: int) -> BlockHash:
-        return BlockHash(value.to_bytes(8, "big"))
-
-    upstream = UpstreamState(UpstreamConfig("http://h:1", name="u", events="tcp://h:2"),
-                             eject_after=3, readmit_after=2)
-    policy = build_policy("exact", block_size=16)
-    router = Router(policy, [upstream], TextApproximation())
-    upstream.learned(({"id": "a"},))
-    router.models_changed(upstream, None)
+    router, upstream, policy = event_router(block_size=16)
     blocks = 8_000
     chain = BlockStored(tuple(h(1 + i) for i in range(blocks)), None,
                         tuple(i % 50_000 for i in range(blocks * 16)), 16)
