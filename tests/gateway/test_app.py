@@ -484,3 +484,15 @@ def test_a_blocking_tokenizer_runs_off_the_event_loop(engines: list[Engine],
     assert slow and slow[0].status_code == 200
     assert completion(gateway, unique_text()).status_code == 200
     assert tokenizer.threads and all(t.startswith("kvreuse-tokenize") for t in tokenizer.threads)
+
+
+def test_the_decision_histogram_counts_tokenization_off_the_event_loop(
+        engines: list[Engine], gateway_factory: Factory) -> None:
+    """A prompt a blocking tokenizer takes 3 s over: the routing decision histogram's sum holds
+    those 3 s (tokenization plus policy decision, wherever tokenization ran)."""
+    gateway = gateway_factory(engines, prompt_tokenizer=SlowTokenizer())
+    assert completion(gateway, "SLOW " * 10).status_code == 200
+    text = httpx.get(gateway.url + "/metrics", timeout=10).text
+    total = next(float(line.split()[-1]) for line in text.splitlines()
+                 if line.startswith("kvreuse_gateway_routing_decision_seconds_sum"))
+    assert 3.0 <= total < 10.0

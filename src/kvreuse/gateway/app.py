@@ -557,10 +557,13 @@ class Gateway:
             # Only a tenant's salt changes the body; otherwise the caller's bytes go upstream.
             forwarded = decoded.encode() if self.tenants is not None else raw
             allowed = tenant.upstreams if tenant else None
-            tokens = None
+            tokens, tokenize_s = None, 0.0
             if self.tokenizer.blocking:
                 self.router.serving(parsed.model, allowed)  # an unknown model is a 404 first
+                started = time.perf_counter()
                 tokens = await self._tokenize(parsed)
+                # The decision histogram covers tokenization wherever it ran, waits included.
+                tokenize_s = time.perf_counter() - started
             plan = self.router.plan(
                 parsed, record.request_id, self.router.identity(parsed.model, salt),
                 tenant=tenant.name if tenant else None, allowed=allowed,
@@ -582,7 +585,7 @@ class Gateway:
                 record.status, record.error = 503, "no upstream admitted"
                 await reply.json(503, no_upstream(parsed.model))
                 return
-            self.metrics.decision_seconds.observe(plan.decision_s)
+            self.metrics.decision_seconds.observe(plan.decision_s + tokenize_s)
             record.view, record.max_tokens = plan.request, parsed.max_tokens
             assert self.forwarder is not None
             await self.forwarder.forward(receive, reply, path, forwarded, parsed, plan, record,
