@@ -52,13 +52,13 @@ workload ``relative_spill`` and the best peer send all but a dozen spills of ~4,
 the longest prefix (docs/performance.md): what separates them is what the caches hold, which
 only earlier misses and evictions decide.
 
-Besides the default workloads, ``--workloads hot-prefix-2,hot-prefix-4,hot-prefix-8`` loads a
-stress stream (:func:`hot_prefix_workload`): one prefix shared by every request on a small
-fleet, where a bound that counts the hot replica's own queue never spills.
+The last three default workloads, ``hot-prefix-2``, ``-4`` and ``-8``, are a stress stream of
+ours (:func:`hot_prefix_workload`): one prefix shared by every request on a small fleet, where
+a bound that counts the hot replica's own queue never spills.
 
     PYTHONPATH=src .venv/bin/python benchmarks/default_vs_peers.py
     ... --workloads belgavi,mooncake-8 --policy relative_spill --option slack=1
-    ... --workloads hot-prefix-2,hot-prefix-4 --option alternative_slack=inf
+    ... --workloads hot-prefix-2,hot-prefix-4 --option copy_utilisation=inf
     ... --jitter-runs 9      # verdicts on the means of ten runs per workload
     ... --jitter-runs 29 --jobs 2   # thirty runs, two simulations at a time
     ... --at-arrival --jobs 2       # each request's cached prefix against the fleet's longest
@@ -104,7 +104,7 @@ SCENARIO_FLEETS = {
 }
 DEFAULT_WORKLOADS = (
     "belgavi", "contract-library", "mission-3", "mission-4", "mooncake-4", "mooncake-8",
-    "mooncake-16", "long-context", "multi-model",
+    "mooncake-16", "long-context", "multi-model", "hot-prefix-2", "hot-prefix-4", "hot-prefix-8",
 )
 T = TypeVar("T")
 GAP_POINTS = 0.03

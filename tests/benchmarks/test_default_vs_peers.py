@@ -171,19 +171,27 @@ def test_caller_mistakes_are_refused_with_a_message(
     assert said in capsys.readouterr().err
 
 
-def test_hot_prefix_queues_on_one_replica_only_without_the_alternative_bound(
+def test_hot_prefix_queues_on_one_replica_only_without_both_bounds(
     bench: ModuleType,
 ) -> None:
     """hot-prefix-2: every request shares one 2,000-token prefix at about 1.4 × one replica's
-    capacity. Without the bound on the replicas lacking the prefix, relative_spill keeps every
-    request on one replica (max/mean load 2) and its p95 grows with the run; with it, one spill
-    copies the prefix and both replicas serve."""
+    capacity. Without the bound on the replicas lacking the prefix and without copies for a
+    prefix's demand, relative_spill keeps every request on one replica (max/mean load 2) and
+    its p95 grows with the run; with the bound alone one late spill copies the prefix; with
+    the default, the copy comes as soon as the prefix's demand shows: a p95 at most llm-d's
+    (the best peer there) at its hit rate."""
     workload = bench.load("hot-prefix-2", bench.TRACE)
     shared = workload.requests[0].tokens[:8000]  # 2,000 tokens of 4 bytes
     assert all(r.tokens[:8000] == shared for r in workload.requests)
     assert len({r.tokens for r in workload.requests}) == len(workload.requests)
-    bounded = bench.simulate("relative_spill", workload, {})
-    unbounded = bench.simulate("relative_spill", workload, {"alternative_slack": float("inf")})
+    inf = float("inf")
+    unbounded = bench.simulate("relative_spill", workload,
+                               {"alternative_slack": inf, "copy_utilisation": inf})
+    bounded = bench.simulate("relative_spill", workload, {"copy_utilisation": inf})
+    default = bench.simulate("relative_spill", workload, {})
+    llm_d = bench.simulate("llm_d", workload, bench.options_for("llm_d", workload, {}))
     assert unbounded.max_over_mean_load == pytest.approx(2.0)
     assert bounded.max_over_mean_load < 1.3
     assert bounded.ttft_p95_s < unbounded.ttft_p95_s / 3
+    assert default.ttft_p95_s <= llm_d.ttft_p95_s < bounded.ttft_p95_s / 10
+    assert default.token_hit_rate >= llm_d.token_hit_rate

@@ -8,6 +8,7 @@ import math
 import pytest
 
 from kvreuse.errors import ConfigError
+from kvreuse.identity import CacheIdentity
 from kvreuse.routing import (
     ApproxTrees,
     CacheMirror,
@@ -22,7 +23,11 @@ from kvreuse.routing import (
 )
 from kvreuse.routing.relative_spill import (
     ALTERNATIVE_SLACK,
+    COPY_EVIDENCE_S,
+    COPY_UTILISATION,
+    DEMAND_MIN_REQUESTS,
     EvictionModel,
+    PrefixDemand,
     RelativeSpill,
     relative_spill_rule,
 )
@@ -41,14 +46,17 @@ def loads(*queued: int, in_flight: tuple[int, ...] | None = None) -> tuple[Repli
 def rule(matched: list[int], queued: list[int], prompt: int, slack: float,
          sizes: list[int] | None = None, in_flight: tuple[int, ...] | None = None,
          threshold: float = 0.1, bounds: list[int | None] | None = None,
-         alternative_slack: float = ALTERNATIVE_SLACK) -> RoutingDecision:
+         alternative_slack: float = ALTERNATIVE_SLACK, prefix_demand: float = 0.0,
+         copy_utilisation: float = COPY_UTILISATION) -> RoutingDecision:
     names = [f"r{i}" for i in range(len(queued))]
     size = dict(zip(names, sizes or [0] * len(queued), strict=True))
     bound = dict(zip(names, bounds or [None] * len(queued), strict=True))
     return relative_spill_rule({f"r{i}": m for i, m in enumerate(matched)},
                                loads(*queued, in_flight=in_flight), prompt, COST,
                                size.__getitem__, threshold, slack, bound.__getitem__,
-                               alternative_slack=alternative_slack)
+                               alternative_slack=alternative_slack,
+                               prefix_demand=prefix_demand,
+                               copy_utilisation=copy_utilisation)
 
 
 def test_affinity_while_the_wait_is_within_slack_times_the_fleet_prefill_time() -> None:
@@ -152,6 +160,109 @@ def test_the_alternative_bound_needs_a_replica_without_the_longest_prefix() -> N
     assert (decision.replica, decision.branch) == ("r1", "affinity")
 
 
+def test_a_prefix_wanted_by_more_than_its_holders_can_serve_is_copied_when_faster() -> None:
+    """r0 holds 900 of 1,000 tokens behind 1,000 queued (ttft 1.1 s), r1 is idle (1.0 s): the
+    prefix's traffic needs 1.4 replicas, more than 0.8 × its one holder, so r1 gets a copy;
+    with no demand known the slack bounds keep it on r0."""
+    copied = rule([900, 0], [1000, 0], 1000, slack=4.0, prefix_demand=1.4)
+    assert (copied.replica, copied.branch) == ("r1", "miss")
+    assert rule([900, 0], [1000, 0], 1000, slack=4.0).replica == "r0"
+    assert rule([900, 0], [1000, 0], 1000, slack=4.0, prefix_demand=1.4,
+                copy_utilisation=math.inf).replica == "r0"
+
+
+def test_a_copy_is_made_only_where_it_is_faster() -> None:
+    """The same hot prefix behind 50 queued tokens (ttft 0.15 s) stays: the idle replica
+    without it would take 1.0 s."""
+    assert rule([900, 0], [50, 0], 1000, slack=4.0, prefix_demand=1.4).replica == "r0"
+
+
+def test_demand_its_holders_can_serve_makes_no_further_copy() -> None:
+    """r0 and r1 hold the prefix, r2 is idle and faster: 1.5 replicas of demand is under
+    0.8 × 2 holders, so the request stays on the faster holder; 1.7 is over and copies."""
+    assert rule([900, 900, 0], [1100, 1200, 0], 1000, slack=4.0,
+                prefix_demand=1.5).replica == "r0"
+    assert rule([900, 900, 0], [1100, 1200, 0], 1000, slack=4.0,
+                prefix_demand=1.7).replica == "r2"
+
+
+def test_prefix_demand_of_a_steady_stream_is_its_rate_times_its_prefill() -> None:
+    """Forty requests a second for 20 s sharing a 100-token prefix, each 0.035 s of prefill
+    past it: 1.4 replicas' worth, within 5 %."""
+    demand = PrefixDemand()
+    shared = list(range(100))
+    for i in range(800):
+        count, seconds = demand.count(request([*shared, 1000 + i]), 100, i / 40)
+    needed = PrefixDemand.replicas_needed(count, seconds, 1, 0.035)
+    assert needed == pytest.approx(1.4, rel=0.05)
+
+
+def test_prefix_demand_is_not_estimated_from_fewer_requests_than_the_minimum() -> None:
+    """Three requests in a millisecond are too few to call a rate: no demand."""
+    demand = PrefixDemand()
+    for i in range(int(DEMAND_MIN_REQUESTS) - 1):
+        count, seconds = demand.count(request([*list(range(50)), 99, i]), 50, i * 1e-4)
+    assert PrefixDemand.replicas_needed(count, seconds, 1, 1.0) == 0.0
+
+
+def test_a_burst_justifies_a_first_copy_but_not_a_third() -> None:
+    """Twenty requests arriving together: a rate of thousands a second for the first copy,
+    but a second one needs the demand measured over COPY_EVIDENCE_S, here 20 a second."""
+    demand = PrefixDemand()
+    for i in range(20):
+        count, seconds = demand.count(request([*list(range(50)), 99, i]), 50, 1e-5 * i)
+    assert PrefixDemand.replicas_needed(count, seconds, 1, 0.035) > 10
+    assert COPY_EVIDENCE_S == 1.0
+    at_two = PrefixDemand.replicas_needed(count, seconds, 2, 0.035)
+    assert at_two == pytest.approx(20 / (10 * -math.expm1(-0.1)) * 0.035, rel=1e-3)
+    assert at_two < COPY_UTILISATION * 2
+
+
+def test_prefix_demand_is_counted_per_prefix_and_identity() -> None:
+    """The same tokens under another identity (a tenant's salt), or a longer prefix of them,
+    are other prefixes: each has its own count."""
+    demand = PrefixDemand()
+    tokens = list(range(60))
+    salted = RequestView("s", pack(tokens), 60, CacheIdentity(cache_salt="tenant-b"))
+    assert demand.count(request(tokens), 50, 0.0)[0] == 1.0
+    assert demand.count(request(tokens), 50, 0.0)[0] == 2.0
+    assert demand.count(salted, 50, 0.0)[0] == 1.0
+    assert demand.count(request(tokens), 40, 0.0)[0] == 1.0
+    assert len(demand) == 3
+
+
+def test_prefix_demand_holds_a_bounded_table_under_a_flood_of_unique_prefixes() -> None:
+    """Ten thousand unique prefixes into a table of 64: never more than 64 entries, and the
+    prefix asked for last is still counted."""
+    demand = PrefixDemand(max_prefixes=64)
+    for i in range(10_000):
+        demand.count(request([i, i + 1, i + 2]), 3, float(i))
+        assert len(demand) <= 64
+    assert demand.count(request([9_999, 10_000, 10_001]), 3, 10_000.0)[0] > 1.0
+
+
+def test_the_policy_copies_a_hot_prefix_once_its_demand_is_seen() -> None:
+    """Through the policy: one prefix asked 100 times a second, each request 200 own tokens
+    (0.2 s of prefill, 20 replicas' worth) piles onto r0 only until its queue makes the idle r1
+    faster; then r1 gets the copy. With copy_utilisation inf it never does (slack 4 × R
+    grows with r0's queue on 2 replicas, and the alternative bound is 24 s away)."""
+    for utilisation, copies in ((COPY_UTILISATION, True), (math.inf, False)):
+        policy = RelativeSpill(estimator=ApproxTrees(), cost=COST,
+                               copy_utilisation=utilisation)
+        shared = list(range(1000))
+        where = []
+        for i in range(12):
+            queued = 200 * sum(1 for w in where if w == "r0")
+            fleet = FleetView((ReplicaLoad("r0", queued, 0, 0), ReplicaLoad("r1", 0, 0, 0)),
+                              i / 100)
+            view = request(shared + [10_000 + 200 * i + k for k in range(200)], f"q{i}")
+            decision = policy.route(view, fleet)
+            assert decision is not None
+            policy.on_routed(view, decision, i / 100)
+            where.append(decision.replica)
+        assert ("r1" in where[1:]) is copies, where
+
+
 def request(tokens: list[int], request_id: str = "q") -> RequestView:
     return RequestView(request_id, pack(tokens), len(tokens))
 
@@ -192,10 +303,12 @@ def test_empty_fleet_is_backpressure() -> None:
 @pytest.mark.parametrize("options", [{"slack": -1.0}, {"slack": math.nan},
                                      {"alternative_slack": -1.0},
                                      {"alternative_slack": math.nan},
+                                     {"copy_utilisation": 0.0},
+                                     {"copy_utilisation": math.nan},
                                      {"cache_threshold": 1.5}, {"estimator": "psychic"}])
 def test_bad_options_are_configuration_errors(options: dict[str, object]) -> None:
-    """A negative or NaN slack or alternative slack, a threshold outside [0, 1] or an unknown
-    estimator is refused."""
+    """A negative or NaN slack or alternative slack, a copy utilisation not above 0, a
+    threshold outside [0, 1] or an unknown estimator is refused."""
     with pytest.raises(ConfigError):
         build_policy("relative_spill", **options)
 

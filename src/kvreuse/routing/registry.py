@@ -57,7 +57,8 @@ DESCRIPTIONS: dict[str, str] = {
     "dynamo_kv": "NVIDIA Dynamo KV router rule: min of overlap weight x prefill blocks + decode "
     "blocks",
     "relative_spill": "longest match unless its TTFT exceeds the fastest by slack x the fleet's "
-    "prefill time for the request; misses to the smallest near-fastest cache",
+    "prefill time for the request, or any faster replica while the prefix's demand exceeds its "
+    "holders; misses to the smallest near-fastest cache",
 }
 
 
