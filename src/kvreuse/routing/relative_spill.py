@@ -84,29 +84,30 @@ misses followed those sizes and 53.2 % and 173 ms when full caches tied. Unbound
 simulator's default) never reach a bound; there, as behind a gateway, :class:`EvictionModel`
 says when a cache is full.
 
-Why copies for a prefix's demand. A prefix whose own traffic is more than the replicas
-holding it can serve (one tenant's system prompt at 40 requests a second, 1.4 replicas' worth)
-queues there whatever the slack bounds allow: they weigh this request's wait against its
-recompute, not the queue the next hundred requests will find. So while the prefix's demand
-exceeds ``COPY_UTILISATION`` (0.8) × its holders, a faster replica without it takes the request
-and so gets a copy; from then on ties share the load. The demand is measured over the
-requests whose longest match the prefix was (decayed over ``DEMAND_TAU_S``, 10 s; at least
-``DEMAND_MIN_REQUESTS``, 4), and the ``n``-th copy needs it measured over ``n - 1`` ×
-``COPY_EVIDENCE_S`` (1 s): requests that arrive together justify a first copy, not a third.
-On ``benchmarks/default_vs_peers.py``'s ``hot-prefix-2``, ``-4`` and ``-8`` (ten runs each) the
-p95 TTFT fell from 4.71, 4.71 and 0.33 s to 0.113 s, two copies in every run as llm-d's
-scorers make (its p95 0.124 s; Dynamo's cost 0.113 s at 2 replicas, and 4 to 8 copies on
-more). Without the evidence window a replay whose jittered arrivals put twenty requests at
-0 s made a third and fourth copy (−0.04 to −0.08 points of hit rate on 4 and 8 replicas);
-with the demand estimate required to exceed only the holders' count (utilisation 1.0), as
-many. No other workload changed in any of ten runs (belgavi, mission-3 and -4, the contract
-library, multi-model, long-context, Mooncake × 4, 8 and 16): their prefixes are either held
-everywhere or asked for by requests whose own prefill is too small to load a replica. Rules
-tried and dropped (six runs each, against this one): a tight bound (2 × ``R_else``) whenever
-the replica without the prefix has room, which cost Mooncake × 8 0.76 points (room says
-nothing about whether the copy will be used again); the same by how often the prefix was the
-longest match alone (10 requests in 10 s), which cost belgavi and mission-3 0.2-0.6 points and
-multi-model 1.6 (chat system prompts are asked often, by requests that cost little).
+Why copies for a prefix's demand. A prefix whose own traffic is more than the replicas holding
+it can serve (one tenant's system prompt at 40 requests a second, 1.4 replicas' worth) queues
+there whatever the slack bounds allow: they weigh this request's wait against its recompute,
+not the queue the next hundred requests will find. So while the prefix's demand exceeds
+``COPY_UTILISATION`` (0.8) × its holders, a faster replica without it takes the request and so
+gets a copy (the branch is that replica's ``miss`` when it holds at most ``cache_threshold`` of
+the prompt, else ``spill``); from then on ties share the load. The demand is measured over the
+requests whose longest match the prefix was (decayed over ``DEMAND_TAU_S``, 10 s; a count of at
+least ``DEMAND_MIN_REQUESTS``, 4), and the ``n``-th copy needs it measured over ``n - 1`` ×
+``COPY_EVIDENCE_S`` (1 s): requests that arrive together justify a first copy, not a third. On
+``benchmarks/default_vs_peers.py``'s ``hot-prefix-2``, ``-4`` and ``-8`` (ten runs each) the
+p95 TTFT fell from 4.71, 4.71 and 0.33 s to 0.113 s, two copies in every run as llm-d's scorers
+make (its p95 0.124 s; Dynamo's cost 0.113 s at 2 replicas, and 4 to 8 copies on more). Without
+the evidence window a replay whose jittered arrivals put twenty requests at 0 s made a third
+and fourth copy (−0.04 to −0.08 points of hit rate on 4 and 8 replicas); with the demand
+estimate required to exceed only the holders' count (utilisation 1.0), as many. No other
+workload changed in any of ten runs (belgavi, mission-3 and -4, the contract library,
+multi-model, long-context, Mooncake × 4, 8 and 16): their prefixes are either held everywhere
+or asked for by requests whose own prefill is too small to load a replica. Rules tried and
+dropped (six runs each, against this one): a tight bound (2 × ``R_else``) whenever the replica
+without the prefix has room, which cost Mooncake × 8 0.76 points (room says nothing about
+whether the copy will be used again); the same by how often the prefix was the longest match
+alone (10 requests in 10 s), which cost belgavi and mission-3 0.2-0.6 points and multi-model
+1.6 (chat system prompts are asked often, by requests that cost little).
 
 Why a second bound, on the replicas without the prefix. ``R`` counts the hot replica's own
 queue: with one replica loaded and the rest idle, ``slack × R`` grows as fast as that queue
@@ -195,7 +196,8 @@ DEMAND_TAU_S = 10.0
 """Time constant of each prefix's decayed request count."""
 
 DEMAND_MIN_REQUESTS = 4.0
-"""A prefix needs at least this decayed count of requests before its demand is estimated."""
+"""A prefix's decayed request count must reach this before its demand is estimated: four
+requests at once, five when they are spread out (each has decayed a little by the next)."""
 
 COPY_EVIDENCE_S = 1.0
 """The demand that justifies the ``n``-th copy (``n`` ≥ 2) must be measured over at least
