@@ -253,3 +253,27 @@ def test_a_streamed_answer_is_never_cut_by_the_deadline(gateway_factory: Factory
         assert lines[-1] == "data: [DONE]" and len(lines) > 30
     finally:
         slow.server.stop()
+
+
+def test_an_idle_keep_alive_connection_is_timed_by_the_idle_timeout_not_the_head_timeout(
+        engine: Engine, gateway_factory: Factory) -> None:
+    """After an answer, a keep-alive connection left idle for three head timeouts gets no
+    unsolicited 408 and serves its next request (a pooled client's next request would race
+    such a 408 and be lost); the head timeout runs from the next request's first byte."""
+    gateway = gateway_factory([engine.upstream], head_timeout_s=0.4, idle_timeout_s=5.0)
+    with connect(gateway) as sock:
+        reader = Reader(sock)
+        sock.sendall(request())
+        assert reader.response()[0] == 200
+        time.sleep(1.2)
+        sock.setblocking(False)
+        try:
+            unsolicited = sock.recv(1, socket.MSG_PEEK)
+        except BlockingIOError:
+            unsolicited = b""
+        finally:
+            sock.setblocking(True)
+        assert unsolicited == b""
+        sock.sendall(request())
+        status, _, body = reader.response()
+        assert status == 200, body[:300]

@@ -276,9 +276,13 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if self._draining:
             return
         # What arrived behind this answer (the start of the next request, or the rest of
-        # this request's body, answered early) is timed from now.
+        # this request's body, answered early) is timed from now. Nothing of a next head yet:
+        # the connection is idle, which the idle timeout governs; the head timer starts at
+        # its first byte (on_message_begin). Timing the idle wait as a head sent pooled
+        # clients an unsolicited 408 that raced their next request, which was lost.
         self._phase = None
-        self._retime()
+        if self._reading != "head" or self._head_bytes:
+            self._retime()
         if self._phase is not None and self._timer is None:
             self._arm(self.limits.head_timeout_s)
 
