@@ -13,7 +13,9 @@ What no proxy can relay is a protocol error (:class:`UpstreamProtocolError`, a 5
 client when no other candidate answers): a status outside 200-599 (a 1xx or 101 as the answer,
 a 0 or 999 that uvicorn cannot even write, which once left the client with no byte at all),
 response headers over ``MAX_RESPONSE_HEAD_BYTES``. A second response in answer to one request
-is dropped, and the connection is not reused.
+is dropped, and the connection is not reused. Interim answers (1xx but 101: an unsolicited
+``100 Continue``, ``102 Processing``, ``103 Early Hints``) are no answer and no error: a
+client must read past them to the final one (RFC 9110, 15.2), and this one does.
 """
 
 from __future__ import annotations
@@ -108,6 +110,7 @@ class Http1Connection(asyncio.Protocol):
         self.framed = False  # content-length or chunked: else the body ends at close
         self.complete = False
         self.surplus = False  # the upstream sent more than one response: never reuse
+        self.interim = False  # reading a 1xx interim response (skipped)
         self.head_bytes = 0
         self.keep_alive = False
         self.got_bytes = False
@@ -173,6 +176,10 @@ class Http1Connection(asyncio.Protocol):
         if self.surplus or self.error is not None:
             return
         status = self.parser.get_status_code()
+        if 100 <= status <= 199 and status != 101:  # interim: the final answer follows
+            self.interim = True
+            self.headers, self.head_bytes, self.framed = [], 0, False
+            return
         if not 200 <= status <= 599:
             self._refuse(f"status {status}, which is no final HTTP answer a proxy can relay")
             return
@@ -195,6 +202,9 @@ class Http1Connection(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self.interim:
+            self.interim = False
+            return
         if self.surplus or self.error is not None:
             return
         self.complete = True

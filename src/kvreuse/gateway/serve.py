@@ -3,7 +3,10 @@ traffic needs and uvicorn does not have.
 
 * **Request heads in time**: a connection that has not sent a complete request head within
   ``head_timeout_s`` of opening (or of the first byte of its next request) gets a 408 and is
-  closed.
+  closed. Between requests a keep-alive connection is idle, timed by ``idle_timeout_s`` alone,
+  however its last body ended (chunk markers and the empty lines RFC 9112 lets a client send
+  begin no request); bytes there that begin none are timed as a head, since any byte stops
+  uvicorn's idle timer.
 * **Request bodies in time**: a body must arrive whole within ``head_timeout_s`` of the end of
   its head, plus one second per MiB of it received (:data:`MIN_BODY_BYTES_PER_S`): a deadline
   for the whole body, not a timer that each byte restarts, so a client trickling a byte now
@@ -126,6 +129,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._body_bytes = 0  # of the current request's body, received
         self._body_fed = 0  # of every body on this connection (see data_received)
         self._messages = 0  # requests completely read on this connection
+        self._begun = 0  # requests whose first byte was parsed (one more while one is read)
 
     # ------------------------------------------------------------------ connection
 
@@ -150,8 +154,12 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             503, "Service Unavailable",
             f"the gateway has its maximum of {limit} client connections open; retry later",
             "ServiceUnavailable"))
-        if transport.can_write_eof():
-            transport.write_eof()
+        try:
+            if transport.can_write_eof():
+                transport.write_eof()
+        except OSError:  # the client is gone already (ENOTCONN)
+            transport.close()
+            return
         self.loop.call_later(LINGER_S, transport.close)
 
     def data_received(self, data: bytes) -> None:
@@ -173,8 +181,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                 continue
             if self._messages == messages:  # no request ended: the piece was all head
                 self._head_bytes += len(piece)
+            elif self._begun == self._messages:  # a request ended it: no next head yet
+                self._head_bytes = 0
             elif in_body:  # a body ended in it: what followed it is the next head
-                # (exact for a declared length; a chunked body's framing is counted too)
+                # (exact for a declared length; a chunked body's framing in this piece is
+                # counted too when the next request began in it)
                 self._head_bytes = len(piece) - (self._body_fed - body_fed)
             else:  # the piece ended where the head of a request without a body ends
                 self._head_bytes = 0
@@ -182,6 +193,12 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             if self._head_bytes >= MAX_HEAD_BYTES:
                 self._head_too_large()
                 return
+        if (self._phase is None and self._reading == "head" and self._begun == self._messages
+                and (self.cycle is None or self.cycle.response_complete)):
+            # Bytes on an idle connection that begin no request (empty lines): uvicorn's idle
+            # timer stops at any byte, so they are timed as a head, or a client sending one
+            # now and then would hold the connection for ever.
+            self._start(_HEAD)
         if self._phase is not None and self._timer is None:
             self._arm(self.limits.head_timeout_s)
 
@@ -222,6 +239,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self._begun += 1
         if self._phase is None:  # (a first request's head is timed from the connection)
             self._retime()
 
@@ -279,9 +297,12 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         # this request's body, answered early) is timed from now. Nothing of a next head yet:
         # the connection is idle, which the idle timeout governs; the head timer starts at
         # its first byte (on_message_begin). Timing the idle wait as a head sent pooled
-        # clients an unsolicited 408 that raced their next request, which was lost.
+        # clients an unsolicited 408 that raced their next request, which was lost. Whether
+        # a next request has begun is the parser's word, not a count of bytes: a chunked
+        # body's last chunk markers and the empty lines a client may send between requests
+        # are no request.
         self._phase = None
-        if self._reading != "head" or self._head_bytes:
+        if self._begun > self._messages:
             self._retime()
         if self._phase is not None and self._timer is None:
             self._arm(self.limits.head_timeout_s)
@@ -377,8 +398,12 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         the client has read it, so that no reset destroys the answer."""
         self._draining = True
         self.transport.write(_raw_response(status, reason, message, kind))
-        if self.transport.can_write_eof():
-            self.transport.write_eof()
+        try:
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+        except OSError:  # the client is gone already (ENOTCONN): nobody to answer
+            self.transport.close()
+            return
         self.loop.call_later(LINGER_S, self.transport.close)
 
 
