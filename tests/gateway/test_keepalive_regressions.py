@@ -48,41 +48,32 @@ def unsolicited(sock: socket.socket) -> bytes:
         sock.setblocking(True)
 
 
-def idle_then_request(sock: socket.socket, reader: Reader) -> tuple[bytes, int, bytes]:
-    """Wait three head timeouts, then send a request: what came unasked, and the answer."""
-    time.sleep(3 * HEAD_TIMEOUT_S)
-    early = unsolicited(sock)
-    sock.sendall(request())
-    status, _, body = reader.response()
-    return early, status, body
+def served_after_idle(gateway_factory: Factory, engine: Engine, first: bytes) -> None:
+    """Send ``first`` (a request and whatever follows it), read its answer, wait three head
+    timeouts: nothing came unasked, and the next request on the connection is served."""
+    gateway = gateway_factory([engine.upstream], head_timeout_s=HEAD_TIMEOUT_S,
+                              idle_timeout_s=5.0)
+    with connect(gateway) as sock:
+        reader = Reader(sock)
+        sock.sendall(first)
+        assert reader.response()[0] == 200
+        time.sleep(3 * HEAD_TIMEOUT_S)
+        assert unsolicited(sock) == b""
+        sock.sendall(request())
+        status, _, body = reader.response()
+        assert status == 200, body[:300]
 
 
 def test_a_chunked_request_body_leaves_no_unsolicited_408(engine: Engine,
                                                           gateway_factory: Factory) -> None:
     """After a request with a chunked body, the idle connection gets no 408 at the head timeout."""
-    gateway = gateway_factory([engine.upstream], head_timeout_s=HEAD_TIMEOUT_S,
-                              idle_timeout_s=5.0)
-    with connect(gateway) as sock:
-        reader = Reader(sock)
-        sock.sendall(chunked(BODY, 16))
-        assert reader.response()[0] == 200
-        early, status, body = idle_then_request(sock, reader)
-        assert early == b""
-        assert status == 200, body[:300]
+    served_after_idle(gateway_factory, engine, chunked(BODY, 16))
 
 
 def test_empty_lines_between_requests_leave_no_unsolicited_408(engine: Engine,
                                                                gateway_factory: Factory) -> None:
     """An empty line a client sends after a body (RFC 9112 2.2) starts no head timer."""
-    gateway = gateway_factory([engine.upstream], head_timeout_s=HEAD_TIMEOUT_S,
-                              idle_timeout_s=5.0)
-    with connect(gateway) as sock:
-        reader = Reader(sock)
-        sock.sendall(request() + b"\r\n")
-        assert reader.response()[0] == 200
-        early, status, body = idle_then_request(sock, reader)
-        assert early == b""
-        assert status == 200, body[:300]
+    served_after_idle(gateway_factory, engine, request() + b"\r\n")
 
 
 def test_a_finely_chunked_body_is_not_counted_in_the_next_head(engine: Engine,
