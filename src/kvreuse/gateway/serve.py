@@ -150,17 +150,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         limit = self.limits.max_connections
         _over_limit.warning("refused a connection: %d client connections are open "
                             "(--max-connections)", limit)
-        transport.write(_raw_response(
+        self._say_last(transport, _raw_response(
             503, "Service Unavailable",
             f"the gateway has its maximum of {limit} client connections open; retry later",
             "ServiceUnavailable"))
-        try:
-            if transport.can_write_eof():
-                transport.write_eof()
-        except OSError:  # the client is gone already (ENOTCONN)
-            transport.close()
-            return
-        self.loop.call_later(LINGER_S, transport.close)
 
     def data_received(self, data: bytes) -> None:
         """Feed ``data`` to the parser in pieces that end where a head or a body of declared
@@ -397,14 +390,19 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         """As for a refused connection: answer, half-close, drop what still comes, close when
         the client has read it, so that no reset destroys the answer."""
         self._draining = True
-        self.transport.write(_raw_response(status, reason, message, kind))
+        self._say_last(self.transport, _raw_response(status, reason, message, kind))
+
+    def _say_last(self, transport: asyncio.Transport, answer: bytes) -> None:
+        """Write ``answer``, half-close, and close when the client has read it (its EOF) or
+        after :data:`LINGER_S`; at once if the client is gone already (ENOTCONN)."""
+        transport.write(answer)
         try:
-            if self.transport.can_write_eof():
-                self.transport.write_eof()
-        except OSError:  # the client is gone already (ENOTCONN): nobody to answer
-            self.transport.close()
+            if transport.can_write_eof():
+                transport.write_eof()
+        except OSError:  # nobody left to answer
+            transport.close()
             return
-        self.loop.call_later(LINGER_S, self.transport.close)
+        self.loop.call_later(LINGER_S, transport.close)
 
 
 def protocol_class(limits: ConnectionLimits) -> type[GuardedHttpProtocol]:

@@ -210,6 +210,11 @@ SLACKS = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0, float("inf"))
 """The knob's values ``kvreuse simulate --report`` plots."""
 
 
+def _decayed(value: float, elapsed_s: float, tau_s: float) -> float:
+    """``value`` after ``elapsed_s`` of exponential decay with time constant ``tau_s``."""
+    return value * math.exp(-elapsed_s / tau_s)
+
+
 class EvictionModel:
     """What a miss would evict on each replica whose KV capacity is known
     (``ReplicaLoad.kv_capacity_tokens``): an LRU tree per replica, of that capacity, of the
@@ -260,7 +265,7 @@ class EvictionModel:
 
     def _served_value(self, replica: ReplicaId, now: float) -> float:
         value, at = self._served.get(replica, (0.0, now))
-        return value * math.exp(-(now - at) / HIT_VALUE_TAU_S) if value else 0.0
+        return _decayed(value, now - at, HIT_VALUE_TAU_S) if value else 0.0
 
 
 class PrefixDemand:
@@ -272,8 +277,8 @@ class PrefixDemand:
     the requests whose longest match that prefix was, decayed with time constant
     ``DEMAND_TAU_S``, and when the prefix was first counted. :meth:`count` is called once per
     request routed, before the choice. O(prefix) per call (the hash), O(1) amortised for the
-    table, which holds at most ``DEMAND_PREFIXES``
-    entries whatever the traffic (a flood of unique prompts drops the stalest half)."""
+    table, which holds at most ``DEMAND_PREFIXES`` entries whatever the traffic (a flood of
+    unique prompts drops the stalest half)."""
 
     def __init__(self, max_prefixes: int = DEMAND_PREFIXES) -> None:
         self.max_prefixes = max_prefixes
@@ -289,7 +294,7 @@ class PrefixDemand:
         key = (request.identity, prefix_tokens,
                hash(request.tokens[:prefix_tokens * TOKEN_BYTES]))
         value, at, first = self._counts.pop(key, (0.0, now, now))
-        value = value * math.exp(-(now - at) / DEMAND_TAU_S) + 1.0
+        value = _decayed(value, now - at, DEMAND_TAU_S) + 1.0
         self._counts[key] = (value, now, first)  # re-inserted: the dict is in recency order
         if len(self._counts) > self.max_prefixes:
             for stale in list(itertools.islice(self._counts, len(self._counts) // 2)):
