@@ -12,6 +12,7 @@ import pytest
 from kvreuse.errors import ConfigError
 from kvreuse.routing import build_policy
 from kvreuse.sim import FleetConfig, FleetSimulator, ReplicaConfig
+from kvreuse.sim.config import MAX_REPLICAS
 from kvreuse.sim.scenarios import get_scenario
 
 
@@ -28,6 +29,13 @@ def test_replace_validates_like_the_constructor() -> None:
     assert dataclasses.replace(config, replicas=6).replicas == 6
     with pytest.raises(ConfigError, match="scheduling"):
         dataclasses.replace(config.replica, scheduling="sjf")
+
+
+def test_an_absurd_fleet_size_is_refused_before_anything_is_built() -> None:
+    """A fleet past MAX_REPLICAS is a ConfigError naming the bound, not hours of allocation."""
+    FleetConfig(MAX_REPLICAS)
+    with pytest.raises(ConfigError, match="at most 100,000, got 100,000,000"):
+        FleetConfig(100_000_000)
 
 
 def test_a_run_survives_pickle() -> None:

@@ -19,6 +19,12 @@ from kvreuse.sim.memory import KvSink, RadixMemory, ReplicaMemory
 SCHEDULERS = ("fcfs", "lpm")
 LOAD_VIEWS = ("replica", "router")
 
+MAX_REPLICAS = 100_000
+"""The largest fleet a simulation builds. Each replica holds its own queue and cache, and most
+policies look at every replica per request: 100,000 round-robin replicas take 12 s and 220 MB
+on belgavi, while 100 million (a slip of the keyboard) took 2.7 GB in 30 s without simulating
+a request."""
+
 MemoryFactory = Callable[[str, "ReplicaConfig", KvSink | None], ReplicaMemory]
 
 CACHE_KINDS: dict[str, MemoryFactory] = {"radix": RadixMemory, "block": BlockMemory}
@@ -101,6 +107,8 @@ class FleetConfig:
 
     def __post_init__(self) -> None:
         require_at_least("replicas", self.replicas, 1)
+        if self.replicas > MAX_REPLICAS:
+            raise ConfigError(f"replicas must be at most {MAX_REPLICAS:,}, got {self.replicas:,}")
         if self.models is not None:
             if len(self.models) != self.replicas:
                 raise ConfigError(f"models lists {len(self.models)} replicas' models for "
