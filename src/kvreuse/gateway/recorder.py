@@ -15,7 +15,13 @@ when the queue is full the request is dropped from the trace and counted (:attr:
 never waited for. A writer thread hashes and writes. Requests finish out of arrival order, so
 the writer holds each one for ``reorder_s`` seconds and writes in arrival order; one that
 finishes later than that is written with the last timestamp written (counted in :attr:`late`),
-so a trace never goes back in time. Files rotate at ``max_bytes`` and every ``rotate_s``
+so a trace never goes back in time. What the writer holds is bounded as the queue is: at most
+``queue_size`` requests and :data:`MAX_HELD_BYTES` of their prompts' tokens; past either, the
+earliest arrival is written before its window ends (a request arriving earlier than it later
+on is then late). Without that bound the queue's limit meant nothing (the writer empties it
+every 0.25 s into the held set), and a flood of long prompts held every one of the last
+``reorder_s`` seconds: 1,500 prompts of 100k tokens grew the gateway by 600 MB with a queue of
+100. Files rotate at ``max_bytes`` and every ``rotate_s``
 seconds: ``DIR/trace-<start>-<pid>-<n>.jsonl`` (``n`` zero-padded, so names sort in order),
 timestamps continuing across files.
 """
@@ -46,6 +52,7 @@ from kvreuse.trace.keyed import KeyedIds
 log = logging.getLogger("kvreuse.gateway.recorder")
 
 SECRET_ENV = "KVREUSE_RECORD_SECRET"
+MAX_HELD_BYTES = 128 << 20  # of prompt tokens held for reordering (see the module docstring)
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +175,8 @@ class TraceRecorder:
 
     def _run(self) -> None:
         held: list[_Pending] = []
+        held_bytes = 0
+        limit = self.settings.queue_size
         reorder = self.settings.reorder_s
         try:
             while True:
@@ -182,11 +191,15 @@ class TraceRecorder:
                 for item in got:
                     if item is not None:
                         heapq.heappush(held, item)
+                        held_bytes += len(item[2])
                 if None in got:
                     break
                 due = self._wall() - reorder
-                while held and held[0][0] <= due:
-                    self._write(heapq.heappop(held))
+                while held and (held[0][0] <= due or len(held) > limit
+                                or held_bytes > MAX_HELD_BYTES):
+                    item = heapq.heappop(held)
+                    held_bytes -= len(item[2])
+                    self._write(item)
                 self._rotate_if_old()
                 if self._file is not None:
                     self._file.flush()

@@ -41,8 +41,22 @@ traffic needs and uvicorn does not have.
 * **The open-file limit** is raised to its hard limit at start
   (:func:`raise_open_file_limit`); the default connection limit is derived from it.
 
-Every refusal here (408, 431, 503) has an OpenAI error body and ``connection: close``, and is
-logged at most once per 10 s per kind, with the count of those held back.
+* **Malformed requests** (what the parser, llhttp, refuses: a Content-Length next to a
+  Transfer-Encoding, two differing Content-Lengths, a signed or hexadecimal one, a chunk size
+  past 64 bits, bare LF line endings, obs-fold, control bytes in a header, ...) get a 400 naming
+  llhttp's reason, and the connection is closed: its framing can no longer be trusted, so
+  nothing after the error is parsed as a next request (no smuggling). uvicorn answered these in
+  ``text/plain``, logged each one (a flood of them, a line each) and closed at once, which can
+  reset the connection before the client reads the answer.
+* **Upgrade requests** (``Connection: upgrade``, e.g. ``Upgrade: h2c`` as ``curl --http2``
+  sends on ``http://``) are served as plain HTTP/1.1, ignoring the upgrade as RFC 9110 (7.8)
+  allows: the gateway switches to no other protocol. llhttp stops parsing HTTP at the end of
+  such a request's head, so a body it has would have been lost (the request answered as if it
+  had none) and the next request on the connection refused; the parser is replaced by a fresh
+  one told the body's framing, and the connection goes on as any other.
+
+Every refusal here (400, 408, 431, 503) has an OpenAI error body and ``connection: close``, and
+is logged at most once per 10 s per kind, with the count of those held back.
 
 :class:`GuardedHttpProtocol` extends uvicorn's httptools protocol (the gateway needs httptools
 anyway: its upstream client parses with it); :func:`uvicorn_options` gives the keyword options
@@ -52,12 +66,14 @@ of ``uvicorn.run`` / ``uvicorn.Config`` for a gateway configuration.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import resource
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from kvreuse.gateway.asgi import DISCONNECT_HOOK, DisconnectHook
@@ -97,6 +113,10 @@ def _raw_response(status: int, reason: str, message: str, kind: str) -> bytes:
 _over_limit = ThrottledLog(log, burst=1, interval_s=10.0)
 _too_slow = ThrottledLog(log, burst=1, interval_s=10.0)
 _too_large = ThrottledLog(log, burst=1, interval_s=10.0)
+_malformed = ThrottledLog(log, burst=1, interval_s=10.0)
+
+# A refusal waiting for the answers before it (status, reason, message, error type).
+_Refusal = tuple[int, str, str, str]
 
 
 class GuardedHttpProtocol(HttpToolsProtocol):
@@ -117,8 +137,12 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._since = 0.0
         self._hook: DisconnectHook | None = None  # the current request's
         self._refused = False  # over the connection limit: never served
-        self._draining = False  # answered 408 or 431: reading and dropping until the close
-        self._pending_431 = False  # ... the 431 waiting for the answers before it
+        self._draining = False  # answered 400, 408 or 431: reading and dropping until the close
+        self._pending: _Refusal | None = None  # ... the 400 or 431 waiting for answers before it
+        # An upgrade request being served as plain HTTP/1.1 (see the module docstring): its
+        # body's framing, told to the fresh parser that replaces llhttp's upgraded one.
+        self._unupgraded_body: bytes | None = None
+        self._replaying = False  # a fresh parser reads that framing: it begins no request
         # What the parser is reading, whatever the answers are doing: "head" (from the end of
         # the last request, before its next one's first byte too, to on_headers_complete),
         # "body" (to on_message_complete) or "upgrade" (nothing is counted any more).
@@ -166,8 +190,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             stop = self._cut(data, start, end)
             piece = data if stop - start == end else data[start:stop]
             in_body, body_fed, messages = self._reading == "body", self._body_fed, self._messages
-            super().data_received(piece)
-            if self.transport.is_closing() or self._reading == "upgrade":
+            self._feed(piece)
+            if self.transport.is_closing() or self._reading == "upgrade" or self._draining:
                 return  # refused as malformed (400), or upgraded (the rest is not HTTP)
             start = stop
             if self._reading == "body":
@@ -194,6 +218,66 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._start(_HEAD)
         if self._phase is not None and self._timer is None:
             self._arm(self.limits.head_timeout_s)
+
+    def _feed(self, piece: bytes) -> None:
+        """uvicorn's ``data_received`` for one piece, but with malformed requests refused as
+        :meth:`_refuse_malformed` says and upgrades other than uvicorn's WebSocket ignored."""
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(piece)
+        except httptools.HttpParserUpgrade as upgrade:
+            if self._reading == "upgrade":  # a WebSocket, which uvicorn serves itself
+                self.handle_websocket_upgrade()
+                return
+            self._resume_plain_http(piece[int(upgrade.args[0]):])
+        except httptools.HttpParserError as exc:
+            self._refuse_malformed(str(exc) or type(exc).__name__)
+
+    def _resume_plain_http(self, rest: bytes) -> None:
+        """llhttp has stopped at the end of an upgrade request's head, its body (if any) skipped
+        as the start of another protocol: parse on with a fresh parser, first told the body's
+        framing by a head that begins no request, then given what followed."""
+        self.parser = parser = httptools.HttpRequestParser(self)
+        with contextlib.suppress(AttributeError):  # (as uvicorn: httptools >= 0.6.3)
+            parser.set_dangerous_leniencies(lenient_data_after_close=True)
+        framing, self._unupgraded_body = self._unupgraded_body, None
+        if framing is not None:
+            url, headers = self.url, self.headers  # the request's, which the replay must keep
+            self._replaying, self.headers = True, []
+            try:
+                parser.feed_data(b"POST / HTTP/1.1\r\n%s\r\n\r\n" % framing)
+            finally:
+                self._replaying, self.url, self.headers = False, url, headers
+        if rest:
+            self._feed(rest)
+
+    def _refuse_malformed(self, reason: str) -> None:
+        """llhttp refused what the client sent (``reason``): answer 400 and close, at once or,
+        behind answers under way (pipelined), after them; nothing more is parsed."""
+        self._phase = None
+        self._disarm()
+        self._draining = True
+        _malformed.warning("refused a malformed request (400) and closed the connection: %s",
+                           reason)
+        answer = (400, "Bad Request", f"malformed HTTP/1.1 request: {reason}; the connection "
+                  "is closed", "BadRequestError")
+        cycle = self.cycle
+        if self._reading == "body" and cycle is not None and not cycle.response_complete:
+            # Its own body is malformed: the request is never served.
+            queued = next((entry for entry in self.pipeline if entry[0] is cycle), None)
+            if queued is not None:
+                self.pipeline.remove(queued)
+            elif cycle.response_started:
+                self.transport.close()  # answered early already: nothing else can be said
+                return
+            else:
+                cycle.disconnected = True  # the app sees the client gone; its answer dropped
+                cycle.message_event.set()
+        if self.pipeline or (cycle is not None and not cycle.response_complete
+                             and not cycle.disconnected):
+            self._pending = answer
+            return
+        self._answer_and_close(*answer)
 
     def _cut(self, data: bytes, start: int, end: int) -> int:
         """Where the next piece of ``data[start:end]`` for the parser ends: at the blank line
@@ -231,23 +315,31 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     # ------------------------------------------------------------------ the request's pace
 
     def on_message_begin(self) -> None:
+        if self._replaying:
+            return
         super().on_message_begin()
         self._begun += 1
         if self._phase is None:  # (a first request's head is timed from the connection)
             self._retime()
 
     def on_headers_complete(self) -> None:
+        if self._replaying:
+            return
         # The request's disconnect hook: spares the app a task per request watching receive.
         hook = self._hook = DisconnectHook()
         extensions = self.scope.setdefault("extensions", {})
         extensions[DISCONNECT_HOOK] = {"hook": hook}  # ASGI extensions are dicts
         super().on_headers_complete()
         self._head_bytes, self._head_tail, self._body_bytes = 0, b"", 0
-        if self.parser.should_upgrade():
+        if self.parser.should_upgrade() and self._should_upgrade():
             self._reading, self._phase = "upgrade", None
             return
         self._reading = "body"
         self._body_left = self._declared_length()
+        if self.parser.should_upgrade():  # served as plain HTTP/1.1 (see _resume_plain_http)
+            self._unupgraded_body = (
+                b"transfer-encoding: chunked" if self._body_left is None else
+                b"content-length: %d" % self._body_left if self._body_left else None)
         self._retime()
 
     def _declared_length(self) -> int | None:
@@ -272,17 +364,21 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._body_left -= size
 
     def on_message_complete(self) -> None:
+        if self._unupgraded_body is not None:
+            return  # llhttp skipping an upgrade request's body: it is still to be read
         self._reading, self._phase = "head", None
         self._messages += 1
         super().on_message_complete()
 
     def on_response_complete(self) -> None:
+        started_next = bool(self.pipeline)
         super().on_response_complete()  # (starts the next pipelined request, if any)
         if self.transport.is_closing():
             return
-        if self._pending_431:
-            if not self.pipeline and self.cycle.response_complete:
-                self._answer_431()
+        if self._pending is not None:
+            if not started_next:  # the answer that just ended was the last one under way
+                answer, self._pending = self._pending, None
+                self._answer_and_close(*answer)
             return
         if self._draining:
             return
@@ -374,17 +470,13 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._draining = True  # what else the client sends is dropped, never parsed
         _too_large.warning("refused a request head over %d bytes (431) and closed the "
                            "connection", MAX_HEAD_BYTES)
+        answer = (431, "Request Header Fields Too Large",
+                  f"the request head (request line and headers) is larger than "
+                  f"{MAX_HEAD_BYTES} bytes", "RequestHeaderFieldsTooLarge")
         if self.pipeline or (self.cycle is not None and not self.cycle.response_complete):
-            self._pending_431 = True
+            self._pending = answer
             return
-        self._answer_431()
-
-    def _answer_431(self) -> None:
-        self._pending_431 = False
-        self._answer_and_close(
-            431, "Request Header Fields Too Large",
-            f"the request head (request line and headers) is larger than {MAX_HEAD_BYTES} "
-            "bytes", "RequestHeaderFieldsTooLarge")
+        self._answer_and_close(*answer)
 
     def _answer_and_close(self, status: int, reason: str, message: str, kind: str) -> None:
         """As for a refused connection: answer, half-close, drop what still comes, close when

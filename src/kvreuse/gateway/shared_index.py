@@ -24,6 +24,15 @@ Two halves:
   reads the retained tail first. Redis is never on a request's path: routing stays local and a
   Redis outage only makes the index as local as a lone gateway's (counted in :attr:`stats`).
 
+Redis is shared, so what the gateway reads there is input, never trusted: an entry that does
+not decode is skipped and counted; a chain longer than :data:`MAX_SHARED_CHAIN_BLOCKS` is
+read only that far (no engine's context holds more, so nothing routable is lost), because
+decoding and merging a forged chain of millions of blocks stalled the event loop, and with it
+every request, for seconds, again at each re-read after a Redis error; the reader yields to
+the event loop every :data:`YIELD_BLOCKS` blocks merged. Redis errors and skipped entries are
+logged at most once per 10 s each (with the count held back): a Redis outage or a stream full
+of garbage logged a line per retry (two a second) or per entry.
+
 Wiring: ``kvreuse route --shared-index redis://HOST:PORT/DB`` calls :func:`attach`, which gives
 the policy the index as its estimator and runs :meth:`RedisIndexSync.run` in the app's
 lifespan.
@@ -42,12 +51,21 @@ from typing import TYPE_CHECKING, Any, NewType, cast
 
 from kvreuse.errors import ConfigError, InputFormatError, require_at_least
 from kvreuse.gateway.asgi import Receive, Scope, Send
+from kvreuse.gateway.telemetry import ThrottledLog
 from kvreuse.routing import KvEvent, ReplicaId, RequestView, block_chain
 
 if TYPE_CHECKING:
     from kvreuse.gateway.app import Gateway
 
 log = logging.getLogger("kvreuse.gateway.shared_index")
+
+# A record's chain is read up to this many blocks: 1M tokens at the default 16 per block,
+# more than any engine's context (see the module docstring). Merging that many takes ~20 ms.
+MAX_SHARED_CHAIN_BLOCKS = 1 << 16
+YIELD_BLOCKS = 8192  # the reader lets requests run after merging about this many blocks
+
+_redis_errors = ThrottledLog(log, burst=1, interval_s=10.0)
+_skipped = ThrottledLog(log, burst=1, interval_s=10.0)
 
 ChainHash = NewType("ChainHash", int)
 """A chained block hash: names the prefix that ends with this block, identity included."""
@@ -156,16 +174,19 @@ def encode_record(record: RoutedRecord) -> dict[str, bytes]:
     return {"o": record.origin.encode(), "c": packed}
 
 
-def decode_record(upstream: ReplicaId, fields: MutableMapping[Any, Any]) -> RoutedRecord:
-    """The inverse of :func:`encode_record`; :class:`InputFormatError` names what is wrong."""
+def decode_record(upstream: ReplicaId, fields: MutableMapping[Any, Any],
+                  max_blocks: int | None = None) -> RoutedRecord:
+    """The inverse of :func:`encode_record`, reading at most ``max_blocks`` blocks of the
+    chain when given (its root end); :class:`InputFormatError` names what is wrong."""
     origin, packed = fields.get(b"o"), fields.get(b"c")
     if not isinstance(origin, bytes) or not isinstance(packed, bytes):
         raise InputFormatError("stream entry needs byte fields 'o' and 'c'", f"upstream {upstream}")
     if len(packed) % 8:
         raise InputFormatError(f"chain of {len(packed)} bytes is not whole uint64s",
                                f"upstream {upstream}")
+    end = len(packed) if max_blocks is None else min(len(packed), max_blocks * 8)
     chain = tuple(ChainHash(int.from_bytes(packed[i : i + 8], "little"))
-                  for i in range(0, len(packed), 8))
+                  for i in range(0, end, 8))
     return RoutedRecord(upstream, chain, origin.decode(errors="replace"))
 
 
@@ -211,6 +232,8 @@ class RedisIndexSync:
         self.block_ms = block_ms
         self.stats = SyncStats()
         self._pending: asyncio.Queue[RoutedRecord] = asyncio.Queue(max_pending)
+        self._max_blocks = min(index.capacity_blocks, MAX_SHARED_CHAIN_BLOCKS)
+        self._merged = 0  # blocks merged since the reader last yielded to the event loop
         index.on_record = self._enqueue
 
     def _enqueue(self, record: RoutedRecord) -> None:
@@ -233,7 +256,9 @@ class RedisIndexSync:
             except Exception as exc:  # a Redis client raises many types; all mean "retry"
                 self.stats.redis_errors += 1
                 self.stats.connected = False
-                log.warning("shared index: redis error %s: %s", type(exc).__name__, exc)
+                _redis_errors.warning("shared index: redis error %s: %s (routing on this "
+                                      "gateway's own records meanwhile)", type(exc).__name__,
+                                      str(exc))
                 await asyncio.sleep(0.5)
 
     async def _read_loop(self) -> None:
@@ -246,6 +271,7 @@ class RedisIndexSync:
                 for entry_id, fields in entries:
                     last[key] = entry_id
                     self._take(self.streams[key], fields)
+                    await self._yield_if_due()
 
     async def _bootstrap(self) -> dict[str, Any]:
         """Apply the retained tail of each stream (oldest first); returns the read cursor."""
@@ -255,18 +281,27 @@ class RedisIndexSync:
             cursor[key] = entries[0][0] if entries else "0-0"
             for _, fields in reversed(entries):
                 self._take(upstream, fields, include_own=True)
+                await self._yield_if_due()
         return cursor
+
+    async def _yield_if_due(self) -> None:
+        """Let requests run once about :data:`YIELD_BLOCKS` blocks were merged since the
+        last time: a batch of long chains is otherwise merged in one go on the event loop."""
+        if self._merged >= YIELD_BLOCKS:
+            self._merged = 0
+            await asyncio.sleep(0)
 
     def _take(self, upstream: ReplicaId, fields: MutableMapping[Any, Any],
               include_own: bool = False) -> None:
         try:
-            record = decode_record(upstream, fields)
+            record = decode_record(upstream, fields, self._max_blocks)
         except InputFormatError as exc:
             self.stats.malformed += 1
-            log.warning("shared index: skipped a malformed entry: %s", exc)
+            _skipped.warning("shared index: skipped a malformed entry: %s", str(exc))
             return
         if record.origin == self.index.origin and not include_own:
             return
+        self._merged += len(record.chain)
         self.index.merge(record)
         self.stats.received += 1
 
