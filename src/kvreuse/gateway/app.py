@@ -559,7 +559,9 @@ class Gateway:
             allowed = tenant.upstreams if tenant else None
             tokens, tokenize_s = None, 0.0
             if self.tokenizer.blocking:
-                self.router.serving(parsed.model, allowed)  # an unknown model is a 404 first
+                # An unknown model is a 404 before any tokenizing; plan() looks again after
+                # the await, as the upstreams' model lists may have changed meanwhile.
+                self.router.serving(parsed.model, allowed)
                 started = time.perf_counter()
                 tokens = await self._tokenize(parsed)
                 # The decision histogram covers tokenization wherever it ran, waits included.
