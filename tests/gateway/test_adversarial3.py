@@ -5,6 +5,7 @@ hostile Redis (a real ``redis-server``), and the trace recorder's memory under a
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import logging
 import os
@@ -154,6 +155,37 @@ def test_a_malformed_pipelined_request_is_answered_after_the_one_before_it(
         status, _, body = reader.response()
         assert status == 400 and "chunk" in error_of(body)["message"]
         assert reader.at_eof()
+
+
+@pytest.mark.parametrize(("header", "status", "kind"), [
+    (b"content-encoding: gzip\r\ncontent-length: %d\r\n", 415, "UnsupportedMediaTypeError"),
+    (b"transfer-encoding: gzip, chunked\r\n", 501, "NotImplementedError"),
+], ids=["content-encoding", "transfer-encoding"])
+def test_a_compressed_body_is_refused_by_name_and_the_connection_goes_on(
+        engine: Engine, gateway_factory: Factory, header: bytes, status: int,
+        kind: str) -> None:
+    """A gzipped body gets a 415 or 501 naming the coding, not "not valid UTF-8", and the
+    next request on its connection is served."""
+    gateway = gateway_factory([engine])
+    packed = gzip.compress(BODY)
+    body = chunked(packed) if b"chunked" in header else packed
+    with connect(gateway) as sock:
+        sock.sendall(post(header.replace(b"%d", b"%d" % len(packed)), body) + NEXT)
+        reader = Reader(sock)
+        got, _, answer = reader.response()
+        error = error_of(answer)
+        assert got == status and error["type"] == kind and "gzip" in error["message"]
+        assert reader.response()[0] == 200
+
+
+def test_identity_codings_are_served(engine: Engine, gateway_factory: Factory) -> None:
+    """Content-Encoding: identity and Transfer-Encoding: chunked are plain bodies."""
+    gateway = gateway_factory([engine])
+    with connect(gateway) as sock:
+        sock.sendall(post(b"content-encoding: identity\r\ntransfer-encoding: chunked\r\n",
+                          chunked(BODY)))
+        status, _, answer = Reader(sock).response()
+        assert status == 200, answer
 
 
 # ---------------------------------------------------------------------- shared index, Redis

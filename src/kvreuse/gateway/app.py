@@ -80,6 +80,7 @@ from kvreuse.gateway.validation import (
     decode_body,
     error_body,
     parse_request,
+    unsupported_coding,
 )
 from kvreuse.routing import RoutingPolicy, build_policy
 from kvreuse.tokens import TokenBuffer
@@ -490,10 +491,12 @@ class Gateway:
 
     async def _generate(self, scope: Scope, receive: Receive, send: Send, path: str,
                         kind: str) -> None:
-        session_id = declared = traceparent = tracestate = None
+        session_id = declared = traceparent = tracestate = coding = None
         for name, value in scope["headers"]:
             if name == b"content-length":
                 declared = value
+            elif name in (b"content-encoding", b"transfer-encoding"):
+                coding = unsupported_coding(name, value) or coding
             elif name == b"x-session-id":
                 session_id = value.decode("latin-1")
             elif name == b"traceparent":
@@ -505,7 +508,7 @@ class Gateway:
         reply = ClientReply(send, request_id, record)
         try:
             await self._serve(scope, receive, reply, path, kind, record, session_id, declared,
-                              trace_headers(traceparent, tracestate))
+                              trace_headers(traceparent, tracestate), coding)
         except Exception as exc:  # a bug: the client still gets an answer, and it is logged
             log.error("request %s: internal error, answered 500: %r", reply.request_id, exc,
                       exc_info=exc)
@@ -535,12 +538,14 @@ class Gateway:
     async def _serve(self, scope: Scope, receive: Receive, reply: ClientReply, path: str,
                      kind: str,
                      record: RequestRecord, session_id: str | None, declared: bytes | None,
-                     trace: dict[str, str]) -> None:
+                     trace: dict[str, str], coding: RequestError | None) -> None:
         try:
             tenant = self._authenticate(scope["headers"])
             if tenant is not None:
                 record.tenant = tenant.name
             raw = await read_body(receive, self.config.max_body_bytes, declared)
+            if coding is not None:  # refused once read, so the connection can go on
+                raise coding
             decoded = decode_body(raw)
             body = decoded.value
             if self.tenants is not None and "cache_salt" in body:

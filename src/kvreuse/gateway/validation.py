@@ -37,9 +37,27 @@ class RequestError(InputFormatError):
 
     def body(self) -> dict[str, Any]:
         """OpenAI's error shape, as vLLM answers."""
-        kind = {401: "AuthenticationError", 404: "NotFoundError", 413: "RequestTooLargeError"}
+        kind = {401: "AuthenticationError", 404: "NotFoundError", 413: "RequestTooLargeError",
+                415: "UnsupportedMediaTypeError", 501: "NotImplementedError"}
         return error_body(str(self), kind.get(self.status, "BadRequestError"), self.status,
                           self.param)
+
+
+def unsupported_coding(name: bytes, value: bytes) -> RequestError | None:
+    """The refusal of a request whose ``Content-Encoding`` or ``Transfer-Encoding`` header
+    (``name``, lower case) says its body is compressed (415 and 501, as RFC 9110 15.5.16 and
+    RFC 9112 6.1 say); None for ``identity`` and ``chunked``, which the server front reads.
+    Without it a gzipped body was refused as "not valid UTF-8", which sends its sender looking
+    in the wrong place. O(header)."""
+    codings = [part.strip().lower() for part in value.split(b",") if part.strip()]
+    plain = (b"identity",) if name == b"content-encoding" else (b"chunked", b"identity")
+    other = [coding for coding in codings if coding not in plain]
+    if not other:
+        return None
+    shown = ", ".join(ascii(coding.decode("latin-1"))[1:-1] for coding in other)[:100]
+    header = "Content-Encoding" if name == b"content-encoding" else "Transfer-Encoding"
+    return RequestError(f"{header} {shown} is not supported: send the body as plain JSON",
+                        name.decode(), 415 if name == b"content-encoding" else 501)
 
 
 def error_body(message: str, kind: str, status: int, param: str | None = None
