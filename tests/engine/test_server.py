@@ -4,18 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import math
+import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
 
+from kvreuse.engine.publisher import EventPublisher
 from kvreuse.engine.replica import EngineConfig
 from kvreuse.engine.server import build_engine
-from kvreuse.gateway.prompts import TextApproximation
+from kvreuse.gateway.prompts import HFPromptTokenizer, TextApproximation
 from kvreuse.gateway.subscriber import EventSubscriber
 from kvreuse.gateway.upstreams import parse_prometheus
 from kvreuse.index.events import AllBlocksCleared, BlockStored
 from kvreuse.kv_event_codec import EventBatch
 from kvreuse.testing.servers import ServerThread, free_port
+from kvreuse.testing.tiny_tokenizer import build_tokenizer_dir
 
 FAST = {"block_size": 4, "prefill_tokens_per_s": 1e6, "overhead_s": 0.0,
         "time_per_output_token_s": 0.0}
@@ -130,3 +136,73 @@ def test_ttft_histogram_counts_each_request_in_vllms_buckets() -> None:
               if not s.name.endswith("_bucket")}
     assert buckets["0.04"] == 0 and buckets["0.06"] == 1 and buckets["+Inf"] == 1
     assert totals["count"] == 1 and 0.05 <= totals["sum"] < 0.06
+
+
+@pytest.fixture(scope="module")
+def hf_engine_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """An engine with a real (tiny) Hugging Face tokenizer whose chat template was removed."""
+    directory = build_tokenizer_dir(tmp_path_factory.mktemp("tok"), vocab_size=2000,
+                                    corpus_lines=3000)
+    config_path = directory / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config.pop("chat_template", None)
+    config_path.write_text(json.dumps(config))
+    app = build_engine(EngineConfig(model="sim", **FAST),  # type: ignore[arg-type]
+                       HFPromptTokenizer(directory))
+    with ServerThread(app.app) as server:
+        yield server.url
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/chat/completions/render"])
+def test_a_chat_without_a_template_is_a_400_not_a_500(hf_engine_url: str, path: str) -> None:
+    """A tokenizer with no chat template refuses chats with a readable 400, as the gateway."""
+    body = {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    response = httpx.post(hf_engine_url + path, json=body)
+    assert response.status_code == 400, response.text
+    assert "chat_template" in response.json()["error"]["message"]
+
+
+def test_token_ids_beyond_the_vocabulary_are_refused(hf_engine_url: str) -> None:
+    """With a tokenizer, an id past its vocabulary is vLLM's 400 naming the prompt."""
+    ok = httpx.post(hf_engine_url + "/v1/completions",
+                    json={"model": "sim", "prompt": [1, 2, 1999], "max_tokens": 1})
+    assert ok.status_code == 200, ok.text
+    for prompt in ([1, 2, 2000], [[5, 2**32 - 1]]):
+        response = httpx.post(hf_engine_url + "/v1/completions",
+                              json={"model": "sim", "prompt": prompt, "max_tokens": 1})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
+        assert "out of vocabulary" in response.json()["error"]["message"]
+
+
+def test_refusals_are_logged_as_throttled_warnings(
+    engine_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A refused request shows in the log at the default level; a flood is throttled."""
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="kvreuse.engine"), httpx.Client() as client:
+        for _ in range(30):
+            response = client.post(engine_url + "/v1/completions",
+                                   json={"model": "nope", "prompt": "x"})
+            assert response.status_code == 404
+    windows = math.ceil(time.monotonic() - started) + 1  # the throttle: 10 lines a second
+    lines = [r for r in caplog.records if r.name == "kvreuse.engine"]
+    assert lines and "nope" in lines[0].getMessage()
+    assert len(lines) <= 10 * windows
+
+
+def test_the_replay_buffer_is_bounded_in_bytes() -> None:
+    """Large batches (long prompts' token ids) are dropped oldest first past buffer_bytes."""
+    publisher = EventPublisher(f"inproc://replay-bytes-{free_port()}", buffer_bytes=100_000)
+
+    async def publish_many() -> None:
+        publisher.start()
+        try:
+            for n in range(50):
+                stored = BlockStored((bytes([n % 256]) * 32,), None, tuple(range(4096)), 4096)
+                await publisher.publish([stored], float(n))
+        finally:
+            publisher.close()
+
+    asyncio.run(publish_many())
+    assert publisher.seq == 50
+    assert 0 < publisher.buffered_bytes <= 100_000

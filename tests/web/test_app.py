@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import math
+import time
 from typing import Any
 
 import pytest
@@ -209,3 +212,16 @@ def test_bad_query_strings_name_the_field(client: TestClient) -> None:
     """GET /api/run?replicas=many is a 400 naming replicas."""
     response = client.get("/api/run", params={"replicas": "many"})
     assert response.status_code == 400 and response.json()["field"] == "replicas"
+
+
+def test_refusals_are_logged_as_throttled_warnings(caplog: pytest.LogCaptureFixture) -> None:
+    """A 400 shows in the log at the server's default level; a flood of them is throttled."""
+    client = TestClient(create_app())
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="kvreuse.lab"):
+        for _ in range(30):
+            assert client.post("/api/run", json={"replicas": 0}).status_code == 400
+    windows = math.ceil(time.monotonic() - started) + 1  # the throttle: 10 lines a second
+    lines = [r for r in caplog.records if r.name == "kvreuse.lab"]
+    assert lines and all(r.levelno == logging.WARNING for r in lines)
+    assert "replicas" in lines[0].getMessage() and len(lines) <= 10 * windows

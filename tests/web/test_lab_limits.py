@@ -16,7 +16,7 @@ from typing import Any
 from kvreuse.testing.servers import ServerThread
 from kvreuse.web.adapter import SimLab
 from kvreuse.web.app import MAX_BODY_BYTES, create_app
-from kvreuse.web.controls import LabControls
+from kvreuse.web.controls import LabControls, RunCancelled
 from kvreuse.web.result import LabResult
 
 
@@ -35,12 +35,12 @@ class CountingLab(SimLab):
         self.peak = 0
         self.lock = threading.Lock()
 
-    def run(self, controls: LabControls) -> LabResult:
+    def run(self, controls: LabControls, cancel: threading.Event | None = None) -> LabResult:
         with self.lock:
             self.active += 1
             self.peak = max(self.peak, self.active)
         try:
-            return super().run(controls)
+            return super().run(controls, cancel)
         finally:
             with self.lock:
                 self.active -= 1
@@ -142,3 +142,80 @@ def test_runs_beyond_the_queue_get_a_fast_503() -> None:
             assert exc.code == 503 and exc.headers["Retry-After"]
             assert "already running 1" in json.load(exc)["error"]
         long_run.join(timeout=120)
+
+
+class HangingLab(SimLab):
+    """The real simulator, except that seed 1 runs until it is cancelled (or 20 s pass)."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.cancelled = threading.Event()
+
+    def run(self, controls: LabControls, cancel: threading.Event | None = None) -> LabResult:
+        if controls.seed != 1:
+            return super().run(controls, cancel)
+        self.started.set()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if cancel is not None and cancel.wait(0.01):
+                self.cancelled.set()
+                raise RunCancelled("cancelled")
+        return super().run(controls, cancel)
+
+
+def _post_and_hang_up(url: str, body: dict[str, Any]) -> socket.socket:
+    """Send a run and return the open socket; the caller closes it to hang up."""
+    data = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=10)
+    sock.sendall(b"POST /api/run HTTP/1.1\r\nHost: lab\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+    return sock
+
+
+def test_a_run_whose_client_hangs_up_is_cancelled_and_frees_its_slot() -> None:
+    """One slot: the client of a running simulation leaves; the run stops and the next gets 200."""
+    lab = HangingLab()
+    with serve(create_app(lab, max_concurrent_runs=1, max_waiting_runs=0)) as url:
+        sock = _post_and_hang_up(url, {"seed": 1, "duration_s": 5})
+        assert lab.started.wait(10), "the run never started"
+        sock.close()
+        assert lab.cancelled.wait(5), "the abandoned run was not cancelled"
+        deadline = time.monotonic() + 5
+        while (status := _post(url, {"seed": 2, "duration_s": 5})[0]) == 503:
+            assert time.monotonic() < deadline, "the slot was never freed"
+            time.sleep(0.02)
+        assert status == 200
+
+
+def _status_within(url: str, body: dict[str, Any], timeout_s: float) -> int | None:
+    """The run's status, or None when no answer came within ``timeout_s`` (then it hangs up)."""
+    request = urllib.request.Request(url + "/api/run", data=json.dumps(body).encode(),
+                                     method="POST", headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except (TimeoutError, urllib.error.URLError):
+        return None
+
+
+def test_a_waiting_run_whose_client_hangs_up_leaves_the_queue() -> None:
+    """One slot, one place in the queue: a waiter that hangs up frees its place at once."""
+    lab = HangingLab()
+    app = create_app(lab, max_concurrent_runs=1, max_waiting_runs=1, queue_timeout_s=60)
+    with serve(app) as url:
+        holder = _post_and_hang_up(url, {"seed": 1, "duration_s": 5})
+        assert lab.started.wait(10), "the first run never started"
+        waiter = _post_and_hang_up(url, {"seed": 3, "duration_s": 5})
+        deadline = time.monotonic() + 5
+        while _status_within(url, {"seed": 4, "duration_s": 5}, 0.3) != 503:
+            assert time.monotonic() < deadline, "the queue never filled"
+        waiter.close()
+        deadline = time.monotonic() + 5
+        # Queued (no answer while the slot is held) rather than refused: the place was freed.
+        while _status_within(url, {"seed": 4, "duration_s": 5}, 0.3) == 503:
+            assert time.monotonic() < deadline, "the gone waiter kept its place in the queue"
+            time.sleep(0.02)
+        holder.close()
+        assert lab.cancelled.wait(5)

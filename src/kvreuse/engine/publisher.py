@@ -5,6 +5,13 @@ One PUB socket sends ``[topic, seq (8 bytes big-endian), msgpack EventBatch]``; 
 start sequence number with every buffered batch from there, then an end marker (seq ``-1``).
 Endpoint rule, vLLM's: a wildcard (``tcp://*:P``) or ``ipc://``/``inproc://`` endpoint is bound,
 any other is connected to (the subscriber binds it). The replay endpoint is always bound.
+
+The replay buffer is bounded in bytes as well as in batches (vLLM bounds it in batches only).
+A batch carries its blocks' token ids, so one long prompt is a large batch: measured, each
+distinct 32,000-token request grew the engine by ~380 KB with no subscriber, so vLLM's 10,000
+batches would hold ~1.9 GB; :data:`DEFAULT_BUFFER_BYTES` caps it (oldest batches go first,
+the newest always stays). A subscriber asking to replay from a dropped batch gets what is left,
+as when batches pass the step bound.
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ from kvreuse.index.events import KVCacheEvent
 from kvreuse.kv_event_codec import END_OF_REPLAY, encode_message, encode_payload
 
 log = logging.getLogger("kvreuse.engine.events")
+
+DEFAULT_BUFFER_BYTES = 256 * 1024 * 1024
 
 
 def is_bind_endpoint(endpoint: str) -> bool:
@@ -41,6 +50,7 @@ class EventPublisher:
         shape: str = "map",
         int_hashes: bool = True,
         buffer_steps: int = 10_000,
+        buffer_bytes: int = DEFAULT_BUFFER_BYTES,
         dp_rank: int = 0,
         context: zmq.asyncio.Context | None = None,
     ) -> None:
@@ -51,7 +61,11 @@ class EventPublisher:
         self.int_hashes = int_hashes
         self.dp_rank = dp_rank
         self.seq = 0
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._buffer: deque[tuple[int, bytes]] = deque()
+        self._buffer_steps = buffer_steps
+        self._buffer_bytes = buffer_bytes
+        self.buffered_bytes = 0
+        # payload bytes held for replay: at most buffer_bytes, or the newest batch alone
         self._ctx = context or zmq.asyncio.Context.instance()
         self._pub: zmq.asyncio.Socket | None = None
         self._replay: zmq.asyncio.Socket | None = None
@@ -84,6 +98,12 @@ class EventPublisher:
         seq = self.seq
         self.seq += 1
         self._buffer.append((seq, payload))
+        self.buffered_bytes += len(payload)
+        buffer = self._buffer
+        while len(buffer) > self._buffer_steps or (
+            self.buffered_bytes > self._buffer_bytes and len(buffer) > 1
+        ):
+            self.buffered_bytes -= len(buffer.popleft()[1])
         await self._pub.send_multipart(encode_message(self.topic, seq, payload))
 
     async def _serve_replay(self) -> None:

@@ -88,6 +88,11 @@ class Limits:
 LIMITS = Limits()
 
 
+class RunCancelled(Exception):
+    """A run stopped before its end because whoever asked for it is gone (the server sets the
+    run's cancel event when the client disconnects)."""
+
+
 def _int(name: str, value: Any, low: int, high: int) -> int:
     # bool is an int subclass in Python; `true` for a count is a caller mistake, not 1.
     if isinstance(value, bool) or not isinstance(value, int | float):
