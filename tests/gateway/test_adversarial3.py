@@ -157,6 +157,23 @@ def test_a_malformed_pipelined_request_is_answered_after_the_one_before_it(
         assert reader.at_eof()
 
 
+@pytest.mark.parametrize("request_line", [
+    b"CONNECT example.com:443 HTTP/1.1", b"GET http://[::1 HTTP/1.1",
+], ids=["connect", "broken-absolute-url"])
+def test_an_unservable_request_target_is_refused_in_words(
+        engine: Engine, gateway_factory: Factory, request_line: bytes) -> None:
+    """A CONNECT or a broken absolute URL gets a 400 saying the target is the problem, not
+    llhttp's "User callback error"."""
+    gateway = gateway_factory([engine])
+    with connect(gateway) as sock:
+        sock.sendall(request_line + b"\r\nhost: example.com:443\r\n\r\n")
+        reader = Reader(sock)
+        status, _, body = reader.response()
+        message = error_of(body)["message"]
+        assert status == 400 and "request target" in message and "callback" not in message
+        assert reader.at_eof()
+
+
 @pytest.mark.parametrize(("header", "status", "kind"), [
     (b"content-encoding: gzip\r\ncontent-length: %d\r\n", 415, "UnsupportedMediaTypeError"),
     (b"transfer-encoding: gzip, chunked\r\n", 501, "NotImplementedError"),

@@ -143,6 +143,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         # body's framing, told to the fresh parser that replaces llhttp's upgraded one.
         self._unupgraded_body: bytes | None = None
         self._replaying = False  # a fresh parser reads that framing: it begins no request
+        self._callback_problem: str | None = None  # what a callback refused, in words
         # What the parser is reading, whatever the answers are doing: "head" (from the end of
         # the last request, before its next one's first byte too, to on_headers_complete),
         # "body" (to on_message_complete) or "upgrade" (nothing is counted any more).
@@ -231,7 +232,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                 return
             self._resume_plain_http(piece[int(upgrade.args[0]):])
         except httptools.HttpParserError as exc:
-            self._refuse_malformed(str(exc) or type(exc).__name__)
+            problem, self._callback_problem = self._callback_problem, None
+            self._refuse_malformed(problem or str(exc) or type(exc).__name__)
 
     def _resume_plain_http(self, rest: bytes) -> None:
         """llhttp has stopped at the end of an upgrade request's head, its body (if any) skipped
@@ -329,7 +331,14 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         hook = self._hook = DisconnectHook()
         extensions = self.scope.setdefault("extensions", {})
         extensions[DISCONNECT_HOOK] = {"hook": hook}  # ASGI extensions are dicts
-        super().on_headers_complete()
+        try:
+            super().on_headers_complete()
+        except httptools.HttpParserInvalidURLError:
+            # llhttp reports an exception in a callback as "User callback error": name it.
+            self._callback_problem = ("the request target is not a URL this server serves "
+                                      "(an origin-form path such as /v1/completions; CONNECT "
+                                      "and malformed absolute URLs are refused)")
+            raise
         self._head_bytes, self._head_tail, self._body_bytes = 0, b"", 0
         if self.parser.should_upgrade() and self._should_upgrade():
             self._reading, self._phase = "upgrade", None
