@@ -102,14 +102,6 @@ class LabRunner(Protocol):
         ...
 
 
-def _error(
-    refusals: ThrottledLog, message: str, field: str | None, status: int = 400,
-    headers: dict[str, str] | None = None,
-) -> JSONResponse:
-    refusals.warning("lab: %s answered %d: %s", field or "request", status, ascii(message))
-    return JSONResponse({"error": message, "field": field}, status_code=status, headers=headers)
-
-
 class _BodyTooLarge(Exception):
     def __init__(self, seen: int) -> None:
         super().__init__(seen)
@@ -214,7 +206,9 @@ def create_app(
 
     def error(message: str, field: str | None, status: int = 400,
               headers: dict[str, str] | None = None) -> JSONResponse:
-        return _error(refusals, message, field, status, headers)
+        refusals.warning("lab: %s answered %d: %s", field or "request", status, ascii(message))
+        return JSONResponse({"error": message, "field": field}, status_code=status,
+                            headers=headers)
 
     async def page(request: Request) -> Response:
         return FileResponse(STATIC_DIR / "index.html", media_type="text/html")
