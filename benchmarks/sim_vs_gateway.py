@@ -67,6 +67,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import random
 import statistics
 import sys
@@ -269,6 +270,25 @@ class PairOrders:
         denominator = ((c + d + self.ties_a) * (c + d + self.ties_b)) ** 0.5
         return (c - d) / denominator if denominator else float("nan")
 
+    @property
+    def ordered(self) -> int:
+        """Pairs that at least one sample orders."""
+        return self.concordant + self.discordant + self.ties_a + self.ties_b
+
+    def agrees(self, target: float) -> bool:
+        """Whether the two samples rank alike: tau-b at least ``target``, or no pair ordered on
+        either side (every pair tied in both: nothing to rank, so nothing ranked differently;
+        tau-b is 0/0 there). One side tying every pair the other orders does not agree."""
+        return self.ordered == 0 or self.tau_b >= target
+
+    def shown(self) -> str:
+        """tau-b to two decimals, or what its NaN means."""
+        if self.ordered == 0:
+            return "all pairs tied in both"
+        if math.isnan(self.tau_b):
+            return "undefined (one side ties every pair the other orders)"
+        return f"{self.tau_b:.2f}"
+
 
 def pair_orders(a: Sequence[float], b: Sequence[float], tie_a: Tie = None,
                 tie_b: Tie = None) -> PairOrders:
@@ -411,11 +431,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                          pair_orders(*p95s, p95_tie, p95_tie)))
     print()
     for scenario, hit_raw, p95_raw, hit_orders, p95_orders in taus:
-        hit_tau, p95_tau = hit_orders.tau_b, p95_orders.tau_b
-        good = hit_tau >= 0.8 and p95_tau >= 0.8
+        good = hit_orders.agrees(0.8) and p95_orders.agrees(0.8)
         ok_all &= good
         print(f"[{'PASS' if good else 'FAIL'}] {scenario}: Kendall tau of the policies' "
-              f"ranking, hit rate {hit_tau:.2f}, p95 TTFT {p95_tau:.2f} (target >= 0.8; ties "
+              f"ranking, hit rate {hit_orders.shown()}, p95 TTFT {p95_orders.shown()} "
+              f"(target >= 0.8; ties "
               f"within {args.tie_points:g} points and {args.tie_share:.0%}; exact ties only: "
               f"{hit_raw:.2f}, {p95_raw:.2f})")
         for name, orders in (("hit rate", hit_orders), ("p95", p95_orders)):

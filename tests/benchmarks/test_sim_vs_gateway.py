@@ -39,6 +39,27 @@ def test_tau_is_nan_when_no_pair_is_ordered(bench: ModuleType) -> None:
     assert math.isnan(bench.kendall_tau([1.0, 1.0], [2.0, 2.0]))
 
 
+def test_rankings_agree_when_both_sides_tie_every_pair(bench: ModuleType) -> None:
+    """Every router within the band on both sides (tau-b 0/0) ranks alike, and says so."""
+    band = lambda x, y: 1.0  # noqa: E731
+    orders = bench.pair_orders([84.0, 84.3, 84.1], [84.1, 84.3, 84.1], band, band)
+    assert math.isnan(orders.tau_b)
+    assert orders.agrees(0.8)
+    assert orders.shown() == "all pairs tied in both"
+
+
+def test_rankings_disagree_when_one_side_orders_what_the_other_ties(bench: ModuleType) -> None:
+    """A pair tied by one side only is ordered, so it counts against the target."""
+    orders = bench.pair_orders([1.0, 1.0], [1.0, 5.0])
+    assert math.isnan(orders.tau_b)
+    assert not orders.agrees(0.8)
+    assert orders.shown().startswith("undefined")
+    mixed = bench.pair_orders([1.0, 1.0, 3.0], [1.0, 5.0, 9.0])
+    assert math.isclose(mixed.tau_b, 2 / math.sqrt(6))
+    assert not mixed.agrees(0.9)
+    assert mixed.shown() == "0.82"
+
+
 def test_pair_orders_say_which_pairs_lower_the_tau(bench: ModuleType) -> None:
     """(1,2,3,0) against (5,5,6,7): two pairs ordered alike, three opposite ways (each pair
     with the last value), one tied in the second sample only; tau-b comes from those counts."""
