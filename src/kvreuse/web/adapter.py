@@ -112,8 +112,7 @@ class _Watcher:
         self._next_sample = warmup_s
 
     def route(self, request: RequestView, fleet: FleetView) -> RoutingDecision | None:
-        if self.cancel is not None and self.cancel.is_set():
-            raise RunCancelled("the run was cancelled")
+        RunCancelled.raise_if_set(self.cancel)
         now = fleet.now
         if now >= self._next_sample and self.replicas:
             evicted = sum(r.evicted_tokens for r in self.replicas)
@@ -263,8 +262,7 @@ class SimLab:
         started = time.perf_counter()
         prepared = self.prepare(controls)
         # Traffic generation is one call (~1 s of a largest run's ~2.2 CPU s): check between.
-        if cancel is not None and cancel.is_set():
-            raise RunCancelled("the run was cancelled")
+        RunCancelled.raise_if_set(cancel)
         scenario, workload = prepared.scenario, prepared.workload
         fleet = scenario.fleet(controls.replicas, "")
         fleet = replace(

@@ -11,6 +11,7 @@ bigger runs).
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -91,6 +92,12 @@ LIMITS = Limits()
 class RunCancelled(Exception):
     """A run stopped before its end because whoever asked for it is gone (the server sets the
     run's cancel event when the client disconnects)."""
+
+    @classmethod
+    def raise_if_set(cls, cancel: threading.Event | None) -> None:
+        """Raise one when ``cancel`` is set (None: the run cannot be cancelled). O(1)."""
+        if cancel is not None and cancel.is_set():
+            raise cls("the run was cancelled")
 
 
 def _int(name: str, value: Any, low: int, high: int) -> int:
