@@ -20,7 +20,7 @@ from kvreuse.gateway.subscriber import EventSubscriber
 from kvreuse.gateway.upstreams import parse_prometheus
 from kvreuse.index.events import AllBlocksCleared, BlockStored
 from kvreuse.kv_event_codec import EventBatch
-from kvreuse.testing.servers import ServerThread, free_port
+from kvreuse.testing.servers import ServerThread, free_port, health_while_posting
 from kvreuse.testing.tiny_tokenizer import build_tokenizer_dir
 
 FAST = {"block_size": 4, "prefill_tokens_per_s": 1e6, "overhead_s": 0.0,
@@ -206,3 +206,18 @@ def test_the_replay_buffer_is_bounded_in_bytes() -> None:
     asyncio.run(publish_many())
     assert publisher.seq == 50
     assert 0 < publisher.buffered_bytes <= 100_000
+
+
+def test_a_huge_prompt_is_tokenized_off_the_event_loop(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A 3 MB prompt through a real HF tokenizer (~2.5 s of encode) leaves /health answering."""
+    directory = build_tokenizer_dir(tmp_path_factory.mktemp("tok"), vocab_size=2000,
+                                    corpus_lines=3000)
+    app = build_engine(EngineConfig(model="sim", **FAST),  # type: ignore[arg-type]
+                       HFPromptTokenizer(directory))
+    text = "hello world the quick brown fox jumps over " * 70_000
+    body = json.dumps({"model": "sim", "prompt": text, "max_tokens": 1}).encode()
+    with ServerThread(app.app) as server:
+        latency, pending, status = health_while_posting(server.url, "/v1/completions", body)
+    assert pending and latency < 1.0, (latency, pending)
+    assert status == 400  # millions of tokens: past the model's context, as vLLM answers

@@ -20,7 +20,7 @@ from kvreuse.gateway.config import UpstreamConfig
 from kvreuse.gateway.prompts import HFPromptTokenizer
 from kvreuse.identity import CacheIdentity
 from kvreuse.routing import POLICIES
-from kvreuse.testing.servers import ServerThread, free_port
+from kvreuse.testing.servers import ServerThread, free_port, health_while_posting
 from kvreuse.testing.tiny_tokenizer import corpus_words
 
 from .fleet import Engine, RunningGateway, start_engine
@@ -484,6 +484,18 @@ def test_a_blocking_tokenizer_runs_off_the_event_loop(engines: list[Engine],
     assert slow and slow[0].status_code == 200
     assert completion(gateway, unique_text()).status_code == 200
     assert tokenizer.threads and all(t.startswith("kvreuse-tokenize") for t in tokenizer.threads)
+
+
+def test_a_real_tokenizer_on_a_huge_prompt_leaves_the_event_loop_free(
+        tokenizer_dir: Path, engines: list[Engine], gateway_factory: Factory) -> None:
+    """A 3 MB prompt through a real HF tokenizer (~2.5 s of encode, on the tokenizing thread
+    and without the GIL) leaves /health answering meanwhile."""
+    gateway = gateway_factory(engines, prompt_tokenizer=HFPromptTokenizer(tokenizer_dir))
+    text = "hello world the quick brown fox jumps over " * 70_000
+    body = json.dumps({"model": "sim", "prompt": text, "max_tokens": 1}).encode()
+    latency, pending, status = health_while_posting(gateway.url, "/v1/completions", body)
+    assert pending and latency < 1.0, (latency, pending)
+    assert status == 400  # the engine's context length, relayed
 
 
 def test_the_decision_histogram_counts_tokenization_off_the_event_loop(

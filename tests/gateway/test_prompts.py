@@ -11,7 +11,12 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from kvreuse.errors import InputFormatError
-from kvreuse.gateway.prompts import HFPromptTokenizer, TextApproximation, approximate_tokens
+from kvreuse.gateway.prompts import (
+    GIL_FREE_CHARS,
+    HFPromptTokenizer,
+    TextApproximation,
+    approximate_tokens,
+)
 from kvreuse.testing.tiny_tokenizer import corpus_words
 from kvreuse.tokens import num_tokens, pack, unpack
 
@@ -63,6 +68,21 @@ def test_memoized_encoding_equals_whole_text_encoding(seed: int, turns: int) -> 
         messages[-1]["content"] += " <|im_end|>tail"
     text = hf.render(messages)
     assert unpack(hf.chat(messages)) == backend.encode(text, add_special_tokens=False).ids
+
+
+@pytest.mark.parametrize("turns", [0, 3])
+def test_texts_past_the_gil_free_length_encode_to_the_same_ids(
+        hf: HFPromptTokenizer, backend: Tokenizer, turns: int) -> None:
+    """A chat whose message (a memo piece) or a completion longer than GIL_FREE_CHARS, encoded
+    without the GIL, gives the ids of tokenizers' plain encode of the whole text."""
+    rng = random.Random(turns)
+    long_text = " ".join(rng.choices(WORDS, k=GIL_FREE_CHARS // 3))
+    assert len(long_text) > GIL_FREE_CHARS
+    messages = [*chat(rng, turns), {"role": "user", "content": long_text}]
+    assert unpack(hf.chat(messages)) == backend.encode(hf.render(messages),
+                                                       add_special_tokens=False).ids
+    assert unpack(hf.completion(long_text)) == backend.encode(long_text,
+                                                              add_special_tokens=True).ids
 
 
 def test_seen_history_is_served_from_the_memo(hf: HFPromptTokenizer) -> None:

@@ -13,10 +13,11 @@ With a Hugging Face tokenizer (``--tokenizer``), token-id prompts are checked ag
 vocabulary (vLLM's "out of vocabulary" 400), and a chat it cannot render (no chat template) is a
 400 naming the problem, as the gateway answers, not a 500.
 
-Prompts are tokenized on the event loop. Moving a Hugging Face tokenizer to a worker thread
-(as the gateway does) was tried and measured: the loop still stalled for the whole encode (3 MB
-of text: 3.5 s with the thread, 3.9 s without), since the encode holds the GIL here; so it stays
-simple. A text prompt costs ~1.2 s of loop per MB with that tokenizer; the body limit bounds it.
+A Hugging Face tokenizer (``blocking``) runs on the engine's one tokenizing thread, as the
+gateway's does, and encodes long texts without holding the GIL (``GIL_FREE_CHARS``): a 6 MB
+prompt (~1 s of encode per MB) held every other client of ``kvreuse engine`` for 6.3 s when it
+was tokenized on the event loop (a thread alone did not help, ``encode`` holding the GIL),
+and 0.32 s now, building the id list.
 
 Every refusal the client sees is logged as a warning, throttled (:class:`ThrottledLog`), since a
 client can send bad requests as fast as it likes.
@@ -24,6 +25,7 @@ client can send bad requests as fast as it likes.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -31,6 +33,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -240,6 +243,7 @@ class EngineApp:
         # gateway forwarded (request id, W3C trace context) can be checked on a real replica.
         self.received_headers: deque[dict[str, str]] = deque(maxlen=256)
         self._refusals = ThrottledLog(log)
+        self._tokenizing: ThreadPoolExecutor | None = None
         self._piece: Callable[[int], str]
         self._vocab_size: int | None = None
         if isinstance(tokenizer, HFPromptTokenizer):
@@ -290,6 +294,20 @@ class EngineApp:
         finally:
             if self.publisher is not None:
                 self.publisher.close()
+            if self._tokenizing is not None:
+                self._tokenizing.shutdown(wait=False, cancel_futures=True)
+                self._tokenizing = None
+
+    async def _tokenize(self, parsed: ParsedRequest) -> TokenBuffer:
+        """The prompt's tokens; a blocking tokenizer's on the engine's one tokenizing thread
+        (its memo is only ever touched by that thread), so the event loop serves others."""
+        if not self.tokenizer.blocking:
+            return request_tokens(self.tokenizer, parsed)
+        if self._tokenizing is None:
+            self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="kvreuse-tokenize")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizing, request_tokens, self.tokenizer,
+                                          parsed)
 
     async def health(self, request: Request) -> Response:
         return Response(status_code=200)
@@ -346,7 +364,7 @@ class EngineApp:
             max_tokens = parsed.max_tokens or DEFAULT_MAX_TOKENS
             check_supported(parsed, max_tokens)
             self._check_vocabulary(parsed)
-            tokens = request_tokens(self.tokenizer, parsed)
+            tokens = await self._tokenize(parsed)
             self.replica.check_fits(tokens, max_tokens)
         except ClientGone:
             return None

@@ -35,6 +35,16 @@ if TYPE_CHECKING:
 
 Messages = Sequence[Mapping[str, Any]]
 
+GIL_FREE_CHARS = 65_536
+"""Texts at least this long are encoded through ``tokenizers``' ``encode_batch``, which releases
+the GIL while its Rust code runs; ``encode`` holds it. Measured with the tiny Llama tokenizer on a
+3 MB text: ``encode`` held every other Python thread for 3.3 s (the event loop too, though the
+call ran on the gateway's tokenizing thread: ``kvreuse route`` answered no ``/health`` for 6.0 s
+on a 6 MB prompt, ``kvreuse engine`` 6.3 s), ``encode_batch`` for 0.13 s (building the id list),
+with the same ids in the same time. Below the threshold ``encode`` holds the GIL for at most
+~20 ms, and stays, because ``tokenizers`` notes any use of its thread pool and then warns in
+every process forked afterwards."""
+
 
 class PromptTokenizer(Protocol):
     """Turns a request's prompt into the token ids the engine will prefill."""
@@ -42,7 +52,8 @@ class PromptTokenizer(Protocol):
     name: str
     blocking: bool
     """True when a call may hold the caller for long (a real tokenizer on a multi-megabyte
-    chat: 13 s for 7 MB): the gateway then calls it off its event loop, one call at a time."""
+    chat: 13 s for 7 MB): the gateway and the engine then call it off their event loops, one
+    call at a time."""
 
     def completion(self, prompt: str) -> TokenBuffer:
         """Called per /v1/completions request with a text prompt. O(len(prompt))."""
@@ -209,7 +220,7 @@ class HFPromptTokenizer:
         """Ids of ``text`` without post-processing (``add_special_tokens=False``)."""
         pattern = self._pattern
         if pattern is None:
-            return pack(self._backend.encode(text, add_special_tokens=False).ids)
+            return pack(self._ids(text))
         pieces: list[bytes] = []
         memo = self._memo
         start = 0
@@ -231,10 +242,18 @@ class HFPromptTokenizer:
             self._memo.move_to_end(piece)
             return found
         self.memo_misses += 1
-        ids = pack(self._backend.encode(piece, add_special_tokens=False).ids)
+        ids = pack(self._ids(piece))
         if len(piece) + len(ids) <= self._memo_bytes // 16:  # a giant piece would evict all
             self._memo[piece] = ids
             self._memo_size += len(piece) + len(ids)
+        return ids
+
+    def _ids(self, text: str) -> list[int]:
+        """The ids of ``text`` without post-processing; see :data:`GIL_FREE_CHARS`."""
+        if len(text) < GIL_FREE_CHARS:
+            ids: list[int] = self._backend.encode(text, add_special_tokens=False).ids
+        else:
+            ids = self._backend.encode_batch([text], add_special_tokens=False)[0].ids
         return ids
 
     def completion(self, prompt: str) -> TokenBuffer:

@@ -96,3 +96,31 @@ class ServerThread:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def health_while_posting(url: str, path: str, body: bytes, *,
+                         head_start_s: float = 0.3) -> tuple[float, bool, int]:
+    """POST ``body`` to ``url + path`` on a thread, then after ``head_start_s`` GET
+    ``url + "/health"``: its status-200 latency in seconds, whether the POST was still
+    unanswered when /health answered, and the POST's status once it ends. A server that blocks
+    its event loop on the POST (tokenizing a huge prompt, say) answers /health late and after
+    the POST."""
+    import httpx
+
+    answered: list[int] = []
+
+    def post() -> None:
+        answered.append(httpx.post(url + path, content=body, timeout=120,
+                                   headers={"content-type": "application/json"}).status_code)
+
+    sender = threading.Thread(target=post, daemon=True)
+    sender.start()
+    time.sleep(head_start_s)
+    started = time.monotonic()
+    health = httpx.get(url + "/health", timeout=120)
+    latency = time.monotonic() - started
+    pending = not answered
+    sender.join(timeout=120)
+    assert health.status_code == 200, health.text
+    assert answered, "the POST was not answered within 120 s"
+    return latency, pending, answered[0]
