@@ -329,7 +329,7 @@ class EngineApp:
         return JSONResponse({"error": {"message": "requests are running"}}, status_code=400)
 
     def _refuse(self, what: str, error: RequestError) -> RequestError:
-        """``error``, logged (throttled) as refusing ``what`` (a path or a request kind)."""
+        """``error``, logged (throttled) as refusing ``what`` (the request's path)."""
         self._refusals.warning("refused %s with %d: %s", what, error.status, ascii(str(error)))
         return error
 
@@ -426,16 +426,16 @@ class EngineApp:
         # As vLLM does, a client that disconnects aborts its request wherever it is (queued,
         # prefilling, decoding), streamed or not, and its blocks are freed.
         with contextlib.suppress(OSError):  # a server reporting the gone client by raising
-            await until_disconnect(receive, self._run(send, prepared, kind))
+            await until_disconnect(receive, self._run(send, prepared, kind, scope["path"]))
 
-    async def _run(self, send: Send, prepared: PreparedRequest, kind: str) -> None:
+    async def _run(self, send: Send, prepared: PreparedRequest, kind: str, path: str) -> None:
         parsed, tokens, max_tokens = prepared.parsed, prepared.tokens, prepared.max_tokens
         identity = CacheIdentity(cache_salt=parsed.cache_salt)
         request_id = self.replica.new_request_id()
         try:
             prefilled = await self.replica.prefill(request_id, tokens, identity, max_tokens)
         except InputFormatError as exc:
-            await send_error(send, self._refuse(kind, RequestError(str(exc), exc.where)))
+            await send_error(send, self._refuse(path, RequestError(str(exc), exc.where)))
             return
         completion_id = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
         usage = {
