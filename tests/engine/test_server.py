@@ -8,6 +8,7 @@ import logging
 import math
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -221,3 +222,30 @@ def test_a_huge_prompt_is_tokenized_off_the_event_loop(
         latency, pending, status = health_while_posting(server.url, "/v1/completions", body)
     assert pending and latency < 1.0, (latency, pending)
     assert status == 400  # millions of tokens: past the model's context, as vLLM answers
+
+
+def test_a_body_over_the_inline_size_is_decoded_off_the_event_loop(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past INLINE_BODY_BYTES, decoding and checking run on the tokenizing thread (a 34 MB chat
+    of a million messages held the loop for 2.3 s); smaller bodies stay on the loop."""
+    import threading
+
+    import kvreuse.engine.server as server_module
+
+    threads: list[str] = []
+    real = server_module.decode_body
+
+    def noting(raw: bytes) -> Any:
+        threads.append(threading.current_thread().name)
+        return real(raw)
+
+    monkeypatch.setattr(server_module, "decode_body", noting)
+    app = build_engine(EngineConfig(model="sim", **FAST), TextApproximation())  # type: ignore[arg-type]
+    padding = "x" * server_module.INLINE_BODY_BYTES
+    with ServerThread(app.app) as server:
+        for user in ("me", padding):  # OpenAI's end-user id: a field engines ignore
+            response = httpx.post(server.url + "/v1/completions", timeout=30,
+                                  json={"model": "sim", "prompt": "hi", "max_tokens": 1,
+                                        "user": user})
+            assert response.status_code == 200, response.text
+    assert threads[0].startswith("asgi-") and threads[1].startswith("kvreuse-tokenize"), threads

@@ -17,7 +17,9 @@ A Hugging Face tokenizer (``blocking``) runs on the engine's one tokenizing thre
 gateway's does, and encodes long texts without holding the GIL (``GIL_FREE_CHARS``): a 6 MB
 prompt (~1 s of encode per MB) held every other client of ``kvreuse engine`` for 6.3 s when it
 was tokenized on the event loop (a thread alone did not help, ``encode`` holding the GIL),
-and 0.32 s now, building the id list.
+and 0.32 s now, building the id list. A body is parsed and checked on that thread too, with
+such a tokenizer or when it is over ``INLINE_BODY_BYTES``: a 34 MB chat of a million messages
+held the loop for 2.3 s while it was decoded there, 0.23 s now.
 
 Every refusal the client sees is logged as a warning, throttled (:class:`ThrottledLog`), since a
 client can send bad requests as fast as it likes.
@@ -73,6 +75,7 @@ from kvreuse.gateway.telemetry import ThrottledLog
 from kvreuse.gateway.validation import (
     BODY_PROBLEMS,
     ENDPOINT_KINDS,
+    INLINE_BODY_BYTES,
     ParsedRequest,
     RequestError,
     as_request_error,
@@ -298,17 +301,6 @@ class EngineApp:
                 self._tokenizing.shutdown(wait=False, cancel_futures=True)
                 self._tokenizing = None
 
-    async def _tokenize(self, parsed: ParsedRequest) -> TokenBuffer:
-        """The prompt's tokens; a blocking tokenizer's on the engine's one tokenizing thread
-        (its memo is only ever touched by that thread), so the event loop serves others."""
-        if not self.tokenizer.blocking:
-            return request_tokens(self.tokenizer, parsed)
-        if self._tokenizing is None:
-            self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="kvreuse-tokenize")
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tokenizing, request_tokens, self.tokenizer,
-                                          parsed)
-
     async def health(self, request: Request) -> Response:
         return Response(status_code=200)
 
@@ -346,26 +338,20 @@ class EngineApp:
 
     async def _prepare(self, scope: Scope, receive: Receive, send: Send,
                        kind: str) -> PreparedRequest | None:
-        """Read and check a ``kind`` body and tokenize its prompt; a refusal is answered here
+        """Read a ``kind`` body and :meth:`_checked` it (on the tokenizing thread for a
+        blocking tokenizer or a body over ``INLINE_BODY_BYTES``); a refusal is answered here
         (vLLM's error shape naming the field) and gives None, as does a client gone."""
         declared = next((value for name, value in scope["headers"]
                          if name == b"content-length"), None)
         try:
-            parsed = parse_request(kind, decode_body(
-                await read_body(receive, MAX_BODY_BYTES, declared)).value)
-            if parsed.model not in self.replica.config.names:
-                raise RequestError(
-                    f"the model {parsed.model[:200]!r} does not exist; this engine serves "
-                    f"{', '.join(self.replica.config.names)}", "model", 404
-                )
-            if kind == "completion" and isinstance(parsed.body.get("prompt"), list) and len(
-                parsed.body["prompt"]) > 1 and not isinstance(parsed.body["prompt"][0], int):
-                raise RequestError("the simulated engine serves one prompt per request", "prompt")
-            max_tokens = parsed.max_tokens or DEFAULT_MAX_TOKENS
-            check_supported(parsed, max_tokens)
-            self._check_vocabulary(parsed)
-            tokens = await self._tokenize(parsed)
-            self.replica.check_fits(tokens, max_tokens)
+            raw = await read_body(receive, MAX_BODY_BYTES, declared)
+            if self.tokenizer.blocking or len(raw) > INLINE_BODY_BYTES:
+                if self._tokenizing is None:
+                    self._tokenizing = ThreadPoolExecutor(1,
+                                                          thread_name_prefix="kvreuse-tokenize")
+                return await asyncio.get_running_loop().run_in_executor(
+                    self._tokenizing, self._checked, kind, raw)
+            return self._checked(kind, raw)
         except ClientGone:
             return None
         except BODY_PROBLEMS as exc:
@@ -374,6 +360,25 @@ class EngineApp:
         except KvreuseError as exc:  # e.g. a chat and a tokenizer without a chat template
             await send_error(send, self._refuse(scope["path"], RequestError(str(exc), None)))
             return None
+
+    def _checked(self, kind: str, raw: bytes) -> PreparedRequest:
+        """Parse and check a ``kind`` body and tokenize its prompt; raises what
+        :meth:`_prepare` answers. Pure (reads the replica's configuration only), so it may run
+        on the tokenizing thread. O(body + prompt)."""
+        parsed = parse_request(kind, decode_body(raw).value)
+        if parsed.model not in self.replica.config.names:
+            raise RequestError(
+                f"the model {parsed.model[:200]!r} does not exist; this engine serves "
+                f"{', '.join(self.replica.config.names)}", "model", 404
+            )
+        if kind == "completion" and isinstance(parsed.body.get("prompt"), list) and len(
+            parsed.body["prompt"]) > 1 and not isinstance(parsed.body["prompt"][0], int):
+            raise RequestError("the simulated engine serves one prompt per request", "prompt")
+        max_tokens = parsed.max_tokens or DEFAULT_MAX_TOKENS
+        check_supported(parsed, max_tokens)
+        self._check_vocabulary(parsed)
+        tokens = request_tokens(self.tokenizer, parsed)
+        self.replica.check_fits(tokens, max_tokens)
         return PreparedRequest(parsed, tokens, max_tokens)
 
     async def _render(self, scope: Scope, receive: Receive, send: Send, kind: str) -> None:

@@ -28,7 +28,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from prometheus_client import generate_latest
 from starlette.applications import Starlette
@@ -74,6 +74,7 @@ from kvreuse.gateway.upstreams import (
 from kvreuse.gateway.validation import (
     BODY_PROBLEMS,
     ENDPOINT_KINDS,
+    INLINE_BODY_BYTES,
     ParsedRequest,
     RequestError,
     as_request_error,
@@ -86,6 +87,9 @@ from kvreuse.routing import RoutingPolicy, build_policy
 from kvreuse.tokens import TokenBuffer
 
 log = logging.getLogger("kvreuse.gateway")
+
+_In = TypeVar("_In")
+_Out = TypeVar("_Out")
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -263,10 +267,14 @@ class Gateway:
         """The prompt's tokens from a blocking tokenizer, computed on the gateway's one
         tokenizing thread: the event loop keeps serving others meanwhile, and the tokenizer's
         memo is only ever touched by that thread."""
+        return await self._off_loop(self.router.tokens_for, parsed)
+
+    async def _off_loop(self, work: Callable[[_In], _Out], argument: _In) -> _Out:
+        """``work(argument)`` on the gateway's tokenizing thread (one call at a time)."""
         if self._tokenizing is None:
             self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="kvreuse-tokenize")
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tokenizing, self.router.tokens_for, parsed)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, work,
+                                                                argument)
 
     def _subscriber(self, upstream: UpstreamState) -> EventSubscriber:
         name = upstream.name
@@ -546,7 +554,8 @@ class Gateway:
             raw = await read_body(receive, self.config.max_body_bytes, declared)
             if coding is not None:  # refused once read, so the connection can go on
                 raise coding
-            decoded = decode_body(raw)
+            decoded = (decode_body(raw) if len(raw) <= INLINE_BODY_BYTES
+                       else await self._off_loop(decode_body, raw))
             body = decoded.value
             if self.tenants is not None and "cache_salt" in body:
                 if self.tenants.caller_salt == "reject" and body["cache_salt"] is not None:
