@@ -17,9 +17,11 @@ from kvreuse.gateway.app import Gateway
 from kvreuse.gateway.config import GatewayConfig, UpstreamConfig
 from kvreuse.gateway.prompts import TextApproximation
 from kvreuse.gateway.shared_index import (
+    MAX_STREAM_ID,
     RedisIndexSync,
     RoutedRecord,
     SharedPrefixIndex,
+    SyncStats,
     attach,
     decode_record,
     encode_record,
@@ -122,6 +124,42 @@ def test_two_gateways_share_records_through_redis(redis: Process) -> None:
     predicted, received = asyncio.run(scenario())
     assert predicted == {"u1": 0, "u2": 32}
     assert received == 1
+
+
+def test_a_forged_entry_at_the_largest_id_stops_sharing_only_briefly(redis: Process) -> None:
+    """An entry XADDed at Redis's largest id makes Redis refuse every later record to that
+    stream; a writer deletes the stream, readers start it over, and sharing resumes."""
+    import redis.asyncio as aioredis
+
+    async def scenario() -> tuple[dict[str, int], list[SyncStats]]:
+        first, second = SharedPrefixIndex(block_size=4), SharedPrefixIndex(block_size=4)
+        prefix = f"test{random.randrange(1 << 30)}"
+        syncs = [RedisIndexSync(index, aioredis.from_url(redis.url), ["u1"], prefix=prefix,
+                                block_ms=50) for index in (first, second)]
+        tasks = [asyncio.create_task(sync.run()) for sync in syncs]
+        await asyncio.sleep(0.2)
+        forger = aioredis.from_url(redis.url)
+        await forger.xadd(f"{prefix}:routed:u1", {"forged": "1"}, id=MAX_STREAM_ID)
+        await forger.aclose()
+        await asyncio.sleep(0.2)  # both readers have read the forged entry
+        predicted: dict[str, int] = {}
+        for attempt in range(100):
+            first.record(view(list(range(32))), "u1", float(attempt))
+            await asyncio.sleep(0.05)
+            predicted = second.predict(view(list(range(32))), ["u1"], 0.0)
+            if predicted["u1"]:
+                break
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for sync in syncs:
+            await sync.client.aclose()
+        return predicted, [sync.stats for sync in syncs]
+
+    predicted, stats = asyncio.run(scenario())
+    assert predicted == {"u1": 32}
+    assert stats[0].streams_reset == 1 and stats[0].dropped >= 1
+    assert stats[1].malformed == 1 and stats[1].received >= 1
 
 
 def test_models_never_share_records_through_redis(redis: Process) -> None:

@@ -202,6 +202,8 @@ class _StateCollector:
             ("dropped", stats.dropped, "local records not shared (queue full or Redis down)"),
             ("malformed", stats.malformed, "Redis entries skipped as malformed"),
             ("redis_errors", stats.redis_errors, "Redis errors (each retried)"),
+            ("streams_reset", stats.streams_reset,
+             "streams deleted because an entry at Redis's largest id refused every new one"),
         ):
             yield CounterMetricFamily(prefix + name, doc, value=value)
         yield GaugeMetricFamily(prefix + "connected", "1 while Redis answers",

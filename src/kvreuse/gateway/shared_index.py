@@ -33,6 +33,14 @@ the event loop every :data:`YIELD_BLOCKS` blocks merged. Redis errors and skippe
 logged at most once per 10 s each (with the count held back): a Redis outage or a stream full
 of garbage logged a line per retry (two a second) or per entry.
 
+One forged entry can stop a stream for good: Redis refuses every ``XADD`` to a stream that has
+held an entry at the largest id (:data:`MAX_STREAM_ID`), "exhausted the last possible ID", even
+once that entry is deleted, so every gateway's records to that upstream were dropped (counted,
+logged) until someone deleted the stream by hand. A writer that meets that refusal deletes the
+stream (no gateway writes such an id: ours are Redis's own) and counts it
+(``streams_reset``); a reader whose cursor stands at that id goes back to the start of the
+stream once the stream no longer ends there, else it would wait for ids past the largest.
+
 Wiring: ``kvreuse route --shared-index redis://HOST:PORT/DB`` calls :func:`attach`, which gives
 the policy the index as its estimator and runs :meth:`RedisIndexSync.run` in the app's
 lifespan.
@@ -64,7 +72,12 @@ log = logging.getLogger("kvreuse.gateway.shared_index")
 MAX_SHARED_CHAIN_BLOCKS = 1 << 16
 YIELD_BLOCKS = 8192  # the reader lets requests run after merging about this many blocks
 
+MAX_STREAM_ID = "18446744073709551615-18446744073709551615"
+"""Redis's largest stream entry id; see the module docstring."""
+_EXHAUSTED = "exhausted the last possible ID"  # Redis's refusal of an XADD past MAX_STREAM_ID
+
 _redis_errors = ThrottledLog(log, burst=1, interval_s=10.0)
+_resets = ThrottledLog(log, burst=1, interval_s=10.0)
 _skipped = ThrottledLog(log, burst=1, interval_s=10.0)
 
 ChainHash = NewType("ChainHash", int)
@@ -199,14 +212,15 @@ class SyncStats:
     received: int = 0  # other gateways' records applied
     malformed: int = 0
     redis_errors: int = 0
+    streams_reset: int = 0  # streams deleted because an entry at MAX_STREAM_ID stopped them
     connected: bool = False
 
 
 class RedisIndexSync:
     """Shares a :class:`SharedPrefixIndex` through Redis streams; see the module docstring.
 
-    ``client`` is a ``redis.asyncio.Redis`` (or anything with its ``xadd``/``xread``/
-    ``xrevrange``/``pipeline`` methods), built by the caller so tests can pass a double.
+    ``client`` is a ``redis.asyncio.Redis`` (or anything with its ``xread``/``xrevrange``/
+    ``delete``/``pipeline`` methods), built by the caller so tests can pass their own.
     """
 
     def __init__(
@@ -272,6 +286,11 @@ class RedisIndexSync:
                     last[key] = entry_id
                     self._take(self.streams[key], fields)
                     await self._yield_if_due()
+            for key, cursor in last.items():
+                if _id_text(cursor) == MAX_STREAM_ID:
+                    top = await self.client.xrevrange(key, count=1)
+                    if not top or _id_text(top[0][0]) != MAX_STREAM_ID:
+                        last[key] = "0-0"  # the stream was deleted and begun again
 
     async def _bootstrap(self) -> dict[str, Any]:
         """Apply the retained tail of each stream (oldest first); returns the read cursor."""
@@ -311,16 +330,35 @@ class RedisIndexSync:
             while not self._pending.empty() and len(batch) < 512:
                 batch.append(self._pending.get_nowait())
             pipe = self.client.pipeline(transaction=False)
-            for record in batch:
-                pipe.xadd(self._stream_of.get(record.upstream, f"kvreuse:routed:{record.upstream}"),
-                          encode_record(record), maxlen=self.stream_maxlen, approximate=True)
+            keys = [self._stream_of.get(record.upstream, f"kvreuse:routed:{record.upstream}")
+                    for record in batch]
+            for key, record in zip(keys, batch, strict=True):
+                pipe.xadd(key, encode_record(record), maxlen=self.stream_maxlen,
+                          approximate=True)
             try:
-                await pipe.execute()
+                results = await pipe.execute(raise_on_error=False)
             except Exception:
                 self.stats.dropped += len(batch)
                 raise
-            self.stats.published += len(batch)
+            refused = [(key, result) for key, result in zip(keys, results, strict=True)
+                       if isinstance(result, Exception)]
+            self.stats.dropped += len(refused)
+            self.stats.published += len(batch) - len(refused)
             self.stats.connected = True
+            for key in sorted({key for key, error in refused if _EXHAUSTED in str(error)}):
+                await self.client.delete(key)
+                self.stats.streams_reset += 1
+                _resets.warning("shared index: stream %s held an entry at Redis's largest id "
+                                "(forged: no gateway writes one), so Redis refused every new "
+                                "record; deleted the stream so sharing resumes", key)
+            others = [error for _, error in refused if _EXHAUSTED not in str(error)]
+            if others:
+                raise others[0]
+
+
+def _id_text(entry_id: Any) -> str:
+    """A stream entry id as text, whether the client decodes replies or not."""
+    return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
 
 
 def attach(gateway: Gateway, redis_url: str, *, capacity_blocks: int = 1 << 20,
