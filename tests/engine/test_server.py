@@ -8,7 +8,6 @@ import logging
 import math
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import httpx
 import pytest
@@ -21,7 +20,12 @@ from kvreuse.gateway.subscriber import EventSubscriber
 from kvreuse.gateway.upstreams import parse_prometheus
 from kvreuse.index.events import AllBlocksCleared, BlockStored
 from kvreuse.kv_event_codec import EventBatch
-from kvreuse.testing.servers import ServerThread, free_port, health_while_posting
+from kvreuse.testing.servers import (
+    ServerThread,
+    calling_threads,
+    free_port,
+    health_while_posting,
+)
 from kvreuse.testing.tiny_tokenizer import build_tokenizer_dir
 
 FAST = {"block_size": 4, "prefill_tokens_per_s": 1e6, "overhead_s": 0.0,
@@ -224,25 +228,15 @@ def test_a_huge_prompt_is_tokenized_off_the_event_loop(
     assert status == 400  # millions of tokens: past the model's context, as vLLM answers
 
 
-def test_a_body_over_the_inline_size_is_decoded_off_the_event_loop(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_body_over_the_inline_size_is_decoded_off_the_event_loop() -> None:
     """Past INLINE_BODY_BYTES, decoding and checking run on the tokenizing thread (a 34 MB chat
     of a million messages held the loop for 2.3 s); smaller bodies stay on the loop."""
-    import threading
-
     import kvreuse.engine.server as server_module
 
-    threads: list[str] = []
-    real = server_module.decode_body
-
-    def noting(raw: bytes) -> Any:
-        threads.append(threading.current_thread().name)
-        return real(raw)
-
-    monkeypatch.setattr(server_module, "decode_body", noting)
     app = build_engine(EngineConfig(model="sim", **FAST), TextApproximation())  # type: ignore[arg-type]
     padding = "x" * server_module.INLINE_BODY_BYTES
-    with ServerThread(app.app) as server:
+    with ServerThread(app.app) as server, calling_threads(server_module,
+                                                          "decode_body") as threads:
         for user in ("me", padding):  # OpenAI's end-user id: a field engines ignore
             response = httpx.post(server.url + "/v1/completions", timeout=30,
                                   json={"model": "sim", "prompt": "hi", "max_tokens": 1,

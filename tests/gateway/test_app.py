@@ -20,7 +20,12 @@ from kvreuse.gateway.config import UpstreamConfig
 from kvreuse.gateway.prompts import HFPromptTokenizer
 from kvreuse.identity import CacheIdentity
 from kvreuse.routing import POLICIES
-from kvreuse.testing.servers import ServerThread, free_port, health_while_posting
+from kvreuse.testing.servers import (
+    ServerThread,
+    calling_threads,
+    free_port,
+    health_while_posting,
+)
 from kvreuse.testing.tiny_tokenizer import corpus_words
 
 from .fleet import Engine, RunningGateway, start_engine
@@ -499,25 +504,16 @@ def test_a_real_tokenizer_on_a_huge_prompt_leaves_the_event_loop_free(
 
 
 def test_a_body_over_the_inline_size_is_decoded_off_the_event_loop(
-        engines: list[Engine], gateway_factory: Factory, monkeypatch: pytest.MonkeyPatch) -> None:
+        engines: list[Engine], gateway_factory: Factory) -> None:
     """Past INLINE_BODY_BYTES the gateway decodes a body on its tokenizing thread (a 6.8 MB
     chat of 200,000 messages held its loop for 0.38 s); smaller bodies stay on the loop."""
-    import threading
-
     import kvreuse.gateway.app as app_module
     from kvreuse.gateway.validation import INLINE_BODY_BYTES
 
-    threads: list[str] = []
-    real = app_module.decode_body
-
-    def noting(raw: bytes) -> Any:
-        threads.append(threading.current_thread().name)
-        return real(raw)
-
-    monkeypatch.setattr(app_module, "decode_body", noting)
     gateway = gateway_factory(engines)
-    for user in ("me", "x" * INLINE_BODY_BYTES):  # OpenAI's end-user id, forwarded as sent
-        assert completion(gateway, unique_text(), user=user).status_code == 200
+    with calling_threads(app_module, "decode_body") as threads:
+        for user in ("me", "x" * INLINE_BODY_BYTES):  # OpenAI's end-user id, forwarded as sent
+            assert completion(gateway, unique_text(), user=user).status_code == 200
     assert threads[0].startswith("asgi-") and threads[1].startswith("kvreuse-tokenize"), threads
 
 

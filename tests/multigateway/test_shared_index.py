@@ -4,9 +4,11 @@ and its wiring into a gateway's policy (``--shared-index``)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 import uuid
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
@@ -96,30 +98,42 @@ def test_malformed_stream_entry_names_the_problem() -> None:
         decode_record("u1", {b"o": b"gw", b"c": b"\x01\x02\x03"})
 
 
-def test_two_gateways_share_records_through_redis(redis: Process) -> None:
-    """A record made on one gateway's index reaches the other's within a second."""
+@contextlib.asynccontextmanager
+async def two_syncs(redis_url: str, upstreams: list[str]
+                    ) -> AsyncIterator[tuple[list[SharedPrefixIndex], list[RedisIndexSync], str]]:
+    """Two gateways' indexes syncing through real Redis under a fresh key prefix, running
+    (and bootstrapped) when the block starts; stopped and disconnected after it."""
     import redis.asyncio as aioredis
 
-    async def scenario() -> tuple[dict[str, int], int]:
-        first, second = SharedPrefixIndex(block_size=4), SharedPrefixIndex(block_size=4)
-        prefix = f"test{random.randrange(1 << 30)}"
-        syncs = [RedisIndexSync(index, aioredis.from_url(redis.url), ["u1", "u2"],
-                                prefix=prefix, block_ms=50) for index in (first, second)]
-        tasks = [asyncio.create_task(sync.run()) for sync in syncs]
-        await asyncio.sleep(0.2)
-        first.record(view(list(range(32))), "u2", 0.0)
-        predicted: dict[str, int] = {}
-        for _ in range(50):
-            await asyncio.sleep(0.02)
-            predicted = second.predict(view(list(range(32))), ["u1", "u2"], 0.0)
-            if predicted["u2"]:
-                break
+    indexes = [SharedPrefixIndex(block_size=4), SharedPrefixIndex(block_size=4)]
+    prefix = f"test{random.randrange(1 << 30)}"
+    syncs = [RedisIndexSync(index, aioredis.from_url(redis_url), upstreams, prefix=prefix,
+                            block_ms=50) for index in indexes]
+    tasks = [asyncio.create_task(sync.run()) for sync in syncs]
+    await asyncio.sleep(0.2)
+    try:
+        yield indexes, syncs, prefix
+    finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for sync in syncs:
             await sync.client.aclose()
-        return predicted, syncs[1].stats.received
+
+
+def test_two_gateways_share_records_through_redis(redis: Process) -> None:
+    """A record made on one gateway's index reaches the other's within a second."""
+
+    async def scenario() -> tuple[dict[str, int], int]:
+        async with two_syncs(redis.url, ["u1", "u2"]) as ((first, second), syncs, _):
+            first.record(view(list(range(32))), "u2", 0.0)
+            predicted: dict[str, int] = {}
+            for _ in range(50):
+                await asyncio.sleep(0.02)
+                predicted = second.predict(view(list(range(32))), ["u1", "u2"], 0.0)
+                if predicted["u2"]:
+                    break
+            return predicted, syncs[1].stats.received
 
     predicted, received = asyncio.run(scenario())
     assert predicted == {"u1": 0, "u2": 32}
@@ -132,29 +146,19 @@ def test_a_forged_entry_at_the_largest_id_stops_sharing_only_briefly(redis: Proc
     import redis.asyncio as aioredis
 
     async def scenario() -> tuple[dict[str, int], list[SyncStats]]:
-        first, second = SharedPrefixIndex(block_size=4), SharedPrefixIndex(block_size=4)
-        prefix = f"test{random.randrange(1 << 30)}"
-        syncs = [RedisIndexSync(index, aioredis.from_url(redis.url), ["u1"], prefix=prefix,
-                                block_ms=50) for index in (first, second)]
-        tasks = [asyncio.create_task(sync.run()) for sync in syncs]
-        await asyncio.sleep(0.2)
-        forger = aioredis.from_url(redis.url)
-        await forger.xadd(f"{prefix}:routed:u1", {"forged": "1"}, id=MAX_STREAM_ID)
-        await forger.aclose()
-        await asyncio.sleep(0.2)  # both readers have read the forged entry
-        predicted: dict[str, int] = {}
-        for attempt in range(100):
-            first.record(view(list(range(32))), "u1", float(attempt))
-            await asyncio.sleep(0.05)
-            predicted = second.predict(view(list(range(32))), ["u1"], 0.0)
-            if predicted["u1"]:
-                break
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for sync in syncs:
-            await sync.client.aclose()
-        return predicted, [sync.stats for sync in syncs]
+        async with two_syncs(redis.url, ["u1"]) as ((first, second), syncs, prefix):
+            forger = aioredis.from_url(redis.url)
+            await forger.xadd(f"{prefix}:routed:u1", {"forged": "1"}, id=MAX_STREAM_ID)
+            await forger.aclose()
+            await asyncio.sleep(0.2)  # both readers have read the forged entry
+            predicted: dict[str, int] = {}
+            for attempt in range(100):
+                first.record(view(list(range(32))), "u1", float(attempt))
+                await asyncio.sleep(0.05)
+                predicted = second.predict(view(list(range(32))), ["u1"], 0.0)
+                if predicted["u1"]:
+                    break
+            return predicted, [sync.stats for sync in syncs]
 
     predicted, stats = asyncio.run(scenario())
     assert predicted == {"u1": 32}
@@ -165,31 +169,19 @@ def test_a_forged_entry_at_the_largest_id_stops_sharing_only_briefly(redis: Proc
 def test_models_never_share_records_through_redis(redis: Process) -> None:
     """A prompt routed for one model, shared through real Redis, predicts a hit on the other
     gateway for that model only: the model is part of every shared block hash."""
-    import redis.asyncio as aioredis
 
     def for_model(model: str) -> RequestView:
         return RequestView("r", pack(list(range(32))), 32, CacheIdentity(model=model))
 
     async def scenario() -> dict[str, dict[str, int]]:
-        first, second = SharedPrefixIndex(block_size=4), SharedPrefixIndex(block_size=4)
-        prefix = f"test{random.randrange(1 << 30)}"
-        syncs = [RedisIndexSync(index, aioredis.from_url(redis.url), ["u1"], prefix=prefix,
-                                block_ms=50) for index in (first, second)]
-        tasks = [asyncio.create_task(sync.run()) for sync in syncs]
-        await asyncio.sleep(0.2)
-        first.record(for_model("model-a"), "u1", 0.0)
-        for _ in range(50):
-            await asyncio.sleep(0.02)
-            if syncs[1].stats.received:
-                break
-        out = {model: second.predict(for_model(model), ["u1"], 0.0)
-               for model in ("model-a", "model-b", "")}
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for sync in syncs:
-            await sync.client.aclose()
-        return out
+        async with two_syncs(redis.url, ["u1"]) as ((first, second), syncs, _):
+            first.record(for_model("model-a"), "u1", 0.0)
+            for _ in range(50):
+                await asyncio.sleep(0.02)
+                if syncs[1].stats.received:
+                    break
+            return {model: second.predict(for_model(model), ["u1"], 0.0)
+                    for model in ("model-a", "model-b", "")}
 
     predicted = asyncio.run(scenario())
     assert predicted == {"model-a": {"u1": 32}, "model-b": {"u1": 0}, "": {"u1": 0}}

@@ -8,10 +8,12 @@ real HTTP (an in-process transport would buffer them).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
 
@@ -124,3 +126,21 @@ def health_while_posting(url: str, path: str, body: bytes, *,
     assert health.status_code == 200, health.text
     assert answered, "the POST was not answered within 120 s"
     return latency, pending, answered[0]
+
+
+@contextlib.contextmanager
+def calling_threads(module: Any, name: str) -> Iterator[list[str]]:
+    """Within the block, ``module.name`` (a function) still runs but first notes the name of
+    the thread calling it in the list yielded; restored after the block."""
+    real = getattr(module, name)
+    names: list[str] = []
+
+    def noting(*args: Any, **kwargs: Any) -> Any:
+        names.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    setattr(module, name, noting)
+    try:
+        yield names
+    finally:
+        setattr(module, name, real)
