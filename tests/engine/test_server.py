@@ -24,7 +24,7 @@ from kvreuse.testing.servers import (
     ServerThread,
     calling_threads,
     free_port,
-    health_while_posting,
+    probe_while_posting,
 )
 from kvreuse.testing.tiny_tokenizer import build_tokenizer_dir
 
@@ -223,7 +223,7 @@ def test_a_huge_prompt_is_tokenized_off_the_event_loop(
     text = "hello world the quick brown fox jumps over " * 70_000
     body = json.dumps({"model": "sim", "prompt": text, "max_tokens": 1}).encode()
     with ServerThread(app.app) as server:
-        latency, pending, status = health_while_posting(server.url, "/v1/completions", body)
+        latency, pending, status = probe_while_posting(server.url, "/v1/completions", body)
     assert pending and latency < 1.0, (latency, pending)
     assert status == 400  # millions of tokens: past the model's context, as vLLM answers
 

@@ -24,7 +24,7 @@ from kvreuse.testing.servers import (
     ServerThread,
     calling_threads,
     free_port,
-    health_while_posting,
+    probe_while_posting,
 )
 from kvreuse.testing.tiny_tokenizer import corpus_words
 
@@ -498,7 +498,21 @@ def test_a_real_tokenizer_on_a_huge_prompt_leaves_the_event_loop_free(
     gateway = gateway_factory(engines, prompt_tokenizer=HFPromptTokenizer(tokenizer_dir))
     text = "hello world the quick brown fox jumps over " * 70_000
     body = json.dumps({"model": "sim", "prompt": text, "max_tokens": 1}).encode()
-    latency, pending, status = health_while_posting(gateway.url, "/v1/completions", body)
+    latency, pending, status = probe_while_posting(gateway.url, "/v1/completions", body)
+    assert pending and latency < 1.0, (latency, pending)
+    assert status == 400  # the engine's context length, relayed
+
+
+def test_a_huge_prompt_being_tokenized_does_not_hold_up_small_requests(
+        tokenizer_dir: Path, engines: list[Engine], gateway_factory: Factory) -> None:
+    """While a 3 MB prompt is tokenized (~2.5 s, in the bulk lane), a small chat through the
+    same real tokenizer is routed and answered: it does not queue behind the big one."""
+    gateway = gateway_factory(engines, prompt_tokenizer=HFPromptTokenizer(tokenizer_dir))
+    text = "hello world the quick brown fox jumps over " * 70_000
+    body = json.dumps({"model": "sim", "prompt": text, "max_tokens": 1}).encode()
+    latency, pending, status = probe_while_posting(
+        gateway.url, "/v1/completions", body,
+        probe=lambda: chat(gateway, [{"role": "user", "content": unique_text(20)}]))
     assert pending and latency < 1.0, (latency, pending)
     assert status == 400  # the engine's context length, relayed
 

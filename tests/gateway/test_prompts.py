@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import sys
 from pathlib import Path
 
 import pytest
@@ -197,6 +198,41 @@ def test_memo_is_bounded_in_bytes(tokenizer_dir: Path) -> None:
     for i in range(200):
         text = f"document {i} " + "lorem ipsum dolor sit amet " * 40
         assert hf.encode(text) == pack(hf._backend.encode(text, add_special_tokens=False).ids)
-        assert hf._memo_size <= 200_000
-    assert sum(len(p) + len(ids) for p, ids in hf._memo.items()) == hf._memo_size
+        hf.check_invariants()
     assert len(hf._memo) < 200
+
+
+def test_threads_sharing_the_memo_get_exact_ids(tokenizer_dir: Path) -> None:
+    """Seeded stress: four threads encoding chats that share messages through one small memo
+    (evicting as they go) each get tokenizers' ids for the whole text; the memo stays whole."""
+    import threading
+
+    hf = HFPromptTokenizer(tokenizer_dir, memo_entries=8)
+    backend = hf._backend
+    shared = [" ".join(random.Random(i).choices(WORDS, k=3)) for i in range(12)]
+    failures: list[str] = []
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        for _ in range(300):
+            messages = [{"role": rng.choice(["user", "assistant"]), "content": rng.choice(shared)}
+                        for _ in range(rng.randint(1, 6))]
+            expected = backend.encode(hf.render(messages), add_special_tokens=False).ids
+            try:
+                if unpack(hf.chat(messages)) != expected:
+                    failures.append(f"seed {seed}: wrong ids for {messages}")
+            except Exception as exc:  # a race in the memo shows as KeyError and the like
+                failures.append(f"seed {seed}: {exc!r}")
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as CPython allows: races show
+    try:
+        threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(switch)
+    assert not failures, failures[:2]
+    hf.check_invariants()

@@ -13,13 +13,14 @@ With a Hugging Face tokenizer (``--tokenizer``), token-id prompts are checked ag
 vocabulary (vLLM's "out of vocabulary" 400), and a chat it cannot render (no chat template) is a
 400 naming the problem, as the gateway answers, not a 500.
 
-A Hugging Face tokenizer (``blocking``) runs on the engine's one tokenizing thread, as the
-gateway's does, and encodes long texts without holding the GIL (``GIL_FREE_CHARS``): a 6 MB
-prompt (~1 s of encode per MB) held every other client of ``kvreuse engine`` for 6.3 s when it
-was tokenized on the event loop (a thread alone did not help, ``encode`` holding the GIL),
-and 0.32 s now, building the id list. A body is parsed and checked on that thread too, with
-such a tokenizer or when it is over ``INLINE_BODY_BYTES``: a 34 MB chat of a million messages
-held the loop for 2.3 s while it was decoded there, 0.23 s now.
+A Hugging Face tokenizer (``blocking``) runs on the engine's tokenizing threads
+(:class:`~kvreuse.gateway.lanes.WorkerLanes`, as the gateway's: large bodies in a lane of their
+own) and encodes long texts without holding the GIL (``GIL_FREE_CHARS``): a 6 MB prompt (~1 s
+of encode per MB) held every other client of ``kvreuse engine`` for 6.3 s when it was
+tokenized on the event loop (a thread alone did not help, ``encode`` holding the GIL), and
+0.32 s now, building the id list. A body is parsed and checked on those threads too, with such
+a tokenizer or when it is over ``INLINE_BODY_BYTES``: a 34 MB chat of a million messages held
+the loop for 2.3 s while it was decoded there, 0.23 s now.
 
 Every refusal the client sees is logged as a warning, throttled (:class:`ThrottledLog`), since a
 client can send bad requests as fast as it likes.
@@ -27,7 +28,6 @@ client can send bad requests as fast as it likes.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -35,7 +35,6 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +64,7 @@ from kvreuse.gateway.asgi import (
     send_json,
     until_disconnect,
 )
+from kvreuse.gateway.lanes import WorkerLanes
 from kvreuse.gateway.prompts import (
     HFPromptTokenizer,
     PromptTokenizer,
@@ -246,7 +246,7 @@ class EngineApp:
         # gateway forwarded (request id, W3C trace context) can be checked on a real replica.
         self.received_headers: deque[dict[str, str]] = deque(maxlen=256)
         self._refusals = ThrottledLog(log)
-        self._tokenizing: ThreadPoolExecutor | None = None
+        self._lanes = WorkerLanes()
         self._piece: Callable[[int], str]
         self._vocab_size: int | None = None
         if isinstance(tokenizer, HFPromptTokenizer):
@@ -297,9 +297,7 @@ class EngineApp:
         finally:
             if self.publisher is not None:
                 self.publisher.close()
-            if self._tokenizing is not None:
-                self._tokenizing.shutdown(wait=False, cancel_futures=True)
-                self._tokenizing = None
+            self._lanes.close()
 
     async def health(self, request: Request) -> Response:
         return Response(status_code=200)
@@ -346,11 +344,7 @@ class EngineApp:
         try:
             raw = await read_body(receive, MAX_BODY_BYTES, declared)
             if self.tokenizer.blocking or len(raw) > INLINE_BODY_BYTES:
-                if self._tokenizing is None:
-                    self._tokenizing = ThreadPoolExecutor(1,
-                                                          thread_name_prefix="kvreuse-tokenize")
-                return await asyncio.get_running_loop().run_in_executor(
-                    self._tokenizing, self._checked, kind, raw)
+                return await self._lanes.run(len(raw), self._checked_for(kind), raw)
             return self._checked(kind, raw)
         except ClientGone:
             return None
@@ -360,6 +354,9 @@ class EngineApp:
         except KvreuseError as exc:  # e.g. a chat and a tokenizer without a chat template
             await send_error(send, self._refuse(scope["path"], RequestError(str(exc), None)))
             return None
+
+    def _checked_for(self, kind: str) -> Callable[[bytes], PreparedRequest]:
+        return lambda raw: self._checked(kind, raw)
 
     def _checked(self, kind: str, raw: bytes) -> PreparedRequest:
         """Parse and check a ``kind`` body and tokenize its prompt; raises what

@@ -26,9 +26,8 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from prometheus_client import generate_latest
 from starlette.applications import Starlette
@@ -50,6 +49,7 @@ from kvreuse.gateway.asgi import (
 )
 from kvreuse.gateway.config import GatewayConfig
 from kvreuse.gateway.exchange import ClientReply, request_id_of
+from kvreuse.gateway.lanes import WorkerLanes
 from kvreuse.gateway.metrics import GatewayMetrics, GatewayState, TokenTally
 from kvreuse.gateway.prompts import PromptTokenizer, load_prompt_tokenizer
 from kvreuse.gateway.proxy import CLIENT_LEFT, Forwarder
@@ -75,7 +75,6 @@ from kvreuse.gateway.validation import (
     BODY_PROBLEMS,
     ENDPOINT_KINDS,
     INLINE_BODY_BYTES,
-    ParsedRequest,
     RequestError,
     as_request_error,
     decode_body,
@@ -84,12 +83,8 @@ from kvreuse.gateway.validation import (
     unsupported_coding,
 )
 from kvreuse.routing import RoutingPolicy, build_policy
-from kvreuse.tokens import TokenBuffer
 
 log = logging.getLogger("kvreuse.gateway")
-
-_In = TypeVar("_In")
-_Out = TypeVar("_Out")
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -157,7 +152,7 @@ class Gateway:
         for upstream in self.upstreams:
             self.router.set_budget(upstream.name, self.index_budget(upstream))
         self.tallies: dict[str, TokenTally] = {}
-        self._tokenizing: ThreadPoolExecutor | None = None
+        self._lanes = WorkerLanes()
         self.state = GatewayState(self.upstreams, self.tallies, self.router.streams,
                                   self.router.index_size, health=self.router.health,
                                   index_budget=self.router.budget_of)
@@ -259,22 +254,7 @@ class Gateway:
                 await pool.aclose()
             if self.recorder is not None:
                 await asyncio.to_thread(self.recorder.close)
-            if self._tokenizing is not None:
-                self._tokenizing.shutdown(wait=False, cancel_futures=True)
-                self._tokenizing = None
-
-    async def _tokenize(self, parsed: ParsedRequest) -> TokenBuffer:
-        """The prompt's tokens from a blocking tokenizer, computed on the gateway's one
-        tokenizing thread: the event loop keeps serving others meanwhile, and the tokenizer's
-        memo is only ever touched by that thread."""
-        return await self._off_loop(self.router.tokens_for, parsed)
-
-    async def _off_loop(self, work: Callable[[_In], _Out], argument: _In) -> _Out:
-        """``work(argument)`` on the gateway's tokenizing thread (one call at a time)."""
-        if self._tokenizing is None:
-            self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="kvreuse-tokenize")
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, work,
-                                                                argument)
+            self._lanes.close()
 
     def _subscriber(self, upstream: UpstreamState) -> EventSubscriber:
         name = upstream.name
@@ -555,7 +535,7 @@ class Gateway:
             if coding is not None:  # refused once read, so the connection can go on
                 raise coding
             decoded = (decode_body(raw) if len(raw) <= INLINE_BODY_BYTES
-                       else await self._off_loop(decode_body, raw))
+                       else await self._lanes.run(len(raw), decode_body, raw))
             body = decoded.value
             if self.tenants is not None and "cache_salt" in body:
                 if self.tenants.caller_salt == "reject" and body["cache_salt"] is not None:
@@ -577,7 +557,8 @@ class Gateway:
                 # the await, as the upstreams' model lists may have changed meanwhile.
                 self.router.serving(parsed.model, allowed)
                 started = time.perf_counter()
-                tokens = await self._tokenize(parsed)
+                # Off the event loop, in the lane of the body's size (lanes.py).
+                tokens = await self._lanes.run(len(raw), self.router.tokens_for, parsed)
                 # The decision histogram covers tokenization wherever it ran, waits included.
                 tokenize_s = time.perf_counter() - started
             plan = self.router.plan(

@@ -21,6 +21,7 @@ Two implementations of :class:`PromptTokenizer`:
 from __future__ import annotations
 
 import json
+import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -52,8 +53,8 @@ class PromptTokenizer(Protocol):
     name: str
     blocking: bool
     """True when a call may hold the caller for long (a real tokenizer on a multi-megabyte
-    chat: 13 s for 7 MB): the gateway and the engine then call it off their event loops, one
-    call at a time."""
+    chat: 13 s for 7 MB): the gateway and the engine then call it off their event loops, on
+    :class:`WorkerLanes`' threads (so it must be safe to call from two threads at once)."""
 
     def completion(self, prompt: str) -> TokenBuffer:
         """Called per /v1/completions request with a text prompt. O(len(prompt))."""
@@ -159,8 +160,8 @@ class TextApproximation:
 
 
 class HFPromptTokenizer:
-    """A Hugging Face tokenizer directory; see the module docstring. Not safe to call from two
-    threads at once (its memo)."""
+    """A Hugging Face tokenizer directory; see the module docstring. Safe to call from several
+    threads at once: the memo is locked for each lookup and insert, never while encoding."""
 
     blocking = True
 
@@ -194,6 +195,7 @@ class HFPromptTokenizer:
         self._prefix = pack(with_specials[:at])
         self._suffix = pack(with_specials[at + len(plain) :])
         self._memo: OrderedDict[str, bytes] = OrderedDict()
+        self._memo_lock = threading.Lock()
         self._memo_entries = memo_entries
         # Entries alone do not bound memory: 65,536 pieces of 4,000-token prompts are ~2 GB.
         self._memo_bytes = memo_bytes
@@ -231,22 +233,35 @@ class HFPromptTokenizer:
             start = match.end()
         if start < len(text):
             pieces.append(self._piece(text[start:]))
-        while memo and (len(memo) > self._memo_entries or self._memo_size > self._memo_bytes):
-            piece, ids = memo.popitem(last=False)
-            self._memo_size -= len(piece) + len(ids)
+        with self._memo_lock:
+            while memo and (len(memo) > self._memo_entries
+                            or self._memo_size > self._memo_bytes):
+                piece, ids = memo.popitem(last=False)
+                self._memo_size -= len(piece) + len(ids)
         return TokenBuffer(b"".join(pieces))
 
     def _piece(self, piece: str) -> bytes:
-        found = self._memo.get(piece)
-        if found is not None:
-            self._memo.move_to_end(piece)
-            return found
-        self.memo_misses += 1
+        with self._memo_lock:
+            found = self._memo.get(piece)
+            if found is not None:
+                self._memo.move_to_end(piece)
+                return found
+            self.memo_misses += 1
         ids = pack(self._ids(piece))
         if len(piece) + len(ids) <= self._memo_bytes // 16:  # a giant piece would evict all
-            self._memo[piece] = ids
-            self._memo_size += len(piece) + len(ids)
+            with self._memo_lock:
+                if piece not in self._memo:  # another thread may have encoded it meanwhile
+                    self._memo[piece] = ids
+                    self._memo_size += len(piece) + len(ids)
         return ids
+
+    def check_invariants(self) -> None:
+        """The memo's size is what it holds and within its bounds. O(memo)."""
+        with self._memo_lock:
+            held = sum(len(piece) + len(ids) for piece, ids in self._memo.items())
+            assert held == self._memo_size, f"memo counts {self._memo_size}, holds {held}"
+            assert len(self._memo) <= self._memo_entries, "memo over its entry bound"
+            assert self._memo_size <= self._memo_bytes, "memo over its byte bound"
 
     def _ids(self, text: str) -> list[int]:
         """The ids of ``text`` without post-processing; see :data:`GIL_FREE_CHARS`."""

@@ -13,7 +13,7 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Any
 
@@ -100,13 +100,14 @@ class ServerThread:
         self.stop()
 
 
-def health_while_posting(url: str, path: str, body: bytes, *,
-                         head_start_s: float = 0.3) -> tuple[float, bool, int]:
-    """POST ``body`` to ``url + path`` on a thread, then after ``head_start_s`` GET
-    ``url + "/health"``: its status-200 latency in seconds, whether the POST was still
-    unanswered when /health answered, and the POST's status once it ends. A server that blocks
-    its event loop on the POST (tokenizing a huge prompt, say) answers /health late and after
-    the POST."""
+def probe_while_posting(url: str, path: str, body: bytes, *,
+                        probe: Callable[[], Any] | None = None,
+                        head_start_s: float = 0.3) -> tuple[float, bool, int]:
+    """POST ``body`` to ``url + path`` on a thread, then after ``head_start_s`` call ``probe``
+    (default: GET ``url + "/health"``), which must answer status 200: its latency in
+    seconds, whether the POST was still unanswered when it answered, and the POST's status once
+    it ends. A server that blocks its event loop on the POST (tokenizing a huge prompt, say),
+    or makes other requests queue behind it, answers the probe late and after the POST."""
     import httpx
 
     answered: list[int] = []
@@ -119,11 +120,11 @@ def health_while_posting(url: str, path: str, body: bytes, *,
     sender.start()
     time.sleep(head_start_s)
     started = time.monotonic()
-    health = httpx.get(url + "/health", timeout=120)
+    response = probe() if probe is not None else httpx.get(url + "/health", timeout=120)
     latency = time.monotonic() - started
     pending = not answered
     sender.join(timeout=120)
-    assert health.status_code == 200, health.text
+    assert response.status_code == 200, response.text
     assert answered, "the POST was not answered within 120 s"
     return latency, pending, answered[0]
 
