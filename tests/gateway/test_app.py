@@ -517,6 +517,31 @@ def test_a_huge_prompt_being_tokenized_does_not_hold_up_small_requests(
     assert status == 400  # the engine's context length, relayed
 
 
+def test_large_prompts_past_the_bulk_lane_s_bound_get_a_readable_503(
+        tokenizer_dir: Path, engines: list[Engine], gateway_factory: Factory) -> None:
+    """Eight 3 MB prompts at once with room for one in the bulk lane: one is tokenized, seven
+    are refused at once with a 503 saying why; then a small chat is served as usual."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    gateway = gateway_factory(engines, prompt_tokenizer=HFPromptTokenizer(tokenizer_dir))
+    gateway.gateway._lanes.max_bulk_bytes = 4 * 2**20
+    text = "hello world the quick brown fox jumps over " * 70_000
+    body = json.dumps({"model": "sim", "prompt": text, "max_tokens": 1}).encode()
+
+    def post(_: int) -> httpx.Response:
+        return httpx.post(gateway.url + "/v1/completions", content=body, timeout=60,
+                          headers={"content-type": "application/json"})
+
+    with ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(post, range(8)))
+    statuses = sorted(r.status_code for r in responses)
+    assert statuses == [400] + [503] * 7, statuses  # 400: the engine's context length
+    refusal = next(r for r in responses if r.status_code == 503).json()["error"]
+    assert refusal["type"] == "ServiceUnavailableError" and "retry" in refusal["message"]
+    assert chat(gateway, [{"role": "user", "content": "hi"}]).status_code == 200
+    assert gateway.gateway._lanes.bulk_bytes == 0
+
+
 def test_a_body_over_the_inline_size_is_decoded_off_the_event_loop(
         engines: list[Engine], gateway_factory: Factory) -> None:
     """Past INLINE_BODY_BYTES the gateway decodes a body on its tokenizing thread (a 6.8 MB

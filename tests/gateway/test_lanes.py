@@ -66,3 +66,42 @@ def test_the_work_s_exception_reaches_the_caller() -> None:
     for size in (1, BULK_BODY_BYTES + 1):
         with pytest.raises(ValueError, match="bad body"):
             asyncio.run(scenario(size))
+
+
+def test_the_bulk_lane_refuses_bodies_past_its_byte_bound() -> None:
+    """With bodies holding the bulk lane at its bound, another large body is refused at once
+    (None); small bodies still run, and once the lane drains a large body is taken again."""
+    release = threading.Event()
+    size = BULK_BODY_BYTES + 1
+
+    async def scenario() -> tuple[object, object, int, object, int]:
+        lanes = WorkerLanes(max_bulk_bytes=2 * size)
+        try:
+            held = [asyncio.ensure_future(lanes.run(size, lambda _: release.wait(30), None))
+                    for _ in range(2)]
+            await asyncio.sleep(0.05)
+            refused = await lanes.run(size, lambda x: x, "large")
+            small = await lanes.run(10, lambda x: x, "small")
+            queued = lanes.bulk_bytes
+            release.set()
+            await asyncio.gather(*held)
+            return refused, small, queued, await lanes.run(size, lambda x: x, "large"), \
+                lanes.bulk_bytes
+        finally:
+            release.set()
+            lanes.close()
+
+    assert asyncio.run(scenario()) == (None, "small", 2 * size, "large", 0)
+
+
+def test_an_idle_bulk_lane_takes_a_body_larger_than_its_bound() -> None:
+    """The bound limits what waits, not what can be served: alone, any body runs."""
+
+    async def scenario() -> object:
+        lanes = WorkerLanes(max_bulk_bytes=BULK_BODY_BYTES + 1)
+        try:
+            return await lanes.run(10 * BULK_BODY_BYTES, lambda x: x, "served")
+        finally:
+            lanes.close()
+
+    assert asyncio.run(scenario()) == "served"

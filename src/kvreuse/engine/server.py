@@ -64,7 +64,7 @@ from kvreuse.gateway.asgi import (
     send_json,
     until_disconnect,
 )
-from kvreuse.gateway.lanes import WorkerLanes
+from kvreuse.gateway.lanes import WorkerLanes, lane_full
 from kvreuse.gateway.prompts import (
     HFPromptTokenizer,
     PromptTokenizer,
@@ -343,9 +343,12 @@ class EngineApp:
                          if name == b"content-length"), None)
         try:
             raw = await read_body(receive, MAX_BODY_BYTES, declared)
-            if self.tokenizer.blocking or len(raw) > INLINE_BODY_BYTES:
-                return await self._lanes.run(len(raw), self._checked_for(kind), raw)
-            return self._checked(kind, raw)
+            if not self.tokenizer.blocking and len(raw) <= INLINE_BODY_BYTES:
+                return self._checked(kind, raw)
+            prepared = await self._lanes.run(len(raw), self._checked_for(kind), raw)
+            if prepared is None:
+                raise lane_full(self._lanes)
+            return prepared
         except ClientGone:
             return None
         except BODY_PROBLEMS as exc:

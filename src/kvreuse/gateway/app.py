@@ -49,7 +49,7 @@ from kvreuse.gateway.asgi import (
 )
 from kvreuse.gateway.config import GatewayConfig
 from kvreuse.gateway.exchange import ClientReply, request_id_of
-from kvreuse.gateway.lanes import WorkerLanes
+from kvreuse.gateway.lanes import WorkerLanes, lane_full
 from kvreuse.gateway.metrics import GatewayMetrics, GatewayState, TokenTally
 from kvreuse.gateway.prompts import PromptTokenizer, load_prompt_tokenizer
 from kvreuse.gateway.proxy import CLIENT_LEFT, Forwarder
@@ -536,6 +536,8 @@ class Gateway:
                 raise coding
             decoded = (decode_body(raw) if len(raw) <= INLINE_BODY_BYTES
                        else await self._lanes.run(len(raw), decode_body, raw))
+            if decoded is None:
+                raise lane_full(self._lanes)
             body = decoded.value
             if self.tenants is not None and "cache_salt" in body:
                 if self.tenants.caller_salt == "reject" and body["cache_salt"] is not None:
@@ -559,6 +561,8 @@ class Gateway:
                 started = time.perf_counter()
                 # Off the event loop, in the lane of the body's size (lanes.py).
                 tokens = await self._lanes.run(len(raw), self.router.tokens_for, parsed)
+                if tokens is None:
+                    raise lane_full(self._lanes)
                 # The decision histogram covers tokenization wherever it ran, waits included.
                 tokenize_s = time.perf_counter() - started
             plan = self.router.plan(

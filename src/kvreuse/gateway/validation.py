@@ -38,7 +38,8 @@ class RequestError(InputFormatError):
     def body(self) -> dict[str, Any]:
         """OpenAI's error shape, as vLLM answers."""
         kind = {401: "AuthenticationError", 404: "NotFoundError", 413: "RequestTooLargeError",
-                415: "UnsupportedMediaTypeError", 501: "NotImplementedError"}
+                415: "UnsupportedMediaTypeError", 501: "NotImplementedError",
+                503: "ServiceUnavailableError"}
         return error_body(str(self), kind.get(self.status, "BadRequestError"), self.status,
                           self.param)
 
