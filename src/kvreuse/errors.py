@@ -18,6 +18,31 @@ class ConfigError(KvreuseError, ValueError):
     """A parameter, option or configuration value is invalid; the message names it."""
 
 
+class PoolTooSmallError(ConfigError):
+    """A request's KV (prompt + output) does not fit one replica's pool, even alone.
+
+    ``need`` and ``capacity`` are in the simulator's units, ``unit_tokens`` tokens each (more
+    than one when a trace is replayed at block granularity); the message says tokens."""
+
+    def __init__(self, request_id: int, need: int, capacity: int, unit_tokens: int = 1) -> None:
+        self.request_id = request_id
+        self.need = need
+        self.capacity = capacity
+        self.unit_tokens = unit_tokens
+        detail = "" if unit_tokens == 1 else (
+            f", {need:,} blocks of {unit_tokens} tokens at block granularity"
+        )
+        super().__init__(
+            f"request {request_id} needs {need * unit_tokens:,} tokens of KV (prompt + output"
+            f"{detail}) but a replica's pool holds {capacity * unit_tokens:,}; raise the cache "
+            "size"
+        )
+
+    def in_units_of(self, unit_tokens: int) -> PoolTooSmallError:
+        """The same error, its figures counted in units of ``unit_tokens`` tokens."""
+        return PoolTooSmallError(self.request_id, self.need, self.capacity, unit_tokens)
+
+
 class TokenError(KvreuseError, ValueError):
     """Token ids are malformed (negative, too large, wrong type)."""
 

@@ -94,6 +94,36 @@ def test_bad_trace_names_its_line(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert "bad.jsonl:2" in err and "'timestamp'" in err
 
 
+def test_a_cache_too_small_for_the_largest_request_is_left_out(
+    trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A cache size that cannot hold the largest request is left out, said so on the console
+    and in the JSON; the other sizes are still searched."""
+    largest = max(json.loads(text)["input_length"] + json.loads(text)["output_length"]
+                  for text in trace.read_text().splitlines())
+    small = largest // 2
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--trace", str(trace), "--policy", "round_robin", "--replicas", "1",
+                 "--cache-tokens", f"{small},200000", "--slo", "ttft_p95=10", "--no-cache",
+                 "--serial", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert {cell["cache_tokens"] for cell in data["cells"]} == {200000}
+    assert list(data["left_out_cache_tokens"]) == [str(small)]
+    assert "raise the cache size" in data["left_out_cache_tokens"][str(small)]
+    assert f"left out --cache-tokens {small:,}" in capsys.readouterr().out
+
+
+def test_no_cache_size_holding_the_largest_request_is_an_error(
+    trace: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """When every cache size is too small the plan exits 1 saying which request needs what."""
+    assert main(["plan", "--trace", str(trace), "--policy", "round_robin", "--replicas", "1",
+                 "--cache-tokens", "1000,2000", "--slo", "ttft_p95=10", "--no-cache"]) == 1
+    err = capsys.readouterr().err
+    assert "no --cache-tokens value can hold the trace's largest request" in err
+    assert "tokens of KV" in err
+
+
 def test_bad_slo_is_refused(trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """An unknown SLO metric exits 1 naming the accepted ones."""
     assert main(["plan", "--trace", str(trace), "--slo", "latency=1", "--no-cache"]) == 1

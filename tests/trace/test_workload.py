@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from kvreuse.errors import InputFormatError
+from kvreuse.errors import ConfigError, InputFormatError, PoolTooSmallError
 from kvreuse.sim import FleetConfig, ReplicaConfig, summarize
 from kvreuse.sim.runner import simulate
 from kvreuse.sim.units import TraceUnits
 from kvreuse.trace import parse_trace_lines, trace_requests
+from kvreuse.trace import workload as trace_workload
 
 TRACE = Path(__file__).resolve().parents[2] / "../shared/data/mooncake_synthetic_trace.jsonl"
 needs_trace = pytest.mark.skipif(not TRACE.exists(), reason="shared Mooncake trace not present")
@@ -41,6 +42,35 @@ def test_token_granularity_refuses_64_bit_ids() -> None:
     records = parse_trace_lines([line(0, 512, [2**40])], "t.jsonl")
     with pytest.raises(InputFormatError, match=r"t\.jsonl:1.*block granularity"):
         trace_requests(records, 512, "token", "t.jsonl")
+
+
+def test_token_granularity_refuses_a_trace_past_its_memory_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A trace whose expanded prompts exceed the bound names block granularity, before any
+    prompt is built; one at the bound is expanded."""
+    records = parse_trace_lines([line(0, 1000, [1, 2]), line(1, 600, [1, 3])], "t.jsonl")
+    held = (1000 + 600) * 4  # bytes of prompt tokens token granularity would hold
+    monkeypatch.setattr(trace_workload, "MAX_TOKEN_GRANULARITY_BYTES", held - 1)
+    with pytest.raises(ConfigError, match=r"t\.jsonl: token granularity would hold 1,600 .*"
+                       r"block granularity"):
+        trace_requests(records, 512, "token", "t.jsonl")
+    monkeypatch.setattr(trace_workload, "MAX_TOKEN_GRANULARITY_BYTES", held)
+    requests, _ = trace_requests(records, 512, "token", "t.jsonl")
+    assert [r.prompt_len for r in requests] == [1000, 600]
+
+
+def test_a_request_too_large_for_the_pool_is_told_in_tokens_at_block_granularity() -> None:
+    """At block granularity the refusal counts tokens (and names the blocks), not units."""
+    records = parse_trace_lines([line(0, 5000, list(range(10)), output=0)])
+    requests, units = trace_requests(records, 512, "block")
+    config = FleetConfig(1, ReplicaConfig(pool_tokens=2048))
+    with pytest.raises(PoolTooSmallError) as refused:
+        simulate("round_robin", {}, config, requests, units=units)
+    assert str(refused.value) == (
+        "request 1 needs 5,120 tokens of KV (prompt + output, 10 blocks of 512 tokens at "
+        "block granularity) but a replica's pool holds 2,048; raise the cache size"
+    )
 
 
 def test_units_scale_fleet_cost_and_token_options() -> None:

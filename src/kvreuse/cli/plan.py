@@ -45,6 +45,7 @@ from kvreuse.sim.plan import (
     Cell,
     CellResult,
     Slo,
+    caches_too_small,
     choose,
     grid,
     pareto_front,
@@ -296,7 +297,7 @@ def run(args: argparse.Namespace) -> int:
     replicas = _split(args.replicas, "--replicas", positive_int)
     caches = _split(args.cache_tokens, "--cache-tokens", positive_int)
     knobs = _split(args.knob, "--knob", non_negative_float) if args.knob else None
-    cells = grid(policies, replicas, caches, knobs)
+    grid(policies, replicas, caches, knobs)  # refuses a bad value before the trace is read
     try:
         data = args.trace.read_bytes()
     except OSError as exc:
@@ -306,6 +307,15 @@ def run(args: argparse.Namespace) -> int:
     source = str(args.trace)
     # Parsed here first, in this process: a bad trace is reported once, before any worker.
     traffic = Traffic(data, source, args.trace_block_size, args.trace_granularity)
+    # A cache size that cannot hold the largest request is no fleet at all: it is left out
+    # (and said so), rather than failing the search of the sizes that can.
+    too_small = caches_too_small(caches, traffic.requests, traffic.units, replica)
+    if len(too_small) == len(caches):
+        raise ConfigError(f"no --cache-tokens value can hold the trace's largest request: "
+                          f"{too_small[max(caches)]}")
+    for size, refusal in too_small.items():
+        console.print(f"[yellow]left out --cache-tokens {size:,}[/yellow]: {refusal}")
+    cells = grid(policies, replicas, [c for c in caches if c not in too_small], knobs)
     settings = (hashlib.sha256(data).hexdigest(), args.trace_block_size, args.trace_granularity,
                 replica, args.seed, __version__)
     cache = CellCache(None if args.no_cache else (args.cache_dir or _default_cache_dir()),
@@ -353,6 +363,8 @@ def run(args: argparse.Namespace) -> int:
                 "time_per_output_token_s": args.tpot,
                 "seed": args.seed,
             },
+            "left_out_cache_tokens": {str(size): str(refusal)
+                                      for size, refusal in too_small.items()},
             "cells": [r.as_dict() | {"meets_slo": r.meets(slos)} for r in ordered],
             "front": [r.as_dict() | {"meets_slo": r.meets(slos)} for r in front],
             "winner": None if winner is None else winner.as_dict(),

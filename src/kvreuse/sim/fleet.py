@@ -89,6 +89,15 @@ class FleetSimulator:
 
     # ------------------------------------------------------------------ running
 
+    def check_fits(self, requests: Sequence[SimRequest]) -> None:
+        """Raise :class:`~kvreuse.errors.PoolTooSmallError` when one of ``requests`` could
+        never run on a replica, even alone. :meth:`run` calls it first. O(requests)."""
+        if requests:
+            # Footprints grow with prompt + output (rounded up to the memory's granularity), and
+            # every replica has the same pool: checking the largest request checks them all.
+            sizes = list(map(operator.add, map(PROMPT_LEN, requests), map(OUTPUT_LEN, requests)))
+            self.replicas[0].check_fits(requests[sizes.index(max(sizes))])
+
     def run(
         self,
         requests: Sequence[SimRequest],
@@ -100,11 +109,7 @@ class FleetSimulator:
         arrivals = [r.arrival_s for r in requests]
         if not all(map(operator.le, arrivals, arrivals[1:])):
             raise ConfigError("requests must be sorted by arrival_s")
-        if requests:
-            # Footprints grow with prompt + output (rounded up to the memory's granularity), and
-            # every replica has the same pool: checking the largest request checks them all.
-            sizes = list(map(operator.add, map(PROMPT_LEN, requests), map(OUTPUT_LEN, requests)))
-            self.replicas[0].check_fits(requests[sizes.index(max(sizes))])
+        self.check_fits(requests)
         self._requests = requests
         self._progress = progress
         self._progress_every = max(progress_every, 1)

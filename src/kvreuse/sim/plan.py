@@ -19,12 +19,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvreuse.errors import ConfigError, require_at_least
+from kvreuse.errors import ConfigError, PoolTooSmallError, require_at_least
 from kvreuse.routing import DEFAULT_POLICY, POLICIES
 from kvreuse.routing.base import CostModel
 from kvreuse.sim.config import FleetConfig, ReplicaConfig
 from kvreuse.sim.requests import SimRequest
-from kvreuse.sim.runner import simulate
+from kvreuse.sim.runner import check_fits, simulate
 from kvreuse.sim.summary import measured, percentile, prefill_cost_s, summarize
 from kvreuse.sim.units import TraceUnits
 
@@ -176,6 +176,26 @@ def grid(
                 for value in values:
                     cells.append(Cell(policy, n, cache, value))
     return cells
+
+
+def caches_too_small(
+    cache_tokens: Iterable[int],
+    requests: Sequence[SimRequest],
+    units: TraceUnits,
+    replica: ReplicaConfig,
+) -> dict[int, PoolTooSmallError]:
+    """The cache sizes whose pool cannot hold the largest of ``requests`` even alone, each with
+    the error simulating it would raise (figures in tokens). O(sizes × requests)."""
+    from dataclasses import replace
+
+    too_small = {}
+    for cache in cache_tokens:
+        config = FleetConfig(1, replace(replica, pool_tokens=cache), kv_event_lag_s=0.0)
+        try:
+            check_fits(config, requests, units)
+        except PoolTooSmallError as exc:
+            too_small[cache] = exc
+    return too_small
 
 
 def run_cell(

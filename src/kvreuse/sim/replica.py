@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvreuse.errors import ConfigError
+from kvreuse.errors import PoolTooSmallError
 from kvreuse.routing.base import ReplicaLoad
 from kvreuse.sim.config import CACHE_KINDS, SCHEDULERS, ReplicaConfig
 from kvreuse.sim.event_loop import EventLoop, Finish, FirstByte, LastByte, PrefillDone
@@ -146,15 +146,12 @@ class Replica:
     # ------------------------------------------------------------------ request life
 
     def check_fits(self, request: SimRequest) -> None:
-        """Raise :class:`ConfigError` if ``request`` could never run here, even alone: its KV
-        (prompt + output) exceeds the pool. The fleet checks its largest request once, before
+        """Raise :class:`PoolTooSmallError` if ``request`` could never run here, even alone: its
+        KV (prompt + output) exceeds the pool. The fleet checks its largest request once, before
         simulating, so :meth:`enqueue` does not pay for the check per request."""
         need = self.memory.footprint(request)
         if need > self._capacity:
-            raise ConfigError(
-                f"request {request.request_id} needs {need} tokens of KV (prompt + output) but "
-                f"a replica's pool holds {self._capacity}; raise the cache size"
-            )
+            raise PoolTooSmallError(request.request_id, need, self._capacity)
 
     def enqueue(self, job: Job, now: float) -> None:
         """A routed request arrives; it is picked at once if the replica is idle. The caller

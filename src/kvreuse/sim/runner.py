@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvreuse.bulk import collector_paused
-from kvreuse.errors import ConfigError
+from kvreuse.errors import ConfigError, PoolTooSmallError
 from kvreuse.routing import build_policy
 from kvreuse.routing.base import CostModel
 from kvreuse.sim.config import FleetConfig
@@ -70,11 +70,33 @@ def simulate(
     policy = build_policy(policy_name, rng=random.Random(seed), cost=cost, **options)
     simulated = config if units is None else units.fleet(config)
     every = max(len(requests) // 50, 1)
-    run = FleetSimulator(simulated, policy).run(requests, progress, every)
+    fleet = FleetSimulator(simulated, policy)
+    _check_fits(fleet, requests, units)
+    run = fleet.run(requests, progress, every)
     if units is None:
         return run
     with collector_paused():  # a million records, no cycles (kvreuse.bulk)
         return units.tokens_run(run, config)
+
+
+def check_fits(config: FleetConfig, requests: Sequence[SimRequest],
+               units: TraceUnits | None = None) -> None:
+    """Raise :class:`PoolTooSmallError` (its figures in tokens) when the largest of ``requests``
+    cannot fit one replica's pool of ``config`` (in tokens) even alone: what :func:`simulate`
+    would refuse, asked before simulating (``kvreuse plan`` leaves such cache sizes out).
+    O(requests)."""
+    simulated = config if units is None else units.fleet(config)
+    _check_fits(FleetSimulator(simulated, build_policy("round_robin")), requests, units)
+
+
+def _check_fits(fleet: FleetSimulator, requests: Sequence[SimRequest],
+                units: TraceUnits | None) -> None:
+    try:
+        fleet.check_fits(requests)
+    except PoolTooSmallError as exc:
+        if units is None or units.tokens_per_unit == 1:
+            raise
+        raise exc.in_units_of(units.tokens_per_unit) from None
 
 
 def run_spec(
