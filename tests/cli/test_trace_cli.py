@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,26 @@ def test_import_tokenizes_with_the_chat_template_and_writes_no_text(
     assert (tmp_path / "again.jsonl").read_text() == text  # same secret, same ids
 
 
+def test_import_reads_a_time_without_offset_as_utc(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A naive ISO time is UTC whatever the machine's zone: beside a UTC one, 1 s apart."""
+    monkeypatch.setenv("TZ", "America/New_York")
+    time.tzset()
+    try:
+        log = tmp_path / "log.jsonl"
+        log.write_text(
+            '{"timestamp": "2026-01-01T00:00:00Z", "body": {"model": "m", "prompt": "a"}}\n'
+            '{"timestamp": "2026-01-01T00:00:01", "body": {"model": "m", "prompt": "b"}}\n')
+        out = tmp_path / "trace.jsonl"
+        assert main(["trace", "import", str(log), "--out", str(out)]) == 0
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+    assert [r.timestamp_ms for r in parse_trace_lines(out.read_text().splitlines())] == [
+        0.0, 1000.0]
+
+
 @pytest.mark.parametrize(
     ("line", "field"),
     [
@@ -66,6 +87,9 @@ def test_import_tokenizes_with_the_chat_template_and_writes_no_text(
         ('{"timestamp": 1, "body": {"model": "m", "prompt": "x"}, "output_tokens": -2}',
          "'output_tokens'"),
         ('{"timestamp": 0.5, "body": {"model": "m", "prompt": "x"}}', "goes back"),
+        ('{"timestamp": 1e300, "body": {"model": "m", "prompt": "x"}}', "at most 1e+13 ms"),
+        ('{"timestamp": "1969-12-31T23:59:59Z", "body": {"model": "m", "prompt": "x"}}',
+         "1970 or later"),
         ("{oops", "not valid JSON"),
     ],
 )

@@ -7,7 +7,8 @@
                         [--json FILE] [--report FILE.html]
 
 ``import`` reads JSONL request logs, one request per line: ``timestamp`` (ms, or an ISO 8601
-time) and ``body``, the OpenAI request (``/v1/completions`` or ``/v1/chat/completions``; a line
+time; one without an offset is UTC, so an import gives the same trace on every machine) and
+``body``, the OpenAI request (``/v1/completions`` or ``/v1/chat/completions``; a line
 without ``body`` is taken as the body itself); optional ``output_tokens``, ``session_id``,
 ``tenant``. Each prompt is tokenized as the gateway does (``--tokenizer DIR`` with its chat
 template, else one token per 4 bytes; :func:`kvreuse.gateway.prompts.request_tokens`) and
@@ -22,7 +23,7 @@ import argparse
 import json
 import math
 from collections.abc import Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from kvreuse.trace.format import (
     DEFAULT_BLOCK_TOKENS,
     MAX_LENGTH_TOKENS,
     MAX_TEXT_FIELD,
+    MAX_TIMESTAMP_MS,
     TraceRecord,
     parse_trace_lines,
     record_json,
@@ -193,11 +195,18 @@ def _write_stats_report(path: Path, name: str, stats: TraceStats) -> None:
 def _timestamp_ms(value: object, where: str) -> float:
     if isinstance(value, str):
         try:
-            return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp() * 1000.0
+            moment = datetime.fromisoformat(value.replace("Z", "+00:00"))
         except ValueError:
             raise InputFormatError(
                 f"field 'timestamp' must be ms or an ISO 8601 time, got {value!r:.60}", where
             ) from None
+        if moment.tzinfo is None:
+            moment = moment.replace(tzinfo=UTC)
+        value = moment.timestamp() * 1000.0
+        if value < 0:
+            raise InputFormatError(f"field 'timestamp' must be 1970 or later, got "
+                                   f"{moment.isoformat()}", where)
+        return float(value)
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise InputFormatError(f"field 'timestamp' must be a finite number of ms or an ISO "
                                f"8601 time, got {value!r:.60}", where)
@@ -260,6 +269,10 @@ def import_records(lines: Sequence[bytes], source: str, tokenizer: Any, ids: Any
         if relative < previous:
             raise InputFormatError(f"field 'timestamp' goes back in time ({relative:g} ms after "
                                    f"{previous:g} ms from the first line); sort the log", where)
+        if relative > MAX_TIMESTAMP_MS:  # the trace's reader would refuse the line
+            raise InputFormatError(f"field 'timestamp' is {relative:g} ms after the first "
+                                   f"line's; a trace spans at most {MAX_TIMESTAMP_MS:.0e} ms",
+                                   where)
         previous = relative
         session, tenant = row.get("session_id"), row.get("tenant")
         for field_name, value in (("session_id", session), ("tenant", tenant)):
