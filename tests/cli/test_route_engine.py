@@ -158,3 +158,17 @@ def test_route_names_the_flag_of_a_port_in_use() -> None:
             capture_output=True, text=True, timeout=60)
     assert result.returncode == 1
     assert f"--metrics-port {port}: cannot listen on 127.0.0.1:{port}" in result.stderr
+
+
+def test_route_refuses_an_events_endpoint_it_cannot_bind_before_serving() -> None:
+    """Two upstreams binding one KV-event endpoint: exit 1 naming the second upstream and the
+    endpoint, before the server starts (it was a traceback from the server's start-up)."""
+    events = f"tcp://127.0.0.1:{free_port()}"
+    result = subprocess.run(
+        [sys.executable, "-m", "kvreuse.cli.main", "route", "--port", str(free_port()),
+         "--upstream", f"http://127.0.0.1:1,name=a,models=m,events={events}",
+         "--upstream", f"http://127.0.0.1:2,name=b,models=m,events={events}"],
+        capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert f"upstream b: cannot bind events {events}: Address already in use" in result.stderr
+    assert "Traceback" not in result.stderr and "serving" not in result.stdout

@@ -25,7 +25,14 @@ def test_upstream_flag_parses_its_options() -> None:
 @pytest.mark.parametrize(
     ("flag", "needle"),
     [("ftp://x", "http"), ("http://h:1,weight=0", "weight"), ("http://h:1,color=red", "color"),
-     ("http://h:1,events=5557", "ZeroMQ endpoint"), ("http://h:1,weight", "key=value")],
+     ("http://h:1,events=5557", "ZeroMQ endpoint"), ("http://h:1,weight", "key=value"),
+     ("http://h:99999", "HOST:PORT"), ("http://h:abc", "HOST:PORT"), ("http://:8000", "HOST:PORT"),
+     ("http://h:1,weight=nan", "finite"), ("http://h:1,weight=inf", "finite"),
+     ("http://h:1,events=http://h:5557", "ZeroMQ endpoint"),
+     ("http://h:1,events=tcp://h", "ZeroMQ endpoint"),
+     ("http://h:1,events=tcp://h:70000", "ZeroMQ endpoint"),
+     ("http://h:1,events=tcp://*:5557,bind=false", "engine's address"),
+     ("http://h:1,events=tcp://h:5557,replay=tcp://*:5558", "engine's address")],
 )
 def test_bad_upstream_flags_name_the_problem(flag: str, needle: str) -> None:
     """Each bad flag is refused naming what to change."""
@@ -56,6 +63,20 @@ def test_toml_errors_name_the_key(tmp_path: Path) -> None:
         load_config_file(path)
     with pytest.raises(ConfigError, match="unique"):
         merge(None, [parse_upstream_flag("http://h:1"), parse_upstream_flag("http://h:1")])
+
+
+def test_a_config_file_not_in_utf8_is_refused_by_name(tmp_path: Path) -> None:
+    """Bytes that are not UTF-8 are a ConfigError naming the file, not a traceback."""
+    path = tmp_path / "gw.toml"
+    path.write_bytes(b"\xff\xfe[gateway]\n")
+    with pytest.raises(ConfigError, match=r"gw\.toml: not valid UTF-8 \(byte 0\)"):
+        load_config_file(path)
+
+
+def test_endpoints_the_gateway_binds_may_use_any_interface() -> None:
+    """tcp://*:PORT is fine where the gateway binds (the default), and ipc:// either way."""
+    assert parse_upstream_flag("http://h:1,events=tcp://*:5557").events == "tcp://*:5557"
+    assert parse_upstream_flag("http://h:1,events=ipc:///tmp/kv,bind=false").bind is False
 
 
 def tenants_file(tmp_path: Path, extra: str = "") -> Path:

@@ -207,6 +207,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvreuse route: serving {url} (Ctrl-C to stop); {summary}", flush=True)
 
     gateway = Gateway(config, announce=announce)
+    # Before the server starts: an endpoint in use or not this machine's is a one-line error
+    # here, where the server's start-up would print a traceback.
+    gateway.open_event_sockets()
     if args.shared_index:
         from kvreuse.gateway.shared_index import attach
 

@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import zmq
 from prometheus_client import generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -225,12 +226,10 @@ class Gateway:
         # pool's timeouts); the probe loops keep it current.
         await asyncio.gather(*(self.learn_models(u) for u in self.upstreams if not u.declared))
         loop = asyncio.get_running_loop()
+        self.open_event_sockets()
+        for subscriber in self.subscribers:
+            self._subscriber_tasks[subscriber.replica] = loop.create_task(subscriber.run())
         for upstream in self.upstreams:
-            if upstream.config.events:
-                subscriber = self._subscriber(upstream)
-                subscriber.open()
-                self.subscribers.append(subscriber)
-                self._subscriber_tasks[upstream.name] = loop.create_task(subscriber.run())
             self._tasks.append(loop.create_task(self._probe_loop(upstream)))
             if config.metrics_interval_s > 0:
                 self._tasks.append(loop.create_task(self._scrape_loop(upstream)))
@@ -255,6 +254,30 @@ class Gateway:
             if self.recorder is not None:
                 await asyncio.to_thread(self.recorder.close)
             self._lanes.close()
+
+    def open_event_sockets(self) -> None:
+        """Bind (or connect) each upstream's KV-event socket, once: the lifespan calls it, and
+        ``kvreuse route`` before the server starts. An endpoint ZeroMQ refuses (in use, a host
+        that is not this machine's) is a :class:`ConfigError` naming the upstream; the sockets
+        opened before it are closed."""
+        if self.subscribers:
+            return
+        opened: list[EventSubscriber] = []
+        for upstream in self.upstreams:
+            events = upstream.config.events
+            if not events:
+                continue
+            subscriber = self._subscriber(upstream)
+            try:
+                subscriber.open()
+            except zmq.ZMQError as exc:
+                for done in opened:
+                    done.close()
+                verb = "bind" if upstream.config.bind else "connect to"
+                raise ConfigError(f"upstream {upstream.name}: cannot {verb} events {events}: "
+                                  f"{exc.strerror}") from None
+            opened.append(subscriber)
+        self.subscribers.extend(opened)
 
     def _subscriber(self, upstream: UpstreamState) -> EventSubscriber:
         name = upstream.name

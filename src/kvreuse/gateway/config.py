@@ -42,6 +42,7 @@ production")::
 
 from __future__ import annotations
 
+import math
 import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -73,7 +74,11 @@ class UpstreamConfig:
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
-        if parts.scheme not in ("http", "https") or not parts.netloc:
+        try:
+            port = parts.port  # a port past 65535 or not a number raises here, not at start-up
+        except ValueError:
+            port = -1
+        if parts.scheme not in ("http", "https") or not parts.hostname or port == -1:
             raise ConfigError(f"upstream url must be http(s)://HOST:PORT, got {self.url!r}")
         if self.capacity_tokens is not None and self.capacity_tokens < 1:
             raise ConfigError(f"upstream {self.url}: capacity_tokens must be >= 1, got "
@@ -85,15 +90,37 @@ class UpstreamConfig:
         if len(set(self.models)) != len(self.models):
             raise ConfigError(f"upstream {self.url}: models lists a name twice: "
                               f"{list(self.models)}")
-        if self.weight <= 0:
-            raise ConfigError(f"upstream {self.url}: weight must be > 0, got {self.weight}")
+        if not 0 < self.weight < math.inf:  # also refuses NaN
+            raise ConfigError(f"upstream {self.url}: weight must be a finite number > 0, got "
+                              f"{self.weight}")
         for key in ("events", "replay"):
             value = getattr(self, key)
-            if value is not None and "://" not in value:
-                raise ConfigError(f"upstream {self.url}: {key} must be a ZeroMQ endpoint like "
-                                  f"tcp://127.0.0.1:5557, got {value!r}")
+            if value is not None and not _zmq_endpoint(value):
+                raise ConfigError(f"upstream {self.url}: {key} must be a ZeroMQ endpoint, "
+                                  f"tcp://HOST:PORT (HOST may be *) or ipc://PATH, got {value!r}")
+        connects = [(key, getattr(self, key)) for key in ("events", "replay")
+                    if key == "replay" or not self.bind]
+        for key, value in connects:
+            if value is not None and value.startswith("tcp://*:"):
+                raise ConfigError(f"upstream {self.url}: the gateway connects to {key} "
+                                  f"{value!r}, so it needs the engine's address (tcp://HOST:PORT); "
+                                  "tcp://*:PORT is what the engine itself binds")
         if not self.name:
             object.__setattr__(self, "name", self.url.rstrip("/"))
+
+
+def _zmq_endpoint(text: str) -> bool:
+    """Whether ``text`` is an endpoint the KV-event sockets can bind or connect: ``tcp://`` with
+    a host and a port in 1-65535, or ``ipc://`` with a path (ZeroMQ refuses anything else only
+    when the gateway starts, with a traceback)."""
+    scheme, sep, rest = text.partition("://")
+    if not sep or not rest:
+        return False
+    if scheme == "ipc":
+        return True
+    host, colon, port = rest.rpartition(":")
+    return (scheme == "tcp" and bool(colon) and bool(host) and port.isdigit()
+            and 1 <= int(port) <= 65535)
 
 
 DEFAULT_INDEX_BUDGET_FACTOR = 2.0
@@ -253,6 +280,8 @@ def load_config_file(path: Path) -> GatewayConfig:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise ConfigError(f"cannot read {path}: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not valid UTF-8 (byte {exc.start})") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
     unknown = sorted(set(data) - {"gateway", "upstreams"})

@@ -212,17 +212,22 @@ class EventSubscriber:
         self._log = ThrottledLog(log, burst=5, interval_s=LOG_EVERY_S)
 
     def open(self) -> None:
-        """Create and bind/connect the SUB socket (before the upstream starts publishing)."""
+        """Create and bind/connect the SUB socket (before the upstream starts publishing); a
+        ``zmq.ZMQError`` (endpoint in use, not this machine's) leaves nothing open."""
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 100_000)
         # libzmq refuses a larger frame before buffering it and drops that peer's connection.
         sub.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
-        if self.bind:
-            sub.bind(self.endpoint)
-        else:
-            sub.connect(self.endpoint)
+        try:
+            if self.bind:
+                sub.bind(self.endpoint)
+            else:
+                sub.connect(self.endpoint)
+        except zmq.ZMQError:
+            sub.close(linger=0)
+            raise
         self._sub = sub
 
     @property
