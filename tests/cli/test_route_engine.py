@@ -172,3 +172,59 @@ def test_route_refuses_an_events_endpoint_it_cannot_bind_before_serving() -> Non
     assert result.returncode == 1
     assert f"upstream b: cannot bind events {events}: Address already in use" in result.stderr
     assert "Traceback" not in result.stderr and "serving" not in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [(["--kv-events", "http://127.0.0.1:5557"], "--kv-events must be a ZeroMQ endpoint"),
+     (["--kv-events-replay", "tcp://*:5558"], "--kv-events-replay needs --kv-events"),
+     (["--port", "70000"], "must be a port, 0 to 65535")],
+)
+def test_engine_refuses_bad_endpoints_and_ports_in_one_line(flags: list[str], needle: str) -> None:
+    """A malformed endpoint or port exits with a one-line error before anything is served."""
+    result = subprocess.run([sys.executable, "-m", "kvreuse.cli.main", "engine", *flags],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and needle in result.stderr
+    assert "Traceback" not in result.stderr and "serving" not in result.stdout
+
+
+def test_engine_refuses_a_kv_events_endpoint_in_use_before_serving() -> None:
+    """A KV-event endpoint another process holds: exit 1 naming it, nothing served."""
+    import zmq
+
+    context = zmq.Context()
+    holder = context.socket(zmq.PUB)
+    port = holder.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "kvreuse.cli.main", "engine", "--port", "0",
+             "--kv-events", f"tcp://*:{port}"],
+            capture_output=True, text=True, timeout=60)
+    finally:
+        holder.close(linger=0)
+        context.term()
+    assert result.returncode == 1
+    assert f"KV events: cannot use tcp://*:{port}: Address already in use" in result.stderr
+    assert "Traceback" not in result.stderr and "serving" not in result.stdout
+
+
+def test_engine_announces_the_port_it_was_given_for_port_0() -> None:
+    """--port 0 serves on a free port, and the start-up line names that port, not 0."""
+    engine = subprocess.Popen([sys.executable, "-m", "kvreuse.cli.main", "engine", "--port", "0"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert engine.stdout is not None
+        line = engine.stdout.readline()
+        url = line.split("serving ", 1)[1].split(" ", 1)[0]
+        assert not url.endswith(":0")
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                assert httpx.get(f"{url}/health", timeout=1).status_code == 200
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, f"nothing answered at {url}"
+                time.sleep(0.1)
+    finally:
+        engine.terminate()
+        engine.wait(timeout=20)

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from kvreuse.engine.replica import EngineConfig, SimulatedReplica
-from kvreuse.errors import InputFormatError
+from kvreuse.errors import ConfigError, InputFormatError
 from kvreuse.identity import CacheIdentity
 from kvreuse.index.events import BlockStored, KVCacheEvent
 from kvreuse.tokens import TokenBuffer, pack
@@ -117,3 +117,21 @@ def test_events_are_published_after_prefill_and_finish() -> None:
     stored = [e for batch in published for e in batch if isinstance(e, BlockStored)]
     assert stored[0].token_ids == tuple(range(32)) and stored[0].parent_block_hash is None
     assert sum(len(e.block_hashes) for e in stored) == 3  # 48 tokens after the answer
+
+
+@pytest.mark.parametrize(
+    ("options", "needle"),
+    [({"prefill_tokens_per_s": float("nan")}, "prefill_tokens_per_s"),
+     ({"prefill_tokens_per_s": float("inf")}, "prefill_tokens_per_s"),
+     ({"overhead_s": float("inf")}, "finite"),
+     ({"time_per_output_token_s": float("nan")}, "finite"),
+     ({"max_model_len": 0}, "max_model_len"),
+     ({"served_names": ("a", " ")}, "must not be empty"),
+     ({"model": ""}, "must not be empty")],
+)
+def test_engine_config_refuses_values_no_replica_could_run_with(
+    options: dict[str, object], needle: str,
+) -> None:
+    """NaN or infinite rates and times, a zero context and empty model names are refused."""
+    with pytest.raises(ConfigError, match=needle):
+        EngineConfig(**options)  # type: ignore[arg-type]

@@ -27,6 +27,14 @@ def positive_int(text: str) -> int:
     return _whole_number(text, 1)
 
 
+def port_number(text: str) -> int:
+    """A TCP port, 0 to 65535 (0: any free port)."""
+    value = _whole_number(text, 0)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port, 0 to 65535, got {value}")
+    return value
+
+
 def non_negative_float(text: str) -> float:
     """A finite float >= 0."""
     value = _finite(text)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kvreuse.errors import require_at_least
+from kvreuse.cli.args import port_number
+from kvreuse.errors import ConfigError, require_at_least
 
 DESCRIPTION = """\
 An OpenAI-compatible stand-in for one vLLM replica. The prefix cache is a real block index with
@@ -27,7 +28,7 @@ def register(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=port_number, default=8000)
     parser.add_argument("--model", default="kvreuse-sim", help="served model name")
     parser.add_argument("--served-model-name", nargs="+", metavar="NAME",
                         help="names requests may use instead of --model (vLLM's option; all "
@@ -61,14 +62,23 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from kvreuse.cli.route import listen
     from kvreuse.engine.replica import EngineConfig
     from kvreuse.engine.server import build_engine
     from kvreuse.gateway.asgi import server_stack
+    from kvreuse.gateway.config import is_zmq_endpoint
     from kvreuse.gateway.prompts import load_prompt_tokenizer
     from kvreuse.gateway.telemetry import configure_logging
 
     configure_logging(args.log_level)
     require_at_least("--block-size", args.block_size, 1)
+    for flag, endpoint in (("--kv-events", args.kv_events),
+                           ("--kv-events-replay", args.kv_events_replay)):
+        if endpoint is not None and not is_zmq_endpoint(endpoint):
+            raise ConfigError(f"{flag} must be a ZeroMQ endpoint, tcp://HOST:PORT (tcp://*:PORT "
+                              f"binds) or ipc://PATH, got {endpoint!r}")
+    if args.kv_events_replay is not None and args.kv_events is None:
+        raise ConfigError("--kv-events-replay needs --kv-events (it replays what that publishes)")
     num_blocks = args.num_blocks
     if num_blocks is None:
         num_blocks = args.cache_tokens // args.block_size + 1
@@ -92,12 +102,20 @@ def run(args: argparse.Namespace) -> int:
         shape=args.kv_events_shape,
         int_hashes=not args.kv_events_bytes_hashes,
     )
+    # Before the server starts, so that a port or endpoint in use is a one-line error rather
+    # than a traceback from the server's start-up.
+    sock = listen(args.host, args.port, "--port")
+    if engine.publisher is not None:
+        engine.publisher.open()
     events = (f"KV events {args.kv_events} ({args.kv_events_shape})" if args.kv_events
               else "no KV events")
-    print(f"kvreuse engine: serving http://{args.host}:{args.port} (Ctrl-C to stop); models "
+    port = sock.getsockname()[1]  # the port --port 0 was given
+    print(f"kvreuse engine: serving http://{args.host}:{port} (Ctrl-C to stop); models "
           f"{'|'.join(config.names)}, {num_blocks - 1} blocks of {args.block_size} tokens, "
           f"{events}", flush=True)
     stack = server_stack()
-    uvicorn.run(engine.app, host=args.host, port=args.port, log_level=args.log_level,
-                access_log=False, loop=stack.loop, http=stack.http)
+    server_config = uvicorn.Config(engine.app, host=args.host, port=args.port,
+                                   log_level=args.log_level, access_log=False, loop=stack.loop,
+                                   http=stack.http)
+    uvicorn.Server(server_config).run(sockets=[sock])
     return 0

@@ -7,7 +7,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from kvreuse.cli.args import key_value
+from kvreuse.cli.args import key_value, port_number
 from kvreuse.errors import ConfigError
 from kvreuse.trace.format import DEFAULT_BLOCK_TOKENS
 
@@ -62,7 +62,7 @@ def register(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--port", type=port_number, default=8080)
     parser.add_argument("--upstream", action="append", default=[], metavar="URL[,key=value]")
     parser.add_argument("--config", type=Path, metavar="FILE", help="TOML gateway config")
     parser.add_argument(
@@ -125,7 +125,7 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--access-log", choices=("off", "text", "json"),
                         help="one line per request on stdout (default off)")
-    parser.add_argument("--metrics-port", type=int, metavar="PORT",
+    parser.add_argument("--metrics-port", type=port_number, metavar="PORT",
                         help="serve /metrics on this port (same --host) instead of --port")
     parser.add_argument("--record", metavar="DIR",
                         help="write the routed traffic as a Mooncake trace (no prompt text) "
@@ -201,7 +201,11 @@ def run(args: argparse.Namespace) -> int:
     config = build_config(args)
     if config.metrics_port is not None and config.metrics_port == args.port:
         raise ConfigError(f"--metrics-port must differ from --port ({args.port})")
-    url = f"http://{args.host}:{args.port}"
+    # Before the server starts, so that a port in use is a one-line error.
+    sockets = [listen(args.host, args.port, "--port")]
+    if config.metrics_port is not None:
+        sockets.append(listen(args.host, config.metrics_port, "--metrics-port"))
+    url = f"http://{args.host}:{sockets[0].getsockname()[1]}"  # the port --port 0 was given
 
     def announce(summary: str) -> None:
         print(f"kvreuse route: serving {url} (Ctrl-C to stop); {summary}", flush=True)
@@ -221,9 +225,6 @@ def run(args: argparse.Namespace) -> int:
         by_listener(gateway.app, gateway.metrics_app, config.metrics_port), host=args.host,
         port=args.port, log_level=args.log_level, access_log=False, loop=stack.loop,
         **uvicorn_options(config, open_files))
-    sockets = [listen(args.host, args.port, "--port")]
-    if config.metrics_port is not None:
-        sockets.append(listen(args.host, config.metrics_port, "--metrics-port"))
     uvicorn.Server(server_config).run(sockets=sockets)
     return 0
 
@@ -236,10 +237,10 @@ def listen(host: str, port: int, flag: str) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
-    except OSError as exc:
+    except (OSError, OverflowError) as exc:  # OverflowError: a port past 65535
         sock.close()
-        raise ConfigError(f"{flag} {port}: cannot listen on {host}:{port}: "
-                          f"{exc.strerror or exc}") from None
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise ConfigError(f"{flag} {port}: cannot listen on {host}:{port}: {reason}") from None
     sock.set_inheritable(True)
     return sock
 

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import zmq
 import zmq.asyncio
 
+from kvreuse.errors import ConfigError
 from kvreuse.index.events import KVCacheEvent
 from kvreuse.kv_event_codec import END_OF_REPLAY, encode_message, encode_payload
 
@@ -71,20 +72,39 @@ class EventPublisher:
         self._replay: zmq.asyncio.Socket | None = None
         self._replay_task: asyncio.Task[None] | None = None
 
-    def start(self) -> None:
+    def open(self) -> None:
+        """Bind or connect the PUB socket and bind the replay ROUTER, once (``kvreuse engine``
+        calls it before its server starts, :meth:`start` otherwise). An endpoint ZeroMQ
+        refuses (malformed, in use, not this machine's) is a :class:`ConfigError` naming it,
+        and leaves nothing open."""
+        if self._pub is not None:
+            return
         pub = self._ctx.socket(zmq.PUB)
         pub.setsockopt(zmq.LINGER, 0)
         pub.setsockopt(zmq.SNDHWM, 100_000)
-        if is_bind_endpoint(self.endpoint):
-            pub.bind(self.endpoint)
-        else:
-            pub.connect(self.endpoint)
-        self._pub = pub
-        if self.replay_endpoint is not None:
-            replay = self._ctx.socket(zmq.ROUTER)
-            replay.setsockopt(zmq.LINGER, 0)
-            replay.bind(self.replay_endpoint)
-            self._replay = replay
+        replay = None
+        endpoint = self.endpoint
+        try:
+            if is_bind_endpoint(endpoint):
+                pub.bind(endpoint)
+            else:
+                pub.connect(endpoint)
+            if self.replay_endpoint is not None:
+                endpoint = self.replay_endpoint
+                replay = self._ctx.socket(zmq.ROUTER)
+                replay.setsockopt(zmq.LINGER, 0)
+                replay.bind(endpoint)
+        except zmq.ZMQError as exc:
+            for sock in (pub, replay):
+                if sock is not None:
+                    sock.close(linger=0)
+            raise ConfigError(f"KV events: cannot use {endpoint}: {exc.strerror}") from None
+        self._pub, self._replay = pub, replay
+
+    def start(self) -> None:
+        """:meth:`open`, then serve the replay socket; inside the event loop."""
+        self.open()
+        if self._replay is not None and self._replay_task is None:
             self._replay_task = asyncio.get_running_loop().create_task(self._serve_replay())
 
     async def publish(self, events: Sequence[KVCacheEvent], ts: float) -> None:

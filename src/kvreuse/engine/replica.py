@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -55,10 +56,17 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.num_blocks < 2:
             raise ConfigError("block_size must be >= 1 and num_blocks >= 2 (one is the null block)")
-        if self.prefill_tokens_per_s <= 0:
-            raise ConfigError(f"prefill_tokens_per_s must be > 0, got {self.prefill_tokens_per_s}")
-        if self.overhead_s < 0 or self.time_per_output_token_s < 0:
-            raise ConfigError("overhead_s and time_per_output_token_s must be >= 0")
+        if not 0 < self.prefill_tokens_per_s < math.inf:  # also refuses NaN
+            raise ConfigError(f"prefill_tokens_per_s must be a finite number > 0, got "
+                              f"{self.prefill_tokens_per_s}")
+        if not (0 <= self.overhead_s < math.inf and 0 <= self.time_per_output_token_s < math.inf):
+            raise ConfigError("overhead_s and time_per_output_token_s must be finite and >= 0, "
+                              f"got {self.overhead_s} and {self.time_per_output_token_s}")
+        if self.max_model_len < 1:
+            raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        for name in self.names:
+            if not name.strip():
+                raise ConfigError(f"a served model name must not be empty, got {name!r}")
 
 
 @dataclass(frozen=True, slots=True)

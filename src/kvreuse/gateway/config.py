@@ -95,7 +95,7 @@ class UpstreamConfig:
                               f"{self.weight}")
         for key in ("events", "replay"):
             value = getattr(self, key)
-            if value is not None and not _zmq_endpoint(value):
+            if value is not None and not is_zmq_endpoint(value):
                 raise ConfigError(f"upstream {self.url}: {key} must be a ZeroMQ endpoint, "
                                   f"tcp://HOST:PORT (HOST may be *) or ipc://PATH, got {value!r}")
         connects = [(key, getattr(self, key)) for key in ("events", "replay")
@@ -109,10 +109,11 @@ class UpstreamConfig:
             object.__setattr__(self, "name", self.url.rstrip("/"))
 
 
-def _zmq_endpoint(text: str) -> bool:
-    """Whether ``text`` is an endpoint the KV-event sockets can bind or connect: ``tcp://`` with
-    a host and a port in 1-65535, or ``ipc://`` with a path (ZeroMQ refuses anything else only
-    when the gateway starts, with a traceback)."""
+def is_zmq_endpoint(text: str) -> bool:
+    """Whether ``text`` is an endpoint a KV-event socket (the gateway's or ``kvreuse engine``'s)
+    can bind or connect: ``tcp://`` with a host and a port in 1-65535, or ``ipc://`` with a
+    path. Asked when the configuration is read: ZeroMQ refuses anything else only once the
+    server starts."""
     scheme, sep, rest = text.partition("://")
     if not sep or not rest:
         return False
