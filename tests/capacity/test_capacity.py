@@ -72,6 +72,27 @@ def test_missing_layer_count_names_the_key() -> None:
         kv_shape_from_config({"num_attention_heads": 8})
 
 
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [({"num_key_value_heads": 0}, "'num_key_value_heads'"),
+     ({"num_key_value_heads": True}, "'num_key_value_heads'"),
+     ({"num_hidden_layers": 10**30}, "at most 1,048,576"),
+     ({"head_dim": 0}, "'head_dim'"),
+     ({"hidden_size": 16}, "smaller than 'num_attention_heads'"),
+     ({"kv_lora_rank": 512, "qk_rope_head_dim": "64"}, "'qk_rope_head_dim'")],
+)
+def test_malformed_shapes_are_refused_not_guessed(change: dict[str, object], needle: str) -> None:
+    """A zero, boolean or absurd size is an error naming the key, never a silent fallback."""
+    with pytest.raises(InputFormatError, match=needle):
+        kv_shape_from_config({**LLAMA_8B, **change})
+
+
+def test_null_kv_heads_and_head_dim_take_hf_defaults() -> None:
+    """null num_key_value_heads is one per attention head; null head_dim is hidden / heads."""
+    config = {**LLAMA_8B, "num_key_value_heads": None, "head_dim": None}
+    assert kv_shape_from_config(config).bytes_per_token == 2 * 32 * 32 * 128 * 2
+
+
 def test_budget_from_gpu_memory_weights_and_running_pin() -> None:
     """80 GiB x 0.9 - 15 GiB weights = 57 GiB pool; 64 requests x 2,048 tokens pin 16 GiB."""
     budget = cache_budget(

@@ -71,10 +71,18 @@ class KVShape:
         )
 
 
-def _int(config: Mapping[str, Any], key: str, where: str) -> int:
+MAX_CONFIG_DIMENSION = 2**20
+"""Largest layer count, head count or dimension a config.json may give: far past any model's
+(so a typo, not a model), and small enough that KV bytes per token stay exact arithmetic."""
+
+
+def _int(config: Mapping[str, Any], key: str, where: str, minimum: int = 1) -> int:
     value = config.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise InputFormatError(f"needs a positive integer {key!r}", where=where)
+    if (not isinstance(value, int) or isinstance(value, bool)
+            or not minimum <= value <= MAX_CONFIG_DIMENSION):
+        kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise InputFormatError(f"needs {kind} {key!r} (at most {MAX_CONFIG_DIMENSION:,}), got "
+                               f"{value!r:.40}", where=where)
     return value
 
 
@@ -93,16 +101,22 @@ def kv_shape_from_config(
     if not isinstance(dtype_name, str):
         raise InputFormatError("'torch_dtype' must be a string", where=where)
     element = dtype_bytes(dtype_name, "--kv-cache-dtype" if kv_cache_dtype else "torch_dtype")
-    if isinstance(config.get("kv_lora_rank"), int):
-        latent = _int(config, "kv_lora_rank", where) + int(config.get("qk_rope_head_dim") or 0)
+    if config.get("kv_lora_rank") is not None:
+        rope = 0 if config.get("qk_rope_head_dim") is None else _int(
+            config, "qk_rope_head_dim", where, minimum=0)
+        latent = _int(config, "kv_lora_rank", where) + rope
         return KVShape(layers, 1, latent, element, latent_dim=latent)
     heads = _int(config, "num_attention_heads", where)
-    kv_heads = config.get("num_key_value_heads") or heads
-    if not isinstance(kv_heads, int) or kv_heads <= 0:
-        raise InputFormatError("'num_key_value_heads' must be a positive integer", where=where)
-    head_dim = config.get("head_dim")
-    if not isinstance(head_dim, int) or head_dim <= 0:
+    # Absent or null means one KV head per attention head (HF's convention); 0 is a mistake.
+    kv_heads = heads if config.get("num_key_value_heads") is None else _int(
+        config, "num_key_value_heads", where)
+    if config.get("head_dim") is None:
         head_dim = _int(config, "hidden_size", where) // heads
+        if head_dim < 1:
+            raise InputFormatError(f"'hidden_size' {config['hidden_size']} is smaller than "
+                                   f"'num_attention_heads' {heads}", where=where)
+    else:
+        head_dim = _int(config, "head_dim", where)
     return KVShape(layers, kv_heads, head_dim, element)
 
 
