@@ -127,3 +127,57 @@ def test_instance_urls_are_never_cut(
     for url, rate in zip(urls, ("25.0%", "75.0%"), strict=True):
         row = next(i for i, line in enumerate(lines) if url in line)
         assert rate in " ".join(lines[row: row + 3])
+
+
+@pytest.mark.parametrize("url", ["127.0.0.1:9/metrics", "http://127.0.0.1:abc/metrics",
+                                 "http://[::1/metrics", "http://127.0.0.1:9/me trics"])
+def test_a_malformed_url_is_refused_up_front(
+    capsys: pytest.CaptureFixture[str], url: str
+) -> None:
+    """A URL without scheme, with a bad port or host, or with a space: one error line naming it
+    before any scrape, never a traceback."""
+    assert main(["hitrate", url, "--json", "--count", "1"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("kvreuse hitrate: error: metrics URL ")
+    assert repr(url) in captured.err and len(captured.err.splitlines()) == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_trickling_instance_does_not_hold_up_the_others(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """An instance that sends a byte every 0.1 s is cut at --timeout and reported as such, and
+    the healthy one is reported in every round."""
+    import socket
+    import threading
+    import time
+
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def trickle() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            try:
+                for byte in b"HTTP/1.1 200 OK\r\nX-Slow: " + b"a" * 10_000:
+                    conn.sendall(bytes([byte]))
+                    time.sleep(0.1)
+            except OSError:
+                conn.close()
+
+    threading.Thread(target=trickle, daemon=True).start()
+    slow = f"http://127.0.0.1:{listener.getsockname()[1]}/metrics"
+    with MetricsServer(rising([0.5, 0.5])) as good:
+        started = time.monotonic()
+        code = main(["hitrate", slow, good.url, "--json", "--count", "2", "--interval", "0.01",
+                     "--timeout", "1"])
+        elapsed = time.monotonic() - started
+    listener.close()
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert code == 1 and elapsed < 6.0
+    assert [r["error"] for r in records if r["instance"] == slow] == [
+        "no whole answer within 1 s"] * 2
+    assert [r["window_hit_rate"] for r in records if r["instance"] == good.url][-1] == 0.5

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -119,3 +120,108 @@ def test_replay_refuses_prompts_over_the_limit(
     assert main(["replay", "--trace", str(trace), "--target", "http://127.0.0.1:9"]) == 1
     err = capsys.readouterr().err
     assert "t.jsonl:1" in err and "'input_length'" in err and "--max-prompt-tokens" in err
+
+
+def hostile_target(answer: bytes | None) -> tuple[str, Any]:
+    """A target on 127.0.0.1 that reads each request head and sends ``answer`` (None: trickles
+    a byte every 0.1 s); returns its URL and the listener to close."""
+    import socket
+    import threading
+    import time
+
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve(conn: socket.socket) -> None:
+        with conn:
+            try:
+                conn.recv(65536)
+                if answer is not None:
+                    conn.sendall(answer)
+                    return
+                for byte in b"HTTP/1.1 200 OK\r\nX-Slow: " + b"a" * 10_000:
+                    conn.sendall(bytes([byte]))
+                    time.sleep(0.1)
+            except OSError:
+                pass
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    return f"http://127.0.0.1:{listener.getsockname()[1]}", listener
+
+
+def sse_answer(cached: str) -> bytes:
+    """A streamed completion whose usage chunk says ``cached`` cached tokens (raw JSON)."""
+    body = ('data: {"choices":[{"text":"a"}]}\n\n'
+            'data: {"choices":[],"usage":{"prompt_tokens":10,"prompt_tokens_details":'
+            f'{{"cached_tokens":{cached}}}}}}}\n\ndata: [DONE]\n\n').encode()
+    return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+
+
+def test_absurd_usage_cached_tokens_are_left_out(tmp_path: Path) -> None:
+    """cached_tokens of 10**400 (or negative) is not a count: the run ends normally with no
+    usage hit rate instead of an OverflowError."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(synthetic_mooncake(requests=2, requests_per_second=50.0)) + "\n")
+    target, listener = hostile_target(sse_answer("1" + "0" * 400))
+    out = tmp_path / "r.json"
+    with listener:
+        assert main(["replay", "--trace", str(trace), "--target", target, "--model", "m",
+                     "--timeout", "5", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["ok"] == 2 and data["usage_cached_tokens"] is None
+    assert data["usage_hit_rate"] is None
+
+
+def test_unreadable_engine_metrics_are_not_a_zero_hit_rate(tmp_path: Path) -> None:
+    """--engine-metrics that cannot be read give no engine hit rate (usage's is used), not 0 %."""
+    from kvreuse.testing.processes import free_port
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(synthetic_mooncake(requests=2, requests_per_second=50.0)) + "\n")
+    target, listener = hostile_target(sse_answer("0"))
+    out = tmp_path / "r.json"
+    with listener:
+        assert main(["replay", "--trace", str(trace), "--target", target, "--model", "m",
+                     "--engine-metrics", f"http://127.0.0.1:{free_port()}", "--timeout", "5",
+                     "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["engine_hit_rate"] is None and data["token_hit_rate"] == 0.0
+
+
+@pytest.mark.timeout(60)
+def test_a_trickling_models_endpoint_is_cut_at_the_timeout(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Asking a target that trickles a byte every 0.1 s for its model ends at --timeout with an
+    error naming --model."""
+    import time
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(synthetic_mooncake(requests=1)[0] + "\n")
+    target, listener = hostile_target(None)
+    started = time.monotonic()
+    with listener:
+        code = main(["replay", "--trace", str(trace), "--target", target, "--timeout", "1"])
+    err = capsys.readouterr().err
+    assert code == 1 and time.monotonic() - started < 5.0
+    assert "within 1 s" in err and "--model" in err and "Traceback" not in err
+
+
+def test_failures_are_counted_by_kind(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A 503 storm is summed up as 'N × HTTP 503' and the first error shows status and body."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(synthetic_mooncake(requests=3, requests_per_second=50.0)) + "\n")
+    target, listener = hostile_target(
+        b"HTTP/1.1 503 Busy\r\nContent-Length: 9\r\n\r\nover\nload")
+    with listener:
+        assert main(["replay", "--trace", str(trace), "--target", target, "--model", "m",
+                     "--timeout", "5"]) == 1
+    out = capsys.readouterr().out
+    assert "errors: 3 × HTTP 503" in out and "first error: HTTP 503: over load" in out

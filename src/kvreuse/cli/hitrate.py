@@ -12,17 +12,18 @@ import argparse
 import json
 import sys
 import time
-import urllib.error
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from rich.console import Console, RenderableType
 
 from kvreuse.cli.args import non_negative_float, positive_float, positive_int
 from kvreuse.cli.tables import make_console, table_renderable
-from kvreuse.errors import InputFormatError
+from kvreuse.errors import ConfigError, InputFormatError
 from kvreuse.hitrate.prometheus import (
     cache_counters,
     fetch_page,
@@ -135,6 +136,21 @@ class Monitor:
             detector.note_fingerprint_change(change)
         return change
 
+    def _fetch_all(self) -> list[str | OSError]:
+        """Every instance's page (or why not), fetched at once: a slow instance costs the round
+        one ``--timeout``, not one per instance, and does not delay the others' readings."""
+
+        def fetch(url: str) -> str | OSError:
+            try:
+                return self.fetch(url, self.args.timeout)
+            except OSError as exc:
+                return exc
+
+        if len(self.urls) == 1:
+            return [fetch(self.urls[0])]
+        with ThreadPoolExecutor(max_workers=min(len(self.urls), 32)) as pool:
+            return list(pool.map(fetch, self.urls))
+
     def round(self, t: float) -> list[dict[str, Any]]:
         """Scrape every instance once; returns the JSON records of this round."""
         records: list[dict[str, Any]] = []
@@ -143,14 +159,17 @@ class Monitor:
             records.append(
                 {"t": t, "event": "fingerprint_change", "old": change.old, "new": change.new}
             )
-        for url in self.urls:
+        for url, page in zip(self.urls, self._fetch_all(), strict=True):
             try:
-                samples = parse_exposition(self.fetch(url, self.args.timeout), url)
-            except (OSError, urllib.error.URLError, InputFormatError) as exc:
-                self.latest[url] = f"error: {exc}"
-                records.append({"t": t, "instance": url, "error": str(exc)})
+                if isinstance(page, OSError):
+                    raise page
+                samples = parse_exposition(page, url)
+                counters = cache_counters(samples, self.args.model)
+            except (OSError, InputFormatError) as exc:
+                message = " ".join(str(exc).split())
+                self.latest[url] = f"error: {message}"
+                records.append({"t": t, "instance": url, "error": message})
                 continue
-            counters = cache_counters(samples, self.args.model)
             if counters is None:
                 names = ", ".join(sorted(metric_names(samples))[:8])
                 message = f"no prefix-cache metrics on this page (saw: {names or 'nothing'})"
@@ -219,8 +238,28 @@ def _table(monitor: Monitor, console: Console) -> RenderableType:
     return table_renderable(console, title, HEADERS, rows, text_columns=(0, 5))
 
 
+def check_url(url: str) -> str:
+    """``url`` if it is an ``http://`` or ``https://`` URL with a host and a valid port; else
+    :class:`ConfigError` saying what to write (urllib would fail on it every round, some ways
+    with a traceback)."""
+    if not url or any(c.isspace() or not c.isprintable() for c in url):
+        raise ConfigError(f"metrics URL {url!r} is empty or has spaces or control characters")
+    scheme = url.partition("://")[0] if "://" in url else ""
+    if scheme.lower() not in ("http", "https"):
+        raise ConfigError(f"metrics URL {url!r} needs http:// or https://, e.g. "
+                          f"http://{url.split('://')[-1]}")
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018  (raises on a port that is not a number in 0-65535)
+    except ValueError as exc:
+        raise ConfigError(f"metrics URL {url!r}: {exc}") from None
+    if not parts.hostname:
+        raise ConfigError(f"metrics URL {url!r} has no host")
+    return url
+
+
 def run(args: argparse.Namespace) -> int:
-    monitor = Monitor(list(args.urls), args)
+    monitor = Monitor([check_url(url) for url in args.urls], args)
     rounds = 0
     live = None
     if not args.json:

@@ -21,6 +21,7 @@ import asyncio
 import functools
 import json
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -114,18 +115,18 @@ def served_model(target: str, timeout_s: float) -> str:
     """The first model the target's ``GET /v1/models`` lists: what to send when neither
     ``--model`` nor the trace names one. Raises :class:`ConfigError` saying what to change."""
     import urllib.error
-    import urllib.request
 
     from kvreuse.errors import InputFormatError
-    from kvreuse.gateway.upstreams import parse_model_list
+    from kvreuse.gateway.upstreams import MAX_MODEL_LIST_BYTES, parse_model_list
+    from kvreuse.hitrate.prometheus import fetch_bytes
 
     hint = "; name the model with --model"
-    try:
-        with urllib.request.urlopen(target + "/v1/models", timeout=timeout_s) as response:
-            cards = parse_model_list(response.read())
+    try:  # bounded in time and size: a target that trickles or floods must not hang the run
+        cards = parse_model_list(
+            fetch_bytes(target + "/v1/models", timeout_s, MAX_MODEL_LIST_BYTES))
     except urllib.error.HTTPError as exc:
         raise ConfigError(f"{target}/v1/models answered HTTP {exc.code}{hint}") from None
-    except (OSError, urllib.error.URLError) as exc:
+    except OSError as exc:
         raise ConfigError(f"cannot read {target}/v1/models: {exc}{hint}") from None
     except InputFormatError as exc:
         raise ConfigError(f"{target}/v1/models: {exc}{hint}") from None
@@ -143,10 +144,14 @@ def replay(calls: Sequence[Any], target: str, engines: Sequence[str],
     started = time.perf_counter()
     results = asyncio.run(run_calls(calls, lambda i, call: target, timeout_s=timeout_s))
     duration = time.perf_counter() - started
-    engine_rate = fleet_hits(before, scrape(engines)).hit_rate if engines else None
+    hits = fleet_hits(before, scrape(engines)) if engines else None
+    # No queried tokens counted: the pages could not be read (scrape gives zeros), not 0 %.
+    engine_rate = hits.hit_rate if hits is not None and hits.queries > 0 else None
     ok = [r for r in results if r.status == 200 and not r.error and r.ttft_s is not None]
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
-    usage = [(r.call.prompt_tokens, r.cached_tokens) for r in ok if r.cached_tokens is not None]
+    # A target's usage is believed only within [0, prompt]: 1e400, -5 or true is not a count.
+    usage = [(r.call.prompt_tokens, r.cached_tokens) for r in ok
+             if type(r.cached_tokens) is int and 0 <= r.cached_tokens <= r.call.prompt_tokens]
     prompt = sum(p for p, _ in usage)
     cached = sum(c for _, c in usage) if usage else None
 
@@ -180,10 +185,13 @@ def run(args: argparse.Namespace) -> int:
                   f"{calls[-1].at_s if calls else 0:,.1f} s to {args.target}")
     summary, results = replay(calls, args.target.rstrip("/"), engines, args.timeout)
     _print(console, summary, engines)
-    errors = [r.error or f"HTTP {r.status}" for r in results
+    errors = [failure(r, args.timeout) for r in results
               if not (r.status == 200 and not r.error and r.ttft_s is not None)]
     if errors:
-        console.print(f"first error: {errors[0][:200]}")
+        kinds = Counter(e.split(":")[0] for e in errors).most_common(5)
+        console.print("errors: " + ", ".join(f"{n:,} × {kind}" for kind, n in kinds),
+                      markup=False, highlight=False)
+        console.print(f"first error: {errors[0]}", markup=False, highlight=False)
     if args.json is not None:
         payload = {"trace": str(args.trace), "target": args.target, "speed": args.speed,
                    **summary.as_dict(), "errors_sample": errors[:5]}
@@ -193,6 +201,21 @@ def run(args: argparse.Namespace) -> int:
         _report(args.report, str(args.trace), args.target, summary, results)
         console.print(f"report: {args.report}")
     return 0 if summary.ok else 1
+
+
+def failure(result: Any, timeout_s: float) -> str:
+    """Why one request failed, on one line of at most 200 characters (the target's own words
+    included): its time ran out, the HTTP status and body, or how the stream broke."""
+    if result.error.startswith("TimeoutError"):
+        text = f"no whole answer within --timeout {timeout_s:g} s"
+    elif result.status not in (0, 200):
+        text = f"HTTP {result.status}: {result.error}"
+    elif result.error:
+        text = result.error
+    else:
+        text = f"HTTP {result.status} without a body"
+    text = " ".join(text.split())
+    return text if len(text) <= 200 else text[:199] + "…"
 
 
 def _fmt(value: float | None, unit: str = "s") -> str:

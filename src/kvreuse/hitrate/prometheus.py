@@ -15,11 +15,17 @@ summed over every label set (engines, cache sources), optionally filtered to one
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import math
 import re
+import socket
+import threading
+import urllib.error
 import urllib.request
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from kvreuse.errors import InputFormatError
 
@@ -41,7 +47,9 @@ _SAMPLE = re.compile(
     r"(?:\{(?P<labels>.*)\})?"
     r"\s+(?P<value>\S+)(?:\s+\S+)?\s*$"
 )
-_LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')
+# Possessive ``*+``: a label value of millions of escapes would otherwise cost the regex engine
+# a backtracking frame per character (700 MB for a 4 MB value).
+_LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*+)"\s*,?')
 _UNESCAPE = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
 
 
@@ -159,6 +167,9 @@ def _sum(samples: Iterable[Sample], base: str, model: str | None) -> float | Non
             continue
         if math.isnan(sample.value):
             continue
+        if not 0 <= sample.value < math.inf:
+            raise InputFormatError(f"{sample.name} is {sample.value!r}; a counter is finite "
+                                   "and >= 0")
         by_name[name] = by_name.get(name, 0.0) + sample.value
     if wanted + "_total" in by_name:
         return by_name[wanted + "_total"]
@@ -166,7 +177,8 @@ def _sum(samples: Iterable[Sample], base: str, model: str | None) -> float | Non
 
 
 def cache_counters(samples: list[Sample], model: str | None = None) -> CacheCounters | None:
-    """The first counter family present in ``samples``; else a gauge; else ``None``."""
+    """The first counter family present in ``samples``; else a gauge; else ``None``. Raises
+    :class:`InputFormatError` for a counter that is infinite or negative (no rate from it)."""
     for key, family in COUNTER_FAMILIES.items():
         hits, queries = _sum(samples, family.hits, model), _sum(samples, family.queries, model)
         if hits is not None and queries is not None:
@@ -176,6 +188,7 @@ def cache_counters(samples: list[Sample], model: str | None = None) -> CacheCoun
             s.value
             for s in samples
             if normalise(s.name) == normalise(name)
+            and math.isfinite(s.value)
             and (model is None or s.label("model_name") in (None, model))
         ]
         if values:
@@ -191,11 +204,113 @@ def metric_names(samples: Iterable[Sample]) -> Mapping[str, int]:
     return counts
 
 
-def fetch_page(url: str, timeout_s: float) -> str:
-    """GET one metrics page (``url`` is the page itself, e.g. ``http://host:8000/metrics``).
-    Raises :class:`OSError` (``urllib.error.URLError``, an HTTP error status included) or
-    :class:`http.client.HTTPException` when it cannot be read."""
+MAX_PAGE_BYTES = 64 << 20
+"""A metrics page larger than this is refused, not read into memory (vLLM's is ~100 KB)."""
+
+
+class _Deadline:
+    """Shuts every socket of one fetch when its time is up: a socket timeout bounds each read,
+    not the exchange, so a server that trickles a byte a second would otherwise hold a scrape
+    for ever."""
+
+    def __init__(self, seconds: float) -> None:
+        self.expired = False
+        self._lock = threading.Lock()
+        self._sockets: list[socket.socket] = []
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+
+    def __enter__(self) -> _Deadline:
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._timer.cancel()
+
+    def _expire(self) -> None:
+        with self._lock:
+            self.expired = True
+            for sock in self._sockets:  # the plain socket's shutdown, also under TLS: it
+                with contextlib.suppress(OSError):  # wakes the read blocked on it
+                    socket.socket.shutdown(sock, socket.SHUT_RDWR)
+
+    def watch(self, sock: socket.socket) -> None:
+        with self._lock:
+            if self.expired:
+                raise TimeoutError("timed out")
+            self._sockets.append(sock)
+
+    def handlers(self) -> list[urllib.request.BaseHandler]:
+        """urllib handlers whose connections this deadline watches."""
+        deadline = self
+
+        class HTTP(urllib.request.HTTPHandler):
+            def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+                return self.do_open(_watched(http.client.HTTPConnection, deadline), req)
+
+        class HTTPS(urllib.request.HTTPSHandler):
+            def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+                return self.do_open(_watched(http.client.HTTPSConnection, deadline), req,
+                                    context=self._context)  # type: ignore[attr-defined]
+
+        return [HTTP(), HTTPS()]
+
+
+def _watched(base: type[http.client.HTTPConnection], deadline: _Deadline) -> Any:
+    class Watched(base):  # type: ignore[valid-type,misc]
+        def connect(self) -> None:
+            super().connect()
+            deadline.watch(self.sock)
+
+    return Watched
+
+
+def _one_line(text: str, limit: int = 200) -> str:
+    """``text`` on one line, cut to ``limit`` characters (a peer chooses what it says)."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def fetch_bytes(url: str, timeout_s: float, max_bytes: int = MAX_PAGE_BYTES) -> bytes:
+    """GET ``url`` (redirects followed) within ``timeout_s`` seconds in all, reading at most
+    ``max_bytes`` of body. Raises :class:`OSError` with a one-line reason when it cannot: no
+    connection, an HTTP error status (``urllib.error.HTTPError``), a peer that does not speak
+    HTTP, the time up, the body over ``max_bytes``."""
     request = urllib.request.Request(url, headers={"Accept": "text/plain"})
-    with urllib.request.urlopen(request, timeout=timeout_s) as response:
-        body: bytes = response.read()
-    return body.decode("utf-8", errors="replace")
+    chunks: list[bytes] = []
+    size = 0
+    with _Deadline(timeout_s) as deadline:
+        opener = urllib.request.build_opener(*deadline.handlers())
+        try:
+            with opener.open(request, timeout=timeout_s) as response:
+                while chunk := response.read1(1 << 16):
+                    size += len(chunk)
+                    if size > max_bytes:
+                        raise OSError(f"answer is over the {max_bytes:,}-byte limit, not read "
+                                      "further")
+                    chunks.append(chunk)
+                if response.length:  # read1 ends quietly where read() raises IncompleteRead
+                    raise ConnectionError(f"the answer broke off {response.length:,} bytes "
+                                          "short of its Content-Length")
+        except urllib.error.HTTPError as exc:
+            exc.msg = _one_line(str(exc.msg))  # a redirect loop's message spans three lines
+            raise
+        except (OSError, http.client.HTTPException) as exc:
+            reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+            if deadline.expired or isinstance(reason, TimeoutError):
+                raise TimeoutError(f"no whole answer within {timeout_s:g} s") from None
+            if isinstance(exc, urllib.error.URLError):  # urlopen's wrapper: say its reason
+                raise ConnectionError(_one_line(str(exc.reason))) from None
+            if isinstance(exc, http.client.HTTPException):
+                raise ConnectionError(_one_line(f"not a valid HTTP answer: "
+                                                f"{type(exc).__name__}: {exc}")) from None
+            raise
+        if deadline.expired:
+            raise TimeoutError(f"no whole answer within {timeout_s:g} s")
+    return b"".join(chunks)
+
+
+def fetch_page(url: str, timeout_s: float, max_bytes: int = MAX_PAGE_BYTES) -> str:
+    """GET one metrics page (``url`` is the page itself, e.g. ``http://host:8000/metrics``):
+    :func:`fetch_bytes`, decoded (invalid UTF-8 replaced). Raises :class:`OSError`."""
+    return fetch_bytes(url, timeout_s, max_bytes).decode("utf-8", errors="replace")
