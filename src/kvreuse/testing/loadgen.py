@@ -151,12 +151,14 @@ def _cached_tokens(tail: bytes) -> int | None:
     for line in reversed(tail.split(b"\n")):
         if line.startswith(b"data:") and b'"usage"' in line:
             try:
-                usage = json.loads(line[5:]).get("usage") or {}
+                event = json.loads(line[5:])
             except ValueError:
                 return None
-            details = usage.get("prompt_tokens_details") or {}
-            cached = details.get("cached_tokens")
-            return cached if isinstance(cached, int) else None
+            # Whatever the target sent: only an object's usage object's details count.
+            usage = event.get("usage") if isinstance(event, dict) else None
+            details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+            cached = details.get("cached_tokens") if isinstance(details, dict) else None
+            return cached if isinstance(cached, int) and not isinstance(cached, bool) else None
     return None
 
 
