@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,36 @@ def test_toml_errors_name_the_key(tmp_path: Path) -> None:
         load_config_file(path)
     with pytest.raises(ConfigError, match="unique"):
         merge(None, [parse_upstream_flag("http://h:1"), parse_upstream_flag("http://h:1")])
+
+
+@pytest.mark.parametrize(
+    ("keys", "needle"),
+    [('"" = "acme"', "API key 2 of [keys] cannot be sent"),
+     ('" sk-c" = "acme"', "API key 2 of [keys] cannot be sent"),
+     ('"sk-c\\n" = "acme"', "API key 2 of [keys] cannot be sent"),
+     ('"sk-c" = ""', "the tenant of API key 2"),
+     ('"sk-c" = "ac\\u0000me"', "the tenant of API key 2"),
+     (f'"sk-c" = "{"t" * 257}"', "1 to 256 printable characters"),
+     ('"sk-c" = 5', "the tenant of API key 2")],
+)
+def test_keys_no_client_can_send_and_unprintable_tenants_are_refused(
+    tmp_path: Path, keys: str, needle: str,
+) -> None:
+    """A key that can never match, or a tenant name unfit for logs, is refused by its place in
+    [keys], without echoing the key."""
+    path = tmp_path / "tenants.toml"
+    path.write_text('secret = "0123456789abcdef-secret"\n[keys]\n"sk-a" = "acme"\n' + keys + "\n")
+    with pytest.raises(ConfigError, match=re.escape(needle)) as refused:
+        load_tenants(path)
+    assert "sk-c" not in str(refused.value)
+
+
+def test_a_tenants_file_not_in_utf8_is_refused_by_name(tmp_path: Path) -> None:
+    """Bytes that are not UTF-8 are a ConfigError naming the file, not a traceback."""
+    path = tmp_path / "tenants.toml"
+    path.write_bytes(b"\xff\xfe")
+    with pytest.raises(ConfigError, match="not valid UTF-8"):
+        load_tenants(path)
 
 
 def test_a_config_file_not_in_utf8_is_refused_by_name(tmp_path: Path) -> None:

@@ -90,6 +90,10 @@ class Tenants:
         return Tenant(found, self.salt(found), self.upstreams.get(found))
 
 
+MAX_TENANT_CHARS = 256
+"""Longest tenant name: it is written in every access-log line and metric label."""
+
+
 def load_tenants(path: Path, environ: Mapping[str, str] | None = None) -> Tenants:
     """Read a tenants file; errors name the key to fix."""
     env = os.environ if environ is None else environ
@@ -97,6 +101,8 @@ def load_tenants(path: Path, environ: Mapping[str, str] | None = None) -> Tenant
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise ConfigError(f"cannot read tenants file {path}: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not valid UTF-8 (byte {exc.start})") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
     unknown = sorted(set(data) - {"secret", "secret_env", "caller_salt", "keys", "tenants"})
@@ -115,9 +121,18 @@ def load_tenants(path: Path, environ: Mapping[str, str] | None = None) -> Tenant
     keys = data.get("keys", {})
     if not isinstance(keys, dict) or not keys:
         raise ConfigError(f"{path}: [keys] must map API keys to tenant names")
-    for key, tenant in keys.items():
-        if not isinstance(tenant, str) or not tenant:
-            raise ConfigError(f"{path}: keys.{key!r} must be a tenant name (string)")
+    # Errors say which entry by its place in [keys]: an API key is a secret, not for logs.
+    for number, (key, tenant) in enumerate(keys.items(), start=1):
+        # A key no client can send (empty, padded, a control character) would never match.
+        if not key or key != key.strip() or not key.isprintable():
+            raise ConfigError(f"{path}: API key {number} of [keys] cannot be sent in an "
+                              "Authorization header: give it without surrounding spaces or "
+                              "control characters")
+        if (not isinstance(tenant, str) or not tenant.strip() or not tenant.isprintable()
+                or len(tenant) > MAX_TENANT_CHARS):
+            raise ConfigError(f"{path}: the tenant of API key {number} of [keys] must be a name "
+                              f"of 1 to {MAX_TENANT_CHARS} printable characters, got "
+                              f"{tenant!r:.60}")
     caller_salt = data.get("caller_salt", "reject")
     if caller_salt not in ("reject", "strip"):
         raise ConfigError(f"{path}: caller_salt must be 'reject' or 'strip', got {caller_salt!r}")
