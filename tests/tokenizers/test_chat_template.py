@@ -98,6 +98,26 @@ def test_raise_exception_becomes_template_raised() -> None:
         template.render(USER)
 
 
+@pytest.mark.parametrize(
+    ("source", "cause"),
+    [("{{ range(10**12) | list | length }}", "OverflowError"),
+     ("{{ 1 / (messages | length - 1) }}", "ZeroDivisionError")],
+)
+def test_a_template_failing_on_arithmetic_is_template_raised(source: str, cause: str) -> None:
+    """The sandbox's too-large range or a division by zero fails this request, readably."""
+    with pytest.raises(TemplateRaised, match=cause):
+        ChatTemplate(source).render(USER)
+
+
+def test_a_chat_template_file_not_in_utf8_names_the_file(tmp_path: Path) -> None:
+    """chat_template.jinja holding other bytes is an InputFormatError naming it."""
+    from kvreuse.tokenizers.hf import chat_templates_of
+
+    (tmp_path / "chat_template.jinja").write_bytes(b"\xff\xfe{{ x }}")
+    with pytest.raises(InputFormatError, match=r"chat_template\.jinja"):
+        chat_templates_of(tmp_path, {})
+
+
 def test_sandbox_forbids_mutating_inputs() -> None:
     """The immutable sandbox refuses messages.append (a template cannot change the request)."""
     template = ChatTemplate("{% set _ = messages.append(1) %}x")

@@ -85,7 +85,7 @@ def read_fingerprint(path: Path) -> str | None:
     """The fingerprints in a ``kvreuse fingerprint`` output file, joined; None if unreadable."""
     try:
         text = path.read_text(encoding="utf-8")
-    except OSError:
+    except (OSError, UnicodeDecodeError):
         return None
     prints = []
     for line in text.splitlines():

@@ -185,8 +185,11 @@ class ChatTemplate:
             raise
         except jinja2.exceptions.TemplateError as exc:
             raise TemplateRaised(f"the chat template refused this request: {exc}") from None
-        except (TypeError, ValueError, KeyError, IndexError) as exc:
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError, ArithmeticError,
+                RecursionError) as exc:
             # transformers lets these escape; they mean the request lacks what the template needs
+            # (or the template cannot handle it: the sandbox's too-large range is an
+            # OverflowError, a division by a field that is 0 a ZeroDivisionError)
             raise TemplateRaised(
                 f"the chat template failed on this request ({type(exc).__name__}: {exc}); "
                 "check the fields it expects (tools, roles, content types)"

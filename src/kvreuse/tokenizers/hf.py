@@ -115,12 +115,19 @@ def chat_templates_of(directory: Path, config: Mapping[str, Any]) -> dict[str, s
             templates[entry["name"]] = entry["template"]
     jinja_file = directory / "chat_template.jinja"
     if jinja_file.is_file():
-        templates["default"] = jinja_file.read_text(encoding="utf-8")
+        templates["default"] = _read_template(jinja_file)
     extra_dir = directory / "additional_chat_templates"
     if extra_dir.is_dir():
         for path in sorted(extra_dir.glob("*.jinja")):
-            templates[path.stem] = path.read_text(encoding="utf-8")
+            templates[path.stem] = _read_template(path)
     return templates
+
+
+def _read_template(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputFormatError(f"cannot read: {exc}", where=str(path)) from None
 
 
 def load_directory(directory: Path) -> tuple[HFTokenizer, dict[str, str], dict[str, str]]:
