@@ -571,3 +571,97 @@ def test_chat_load_leaves_no_request_without_an_answer(fleet: Fleet) -> None:
     fleet.forget(gateway)
     for proc in engines:
         fleet.forget(proc)
+
+
+# ---------------------------------------------------------------------------------- deploys
+
+
+async def _streams_until(url: str, stop: Callable[[], bool], every_s: float = 0.02,
+                         tokens: int = 20) -> list[str]:
+    """Streamed completions sent every ``every_s`` until ``stop()``; each one's outcome: "ok"
+    for a whole stream ending in [DONE], else what went wrong."""
+
+    async def one(client: httpx.AsyncClient, index: int) -> str:
+        body = {"model": "sim", "prompt": f"conversation {index % 7} turn {index}",
+                "max_tokens": tokens, "stream": True}
+        try:
+            async with client.stream("POST", url + "/v1/completions", json=body) as answer:
+                if answer.status_code != 200:
+                    return f"HTTP {answer.status_code}: {(await answer.aread())[:120]!r}"
+                chunks, done = 0, False
+                async for line in answer.aiter_lines():
+                    if line.startswith("data:") and '"error"' in line:
+                        return line[:160]
+                    done = done or line == "data: [DONE]"
+                    chunks += line.startswith("data:") and not line.endswith("[DONE]")
+                return "ok" if done and chunks == tokens else f"{chunks} chunks, done={done}"
+        except httpx.HTTPError as exc:
+            return f"{type(exc).__name__}: {exc}"
+
+    async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=256)) as client:
+        tasks = []
+        index = 0
+        while not stop():
+            tasks.append(asyncio.create_task(one(client, index)))
+            index += 1
+            await asyncio.sleep(every_s)
+        return list(await asyncio.gather(*tasks))
+
+
+def test_an_engine_restarted_under_load_costs_no_request(fleet: Fleet) -> None:
+    """A rolling restart: one of two engines gets SIGTERM under ~50 streams a second and comes
+    back on its port; every stream through the gateway completes (the draining engine finishes
+    its own, refused connections are retried on the other)."""
+    spec = EngineSpec(events=False, tpot_ms=20)
+    first, second = fleet.start_engines(2, spec)
+    gateway = fleet.start_gateway("deploy-gw", [first, second], policy="relative_spill",
+                                  extra_args=["--health-interval", "0.5"])
+    started = time.monotonic()
+    restarted: list[Process] = []
+
+    def stop() -> bool:
+        elapsed = time.monotonic() - started
+        if elapsed > 2 and first.alive() and not restarted:
+            first.popen.send_signal(signal.SIGTERM)
+        if elapsed > 2 and not first.alive() and not restarted:
+            restarted.append(fleet.start_engine("engine0-again", spec, port=first.port,
+                                                wait=False))
+        return elapsed > 8
+
+    outcomes = asyncio.run(_streams_until(gateway.url, stop))
+    assert restarted, "the engine did not exit on SIGTERM"
+    failed = [o for o in outcomes if o != "ok"]
+    assert len(outcomes) > 200 and not failed, (len(outcomes), failed[:3], gateway.log_tail())
+    # The restart was felt: requests met the engine's closed port and went to the other.
+    assert "failed before the first byte" in gateway.log_path.read_text(errors="replace")
+    for proc in (gateway, first, second, *restarted):
+        fleet.forget(proc)
+
+
+def test_a_gateway_stopped_under_load_finishes_its_streams(fleet: Fleet) -> None:
+    """SIGTERM to `kvreuse route` with streams in flight: each completes, then it exits, and a
+    new connection is refused rather than accepted and dropped."""
+    engine = fleet.start_engine("drain-engine", EngineSpec(events=False, tpot_ms=50))
+    gateway = fleet.start_gateway("drain-gw", [engine], policy="relative_spill")
+
+    async def scenario() -> tuple[list[str], str]:
+        started = time.monotonic()
+        streams = asyncio.create_task(_streams_until(
+            gateway.url, lambda: time.monotonic() - started > 0.5, every_s=0.1, tokens=40))
+        await asyncio.sleep(1.0)
+        gateway.popen.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.3)
+        try:
+            async with httpx.AsyncClient(timeout=3) as client:
+                late = await client.post(gateway.url + "/v1/completions", json=BODY)
+            after = f"HTTP {late.status_code}"
+        except httpx.ConnectError:
+            after = "refused"
+        return await streams, after
+
+    outcomes, after = asyncio.run(scenario())
+    assert len(outcomes) >= 4 and all(o == "ok" for o in outcomes), outcomes
+    assert after == "refused"
+    gateway.popen.wait(timeout=30)
+    for proc in (gateway, engine):
+        fleet.forget(proc)
