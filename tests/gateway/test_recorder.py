@@ -168,3 +168,53 @@ def test_record_settings_come_from_the_toml_file(tmp_path: Path) -> None:
                     '[[upstreams]]\nurl = "http://127.0.0.1:1"\n')
     config = load_config_file(path)
     assert config.record_dir == "rec" and config.record_block_size == 64
+
+
+FULL_DISK_SCRIPT = """
+import json, resource, signal, sys, time
+from pathlib import Path
+
+from kvreuse.gateway import recorder as rec
+from kvreuse.gateway.telemetry import RequestRecord
+from kvreuse.identity import CacheIdentity
+from kvreuse.routing.base import RequestView
+from kvreuse.tokens import pack
+
+# Every file this process writes stops at 4 KiB with EFBIG, as a full disk stops it with ENOSPC.
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+rec.RETRY_S = 0.3
+recorder = rec.TraceRecorder(rec.RecorderSettings(Path(sys.argv[1]), b"0123456789abcdef-recorder",
+                                                  block=4, reorder_s=0.0))
+recorder.start()
+for i in range(300):
+    view = RequestView("r", pack(list(range(i, i + 40))), 40, CacheIdentity(), None, None)
+    record = RequestRecord("r", "/v1/completions", time.perf_counter(), model="m",
+                           upstream="u0", cached_tokens=3, status=200, view=view,
+                           completion_tokens=7)
+    record.first_byte = record.started + 0.01
+    assert recorder.submit(record)
+    time.sleep(0.01)
+recorder.close()
+print(json.dumps({"written": recorder.written, "failed": recorder.failed,
+                  "dropped": recorder.dropped, "files": [str(p) for p in recorder.files],
+                  "error": recorder.write_error}))
+"""
+
+
+def test_a_full_disk_loses_what_it_must_and_recording_resumes(tmp_path: Path) -> None:
+    """Files that stop growing (RLIMIT_FSIZE, as a full disk): no traceback, every record
+    written or counted failed, each file cut to whole lines, and a new file after the pause."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", FULL_DISK_SCRIPT, str(tmp_path)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    outcome = json.loads(result.stdout)
+    assert outcome["written"] + outcome["failed"] == 300 and outcome["dropped"] == 0
+    assert outcome["failed"] > 0 and "File too large" in outcome["error"]
+    assert len(outcome["files"]) >= 3  # it went on writing after each failure
+    assert "trace recorder cannot write" in result.stderr
+    records = parse_trace_lines(read_trace(tmp_path), block=4)  # whole lines, in order
+    assert len(records) == outcome["written"]

@@ -24,6 +24,14 @@ every 0.25 s into the held set), and a flood of long prompts held every one of t
 100. Files rotate at ``max_bytes`` and every ``rotate_s``
 seconds: ``DIR/trace-<start>-<pid>-<n>.jsonl`` (``n`` zero-padded, so names sort in order),
 timestamps continuing across files.
+
+A write that fails (a full disk, a quota) loses only what it must and leaves a readable trace:
+the lines handed to the file since its last successful flush are counted in :attr:`failed`
+(they may be half on disk), the file is cut back to that flush so it ends on a whole line, and
+for ``RETRY_S`` every record is counted as failed; then a new file is tried. One warning per
+failure. Before, the writer thread died on the full disk with a traceback (its ``close``
+flushed the same buffer again), every later request went unrecorded and uncounted, and the file
+ended in half a line its own reader refused.
 """
 
 from __future__ import annotations
@@ -52,6 +60,8 @@ from kvreuse.trace.keyed import KeyedIds
 log = logging.getLogger("kvreuse.gateway.recorder")
 
 SECRET_ENV = "KVREUSE_RECORD_SECRET"
+RETRY_S = 10.0
+"""After a failed write, records are counted as failed this long before a new file is tried."""
 MAX_HELD_BYTES = 128 << 20  # of prompt tokens held for reordering (see the module docstring)
 
 
@@ -114,6 +124,11 @@ class TraceRecorder:
         self.dropped = 0
         self.written = 0
         self.late = 0
+        self.failed = 0
+        self.write_error: str | None = None  # the last write that failed, if any
+        self._flushed_bytes = 0  # of the current file, on disk at its last successful flush
+        self._flushed_written = 0  # ``written`` at that flush
+        self._retry_at = 0.0
         self.files: list[Path] = []
         self._file: IO[str] | None = None
         self._file_bytes = 0
@@ -199,24 +214,67 @@ class TraceRecorder:
                                 or held_bytes > MAX_HELD_BYTES):
                     item = heapq.heappop(held)
                     held_bytes -= len(item[2])
-                    self._write(item)
-                self._rotate_if_old()
-                if self._file is not None:
-                    self._file.flush()
-            self._emit_all(held)
-        except Exception as exc:  # a full disk must not take the gateway down: stop recording
+                    self._write_or_count(item)
+                self._flush_or_count(rotate=True)
+            while held:
+                self._write_or_count(heapq.heappop(held))
+            self._flush_or_count(rotate=False)
+        except Exception as exc:  # a bug, not the disk (that is handled): stop recording
             self.error = f"{type(exc).__name__}: {exc}"
             log.error("trace recorder stopped: %s", self.error)
         finally:
+            self._close_file()
+
+    def _write_or_count(self, item: _Pending) -> None:
+        if time.monotonic() < self._retry_at:
+            self.failed += 1
+            return
+        try:
+            self._write(item)
+        except OSError as exc:
+            self.failed += 1  # this one, not yet counted written
+            self._write_failed(exc)
+
+    def _flush_or_count(self, rotate: bool) -> None:
+        if self._file is None:
+            return
+        try:
+            self._file.flush()
+        except OSError as exc:
+            self._write_failed(exc)
+            return
+        self._flushed_bytes = self._file_bytes
+        self._flushed_written = self.written
+        if rotate:
+            self._rotate_if_old()
+
+    def _write_failed(self, exc: OSError) -> None:
+        """Count the lines since the last good flush as failed, cut the file back to that
+        flush (whole lines only) and pause writing for ``RETRY_S``."""
+        lost = self.written - self._flushed_written
+        self.written -= lost
+        self.failed += lost
+        path = self.files[-1] if self._file is not None and self.files else None
+        with contextlib.suppress(OSError):  # closing flushes the same buffer: it fails again
             if self._file is not None:
                 self._file.close()
-                self._file = None
+        self._file = None
+        if path is not None:
+            with contextlib.suppress(OSError):  # cutting frees space, needs none
+                os.truncate(path, self._flushed_bytes)
+        self._retry_at = time.monotonic() + RETRY_S
+        self.write_error = f"{type(exc).__name__}: {exc}"
+        log.warning("trace recorder cannot write (%s): %d records lost so far; a new file in "
+                    "%g s", self.write_error, self.failed, RETRY_S)
 
-    def _emit_all(self, held: list[_Pending]) -> None:
-        while held:
-            self._write(heapq.heappop(held))
-        if self._file is not None:
-            self._file.flush()
+    def _close_file(self) -> None:
+        if self._file is None:
+            return
+        try:
+            self._file.close()
+        except OSError as exc:  # the file is closed even so; what it held is lost
+            self._write_failed(exc)
+        self._file = None
 
     def _write(self, item: _Pending) -> None:
         (arrival, _seq, tokens, namespace, tenant, session, model, cached, upstream, ttft,
@@ -243,7 +301,7 @@ class TraceRecorder:
             upstream=upstream[:MAX_TEXT_FIELD] if upstream else None,
             ttft_s=None if ttft is None else round(max(ttft, 0.0), 6),
         )
-        line = record_json(record) + "\n"
+        line = record_json(record) + "\n"  # ASCII: json.dumps escapes the rest
         out = self._open(len(line))
         out.write(line)
         self._file_bytes += len(line)
@@ -251,7 +309,7 @@ class TraceRecorder:
 
     def _open(self, need: int) -> IO[str]:
         if self._file is not None and self._file_bytes + need > self.settings.max_bytes:
-            self._file.close()
+            self._file.close()  # an OSError here is the caller's failed write
             self._file = None
         if self._file is None:
             stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(self.origin))
@@ -259,7 +317,8 @@ class TraceRecorder:
                 f"trace-{stamp}-{os.getpid()}-{len(self.files) + 1:05d}.jsonl"
             )
             self._file = path.open("w", encoding="utf-8")
-            self._file_bytes = 0
+            self._file_bytes = self._flushed_bytes = 0
+            self._flushed_written = self.written
             self._file_opened = time.monotonic()
             self.files.append(path)
         return self._file
@@ -267,13 +326,13 @@ class TraceRecorder:
     def _rotate_if_old(self) -> None:
         if (self._file is not None
                 and time.monotonic() - self._file_opened >= self.settings.rotate_s):
-            self._file.close()
-            self._file = None
+            self._close_file()
 
 
 class RecorderCollector:
     """``/metrics``: ``kvreuse_gateway_trace_records_total{outcome}`` — written, dropped (queue
-    full), late (finished after the reorder window; written with the last timestamp)."""
+    full), late (finished after the reorder window; written with the last timestamp), failed
+    (a write failed: full disk, quota)."""
 
     def __init__(self, recorder: TraceRecorder) -> None:
         self._recorder = recorder
@@ -284,6 +343,6 @@ class RecorderCollector:
             "requests handed to the --record trace, by outcome", labels=["outcome"])
         recorder = self._recorder
         for outcome, value in (("written", recorder.written), ("dropped", recorder.dropped),
-                               ("late", recorder.late)):
+                               ("late", recorder.late), ("failed", recorder.failed)):
             family.add_metric([outcome], value)
         yield family
