@@ -218,3 +218,24 @@ def test_a_full_disk_loses_what_it_must_and_recording_resumes(tmp_path: Path) ->
     assert "trace recorder cannot write" in result.stderr
     records = parse_trace_lines(read_trace(tmp_path), block=4)  # whole lines, in order
     assert len(records) == outcome["written"]
+
+
+def test_a_directory_removed_while_recording_is_made_again(tmp_path: Path) -> None:
+    """The trace directory moved away between two files: the next file is written in a new
+    one of the same name, nothing lost."""
+    import shutil
+
+    directory = tmp_path / "traces"
+    recorder = TraceRecorder(RecorderSettings(directory, SECRET, block=4, max_bytes=1024,
+                                              reorder_s=0.0))
+    recorder.start()
+    for i in range(10):
+        recorder.submit(finished(list(range(i, i + 30))))
+    time.sleep(0.6)  # written and flushed
+    shutil.move(directory, tmp_path / "moved")
+    for i in range(30):
+        recorder.submit(finished(list(range(i, i + 30))))
+    recorder.close()
+    assert recorder.written == 40 and recorder.failed == 0
+    kept = len(parse_trace_lines(read_trace(tmp_path / "moved"), block=4))
+    assert kept + len(parse_trace_lines(read_trace(directory), block=4)) == 40

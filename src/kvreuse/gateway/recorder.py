@@ -313,6 +313,8 @@ class TraceRecorder:
             self._file = None
         if self._file is None:
             stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(self.origin))
+            # Made again if it went (an operator moved the traces away): recording goes on.
+            self.settings.directory.mkdir(parents=True, exist_ok=True)
             path = self.settings.directory / (
                 f"trace-{stamp}-{os.getpid()}-{len(self.files) + 1:05d}.jsonl"
             )
