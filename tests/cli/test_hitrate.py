@@ -149,33 +149,16 @@ def test_a_trickling_instance_does_not_hold_up_the_others(
 ) -> None:
     """An instance that sends a byte every 0.1 s is cut at --timeout and reported as such, and
     the healthy one is reported in every round."""
-    import socket
-    import threading
     import time
 
-    listener = socket.create_server(("127.0.0.1", 0))
+    from kvreuse.testing.servers import answering_server, trickle
 
-    def trickle() -> None:
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return
-            try:
-                for byte in b"HTTP/1.1 200 OK\r\nX-Slow: " + b"a" * 10_000:
-                    conn.sendall(bytes([byte]))
-                    time.sleep(0.1)
-            except OSError:
-                conn.close()
-
-    threading.Thread(target=trickle, daemon=True).start()
-    slow = f"http://127.0.0.1:{listener.getsockname()[1]}/metrics"
-    with MetricsServer(rising([0.5, 0.5])) as good:
+    with answering_server(trickle) as base, MetricsServer(rising([0.5, 0.5])) as good:
+        slow = base + "/metrics"
         started = time.monotonic()
         code = main(["hitrate", slow, good.url, "--json", "--count", "2", "--interval", "0.01",
                      "--timeout", "1"])
         elapsed = time.monotonic() - started
-    listener.close()
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert code == 1 and elapsed < 6.0
     assert [r["error"] for r in records if r["instance"] == slow] == [

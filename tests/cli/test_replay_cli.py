@@ -11,6 +11,7 @@ import pytest
 from kvreuse.cli.main import main
 from kvreuse.testing.mooncake import synthetic_mooncake
 from kvreuse.testing.processes import EngineSpec, Fleet
+from kvreuse.testing.servers import answering_server, trickle
 from kvreuse.trace.format import parse_trace_lines
 from kvreuse.trace.stats import trace_stats
 
@@ -122,38 +123,10 @@ def test_replay_refuses_prompts_over_the_limit(
     assert "t.jsonl:1" in err and "'input_length'" in err and "--max-prompt-tokens" in err
 
 
-def hostile_target(answer: bytes | None) -> tuple[str, Any]:
+def hostile_target(answer: bytes | None) -> Any:
     """A target on 127.0.0.1 that reads each request head and sends ``answer`` (None: trickles
-    a byte every 0.1 s); returns its URL and the listener to close."""
-    import socket
-    import threading
-    import time
-
-    listener = socket.create_server(("127.0.0.1", 0))
-
-    def serve(conn: socket.socket) -> None:
-        with conn:
-            try:
-                conn.recv(65536)
-                if answer is not None:
-                    conn.sendall(answer)
-                    return
-                for byte in b"HTTP/1.1 200 OK\r\nX-Slow: " + b"a" * 10_000:
-                    conn.sendall(bytes([byte]))
-                    time.sleep(0.1)
-            except OSError:
-                pass
-
-    def accept() -> None:
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=serve, args=(conn,), daemon=True).start()
-
-    threading.Thread(target=accept, daemon=True).start()
-    return f"http://127.0.0.1:{listener.getsockname()[1]}", listener
+    a byte every 0.1 s); a context manager yielding its URL."""
+    return answering_server(trickle if answer is None else (lambda conn: conn.sendall(answer)))
 
 
 def sse_answer(cached: str) -> bytes:
@@ -169,9 +142,9 @@ def test_absurd_usage_cached_tokens_are_left_out(tmp_path: Path) -> None:
     usage hit rate instead of an OverflowError."""
     trace = tmp_path / "t.jsonl"
     trace.write_text("\n".join(synthetic_mooncake(requests=2, requests_per_second=50.0)) + "\n")
-    target, listener = hostile_target(sse_answer("1" + "0" * 400))
+    hostile = hostile_target(sse_answer("1" + "0" * 400))
     out = tmp_path / "r.json"
-    with listener:
+    with hostile as target:
         assert main(["replay", "--trace", str(trace), "--target", target, "--model", "m",
                      "--timeout", "5", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
@@ -185,9 +158,9 @@ def test_unreadable_engine_metrics_are_not_a_zero_hit_rate(tmp_path: Path) -> No
 
     trace = tmp_path / "t.jsonl"
     trace.write_text("\n".join(synthetic_mooncake(requests=2, requests_per_second=50.0)) + "\n")
-    target, listener = hostile_target(sse_answer("0"))
+    hostile = hostile_target(sse_answer("0"))
     out = tmp_path / "r.json"
-    with listener:
+    with hostile as target:
         assert main(["replay", "--trace", str(trace), "--target", target, "--model", "m",
                      "--engine-metrics", f"http://127.0.0.1:{free_port()}", "--timeout", "5",
                      "--json", str(out)]) == 0
@@ -205,9 +178,9 @@ def test_a_trickling_models_endpoint_is_cut_at_the_timeout(
 
     trace = tmp_path / "t.jsonl"
     trace.write_text(synthetic_mooncake(requests=1)[0] + "\n")
-    target, listener = hostile_target(None)
+    hostile = hostile_target(None)
     started = time.monotonic()
-    with listener:
+    with hostile as target:
         code = main(["replay", "--trace", str(trace), "--target", target, "--timeout", "1"])
     err = capsys.readouterr().err
     assert code == 1 and time.monotonic() - started < 5.0
@@ -218,9 +191,9 @@ def test_failures_are_counted_by_kind(tmp_path: Path, capsys: pytest.CaptureFixt
     """A 503 storm is summed up as 'N × HTTP 503' and the first error shows status and body."""
     trace = tmp_path / "t.jsonl"
     trace.write_text("\n".join(synthetic_mooncake(requests=3, requests_per_second=50.0)) + "\n")
-    target, listener = hostile_target(
+    hostile = hostile_target(
         b"HTTP/1.1 503 Busy\r\nContent-Length: 9\r\n\r\nover\nload")
-    with listener:
+    with hostile as target:
         assert main(["replay", "--trace", str(trace), "--target", target, "--model", "m",
                      "--timeout", "5"]) == 1
     out = capsys.readouterr().out

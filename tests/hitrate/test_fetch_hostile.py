@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import socket
-import threading
 import time
 import tracemalloc
 from collections.abc import Callable, Iterator
@@ -13,43 +12,14 @@ import pytest
 
 from kvreuse.errors import InputFormatError
 from kvreuse.hitrate.prometheus import cache_counters, fetch_page, parse_exposition
+from kvreuse.testing.servers import answering_server, trickle
 
 
 @contextmanager
 def raw_server(answer: Callable[[socket.socket], None]) -> Iterator[str]:
-    """A listener whose every connection gets ``answer(conn)`` after the request head;
-    yields the URL of its /metrics."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    stop = threading.Event()
-
-    def serve(conn: socket.socket) -> None:
-        with conn:
-            try:
-                conn.recv(65536)
-                answer(conn)
-            except OSError:
-                pass
-
-    def accept() -> None:
-        while not stop.is_set():
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=serve, args=(conn,), daemon=True).start()
-
-    threading.Thread(target=accept, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{listener.getsockname()[1]}/metrics"
-    finally:
-        stop.set()
-        listener.close()
-
-
-def trickle(conn: socket.socket) -> None:
-    for byte in b"HTTP/1.1 200 OK\r\nX-Slow: " + b"a" * 1000:
-        conn.sendall(bytes([byte]))
-        time.sleep(0.1)
+    """:func:`answering_server`, yielding the URL of its /metrics."""
+    with answering_server(answer) as url:
+        yield url + "/metrics"
 
 
 def endless(conn: socket.socket) -> None:

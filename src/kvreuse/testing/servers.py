@@ -145,3 +145,43 @@ def calling_threads(module: Any, name: str) -> Iterator[list[str]]:
         yield names
     finally:
         setattr(module, name, real)
+
+
+def trickle(conn: socket.socket) -> None:
+    """An answer for :func:`answering_server`: a status line and a header a byte every 0.1 s,
+    never finished (no per-read timeout ever fires)."""
+    for byte in b"HTTP/1.1 200 OK\r\nX-Slow: " + b"a" * 10_000:
+        conn.sendall(bytes([byte]))
+        time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def answering_server(answer: Callable[[socket.socket], None]) -> Iterator[str]:
+    """A listener on 127.0.0.1 whose every connection gets ``answer(conn)`` once the request
+    head has arrived (``conn.sendall(raw_bytes)``, :func:`trickle`, or a peer that is not
+    HTTP at all); yields its ``http://127.0.0.1:PORT`` and closes it after the block."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve(conn: socket.socket) -> None:
+        with conn:
+            try:
+                conn.recv(65536)
+                answer(conn)
+            except OSError:
+                pass
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        listener.close()
