@@ -85,6 +85,13 @@ def test_fingerprint_file_change_is_an_event(tmp_path: Path) -> None:
     assert read_fingerprint(fingerprint_file) == "bbb"
 
 
+def test_a_fingerprint_file_not_in_utf8_reads_as_no_fingerprint(tmp_path: Path) -> None:
+    """A fingerprint file being rewritten with other bytes is unreadable, not a traceback."""
+    fingerprint_file = tmp_path / "deployed.jsonl"
+    fingerprint_file.write_bytes(b"\xff\xfe garbage")
+    assert read_fingerprint(fingerprint_file) is None
+
+
 def test_unreachable_and_foreign_pages_are_reported_not_fatal(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

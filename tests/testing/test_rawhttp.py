@@ -50,6 +50,31 @@ def test_a_peer_that_does_not_speak_http_is_an_error_on_the_request() -> None:
         "ConnectionError: not an HTTP answer: 'SSH-2.0-OpenSSH_9.6'")
 
 
+def test_a_malformed_chunk_size_or_length_is_an_error_on_the_request() -> None:
+    """A chunk size that is not hex, or a Content-Length that is not a number, names itself."""
+
+    async def bad_chunk(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n")
+
+    async def bad_length(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: -5\r\n\r\n")
+
+    assert post_to(bad_chunk).error == "ConnectionError: not a body length: 'zz'"
+    assert post_to(bad_length).error == "ConnectionError: not a body length: '-5'"
+
+
+def test_headers_past_the_bound_are_an_error_on_the_request() -> None:
+    """Thousands of header lines past MAX_HEAD_BYTES end the request with an error."""
+
+    async def flood(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\n" + b"x-filler: " + b"y" * 1000 + b"\r\n")
+        for _ in range(400):
+            writer.write(b"x-filler: " + b"y" * 1000 + b"\r\n")
+            await writer.drain()
+
+    assert post_to(flood).error == "ConnectionError: the answer's headers exceed 262,144 bytes"
+
+
 def test_a_body_delimited_by_close_is_read() -> None:
     """Neither Content-Length nor chunks: the body runs to the close (RFC 9112 6.3)."""
 
