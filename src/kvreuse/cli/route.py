@@ -230,17 +230,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 def listen(host: str, port: int, flag: str) -> socket.socket:
-    """A TCP socket bound to ``host:port`` (served by uvicorn); a port in use is a
-    :class:`ConfigError` naming the flag, not a bare errno."""
+    """A TCP socket bound to ``host:port`` (served by uvicorn; ``port`` in 0-65535, as the
+    flags' type and the config file check); a port in use is a :class:`ConfigError` naming
+    the flag, not a bare errno."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
-    except (OSError, OverflowError) as exc:  # OverflowError: a port past 65535
+    except OSError as exc:
         sock.close()
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
-        raise ConfigError(f"{flag} {port}: cannot listen on {host}:{port}: {reason}") from None
+        raise ConfigError(f"{flag} {port}: cannot listen on {host}:{port}: "
+                          f"{exc.strerror or exc}") from None
     sock.set_inheritable(True)
     return sock
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -70,9 +71,8 @@ def simulate(
     policy = build_policy(policy_name, rng=random.Random(seed), cost=cost, **options)
     simulated = config if units is None else units.fleet(config)
     every = max(len(requests) // 50, 1)
-    fleet = FleetSimulator(simulated, policy)
-    _check_fits(fleet, requests, units)
-    run = fleet.run(requests, progress, every)
+    with _pool_errors_in_tokens(units):  # run() checks that every request fits, first
+        run = FleetSimulator(simulated, policy).run(requests, progress, every)
     if units is None:
         return run
     with collector_paused():  # a million records, no cycles (kvreuse.bulk)
@@ -86,13 +86,15 @@ def check_fits(config: FleetConfig, requests: Sequence[SimRequest],
     would refuse, asked before simulating (``kvreuse plan`` leaves such cache sizes out).
     O(requests)."""
     simulated = config if units is None else units.fleet(config)
-    _check_fits(FleetSimulator(simulated, build_policy("round_robin")), requests, units)
+    with _pool_errors_in_tokens(units):
+        FleetSimulator(simulated, build_policy("round_robin")).check_fits(requests)
 
 
-def _check_fits(fleet: FleetSimulator, requests: Sequence[SimRequest],
-                units: TraceUnits | None) -> None:
+@contextlib.contextmanager
+def _pool_errors_in_tokens(units: TraceUnits | None) -> Iterator[None]:
+    """A :class:`PoolTooSmallError` raised inside, its figures counted in tokens of ``units``."""
     try:
-        fleet.check_fits(requests)
+        yield
     except PoolTooSmallError as exc:
         if units is None or units.tokens_per_unit == 1:
             raise
