@@ -28,6 +28,7 @@ def test_upstream_flag_parses_its_options() -> None:
     [("ftp://x", "http"), ("http://h:1,weight=0", "weight"), ("http://h:1,color=red", "color"),
      ("http://h:1,events=5557", "ZeroMQ endpoint"), ("http://h:1,weight", "key=value"),
      ("http://h:99999", "HOST:PORT"), ("http://h:abc", "HOST:PORT"), ("http://:8000", "HOST:PORT"),
+     ("http://[::1:8000", "HOST:PORT"), ("http://h x:8000", "HOST:PORT"),
      ("http://h:1,weight=nan", "finite"), ("http://h:1,weight=inf", "finite"),
      ("http://h:1,events=http://h:5557", "ZeroMQ endpoint"),
      ("http://h:1,events=tcp://h", "ZeroMQ endpoint"),

@@ -17,7 +17,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from rich.console import Console, RenderableType
 
@@ -240,22 +239,15 @@ def _table(monitor: Monitor, console: Console) -> RenderableType:
 
 def check_url(url: str) -> str:
     """``url`` if it is an ``http://`` or ``https://`` URL with a host and a valid port; else
-    :class:`ConfigError` saying what to write (urllib would fail on it every round, some ways
-    with a traceback)."""
-    if not url or any(c.isspace() or not c.isprintable() for c in url):
-        raise ConfigError(f"metrics URL {url!r} is empty or has spaces or control characters")
-    scheme = url.partition("://")[0] if "://" in url else ""
-    if scheme.lower() not in ("http", "https"):
-        raise ConfigError(f"metrics URL {url!r} needs http:// or https://, e.g. "
-                          f"http://{url.split('://')[-1]}")
-    try:
-        parts = urlsplit(url)
-        parts.port  # noqa: B018  (raises on a port that is not a number in 0-65535)
-    except ValueError as exc:
-        raise ConfigError(f"metrics URL {url!r}: {exc}") from None
-    if not parts.hostname:
-        raise ConfigError(f"metrics URL {url!r} has no host")
-    return url
+    :class:`ConfigError` saying what is wrong (:func:`~kvreuse.gateway.config.http_url_problem`)."""
+    from kvreuse.gateway.config import http_url_problem
+
+    problem = http_url_problem(url)
+    if problem is None:
+        return url
+    if problem.startswith("it needs http"):
+        problem += f", e.g. http://{url.split('://')[-1]}"
+    raise ConfigError(f"metrics URL {url!r}: {problem}")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -73,12 +73,7 @@ class UpstreamConfig:
     models: tuple[str, ...] = ()  # declared served model names; empty: learn from /v1/models
 
     def __post_init__(self) -> None:
-        parts = urlsplit(self.url)
-        try:
-            port = parts.port  # a port past 65535 or not a number raises here, not at start-up
-        except ValueError:
-            port = -1
-        if parts.scheme not in ("http", "https") or not parts.hostname or port == -1:
+        if http_url_problem(self.url) is not None:
             raise ConfigError(f"upstream url must be http(s)://HOST:PORT, got {self.url!r}")
         if self.capacity_tokens is not None and self.capacity_tokens < 1:
             raise ConfigError(f"upstream {self.url}: capacity_tokens must be >= 1, got "
@@ -107,6 +102,23 @@ class UpstreamConfig:
                                   "tcp://*:PORT is what the engine itself binds")
         if not self.name:
             object.__setattr__(self, "name", self.url.rstrip("/"))
+
+
+def http_url_problem(url: str) -> str | None:
+    """Why ``url`` is not an ``http://`` or ``https://`` URL with a host (and, if it names one,
+    a port in 0-65535), or None when it is one: an upstream's, a metrics page's. Asked when the
+    configuration is read; urllib and the servers would fail on it at every use, some ways
+    with a traceback."""
+    if not url or any(c.isspace() or not c.isprintable() for c in url):
+        return "it is empty or has spaces or control characters"
+    if url.partition("://")[0].lower() not in ("http", "https") or "://" not in url:
+        return "it needs http:// or https://"
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018  (raises on a port that is not a number in 0-65535)
+    except ValueError as exc:
+        return str(exc)
+    return None if parts.hostname else "it has no host"
 
 
 def is_zmq_endpoint(text: str) -> bool:
