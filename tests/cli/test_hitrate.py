@@ -114,6 +114,7 @@ def test_live_table_mode_renders(capsys: pytest.CaptureFixture[str]) -> None:
         assert main(["hitrate", server.url, "--count", "2", "--interval", "0.01"]) == 0
     out = capsys.readouterr().out
     assert "token hit rate" in out and "25.0%" in out
+    assert out.endswith("\n")  # piped: the table's last line is closed
 
 
 @pytest.mark.parametrize("columns", ["80", "100"])

@@ -283,6 +283,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if live is not None:
             live.stop()
+            if not live.console.is_terminal:  # Live leaves a piped table's last line open
+                live.console.line()
     sys.stdout.flush()
     failing = [url for url in monitor.urls if not isinstance(monitor.latest.get(url), RateReading)]
     if failing:
