@@ -638,6 +638,44 @@ def test_an_engine_restarted_under_load_costs_no_request(fleet: Fleet) -> None:
         fleet.forget(proc)
 
 
+@pytest.mark.parametrize("migration", [True, False], ids=["migrated", "not-migrated"])
+def test_an_engine_killed_under_load_loses_no_stream(fleet: Fleet, migration: bool) -> None:
+    """A crash: one of two engines gets SIGKILL under ~50 streams a second. With stream
+    migration every stream completes with all its tokens (the killed engine's are continued on
+    the other); without it, exactly those streams end with a readable SSE error event."""
+    import sys
+
+    spec = EngineSpec(events=False, tpot_ms=20)
+    first, second = fleet.start_engines(2, spec)
+    gateway = fleet.start_gateway(
+        f"crash-gw-{migration}", [first, second], policy="relative_spill",
+        extra_args=["--health-interval", "0.5", *([] if migration else
+                                                  ["--no-stream-migration"])])
+    started = time.monotonic()
+
+    def stop() -> bool:
+        elapsed = time.monotonic() - started
+        if elapsed > 2 and first.alive():
+            first.popen.send_signal(signal.SIGKILL)
+        return elapsed > 5
+
+    outcomes = asyncio.run(_streams_until(gateway.url, stop))
+    assert not first.alive(), "the engine survived SIGKILL"
+    failed = [o for o in outcomes if o != "ok"]
+    log = gateway.log_path.read_text(errors="replace")
+    cut = log.count("failed after the first byte")
+    print(f"SIGKILL, migration {'on' if migration else 'off'}: {len(outcomes) - len(failed)} "
+          f"of {len(outcomes)} streams whole, {cut} cut mid-stream", file=sys.stderr)
+    assert len(outcomes) > 100 and cut > 0, (len(outcomes), gateway.log_tail())
+    if migration:
+        assert not failed, (failed[:3], gateway.log_tail())
+        assert log.count("continuing the stream elsewhere") == cut
+    else:
+        assert len(failed) == cut and all('"error"' in o for o in failed), failed[:3]
+    for proc in (gateway, first, second):
+        fleet.forget(proc)
+
+
 def test_a_gateway_stopped_under_load_finishes_its_streams(fleet: Fleet) -> None:
     """SIGTERM to `kvreuse route` with streams in flight: each completes, then it exits, and a
     new connection is refused rather than accepted and dropped."""

@@ -127,13 +127,17 @@ def gateway_for(replicas: list[Replica], tokenizer: HFPromptTokenizer
     """Start a gateway in front of (some of) the replicas; stopped after the test."""
     running: list[LiveGateway] = []
 
-    def start(chosen: list[Replica] | None = None, **options: object) -> LiveGateway:
-        wait_released([r.events for r in chosen or replicas])
-        upstreams = tuple(
-            UpstreamConfig(r.url, name=r.name, events=r.events, replay=r.replay,
-                           topic="kv-events")
-            for r in (chosen or replicas)
-        )
+    def start(chosen: list[Replica] | None = None,
+              upstreams: tuple[UpstreamConfig, ...] | None = None,
+              **options: object) -> LiveGateway:
+        """``upstreams``, when given, replaces the replicas' own entries (e.g. proxies)."""
+        if upstreams is None:
+            wait_released([r.events for r in chosen or replicas])
+            upstreams = tuple(
+                UpstreamConfig(r.url, name=r.name, events=r.events, replay=r.replay,
+                               topic="kv-events")
+                for r in (chosen or replicas)
+            )
         settings: dict[str, object] = {"policy": "exact", "metrics_interval_s": 0.5,
                                        "health_interval_s": 1.0}
         settings.update(options)

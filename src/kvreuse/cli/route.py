@@ -85,6 +85,10 @@ def register(subparsers: Any) -> None:
                         help="seconds between /metrics scrapes (0: off)")
     parser.add_argument("--max-body-bytes", type=int, help="largest request body (default "
                         "8 MiB; larger: 413, refused before it is read)")
+    parser.add_argument("--no-stream-migration", dest="stream_migration",
+                        action="store_false", default=None,
+                        help="end a stream whose upstream fails mid-answer with an SSE error "
+                        "event instead of continuing it on another upstream")
     parser.add_argument("--upstream-timeout", type=float, metavar="S",
                         help="seconds to an upstream's first byte before the request is "
                         "cancelled there and retried on the next candidate (default 60)")
@@ -162,6 +166,7 @@ def build_config(args: argparse.Namespace) -> Any:
         tenants=args.tenants,
         caller_salt=args.caller_salt,
         retries=args.retries,
+        stream_migration=args.stream_migration,
         health_interval_s=args.health_interval,
         eject_after=args.eject_after,
         readmit_after=args.readmit_after,

@@ -218,7 +218,7 @@ class Gateway:
         self.forwarder = Forwarder(
             self._pools, self.router, self.metrics, self.tallies, policy_name=self.policy.name,
             retries=config.retries, upstream_timeout_s=config.upstream_timeout_s,
-            max_response_bytes=config.max_response_bytes,
+            max_response_bytes=config.max_response_bytes, migrate=config.stream_migration,
         )
         if self.recorder is not None:
             self.recorder.start()

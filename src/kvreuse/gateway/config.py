@@ -157,6 +157,9 @@ class GatewayConfig:
     readmit_after: int = 2
     metrics_interval_s: float = 5.0
     retries: int = 2
+    # A stream broken mid-answer is continued on the next candidate (gateway/migration.py);
+    # the retries above bound the upstreams one request may use, migrations included.
+    stream_migration: bool = True
     connect_timeout_s: float = 2.0
     read_timeout_s: float = 600.0
     upstream_timeout_s: float = 60.0
@@ -200,6 +203,9 @@ class GatewayConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         require_at_least("retries", self.retries, 0)
+        if not isinstance(self.stream_migration, bool):
+            raise ConfigError(f"stream_migration must be true or false, got "
+                              f"{self.stream_migration!r}")
         if self.metrics_interval_s < 0:
             raise ConfigError(f"metrics_interval_s must be >= 0 (0: no scraping), got "
                               f"{self.metrics_interval_s}")

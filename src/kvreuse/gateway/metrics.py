@@ -301,6 +301,12 @@ class GatewayMetrics:
             "kvreuse_gateway_retries", "requests retried on another upstream before first byte",
             ["upstream"], registry=self.registry,
         )
+        self.migrations = Counter(
+            "kvreuse_gateway_stream_migrations", "streams broken by an upstream mid-answer, by "
+            "what became of them: continued on this upstream, refused by it, or not "
+            "continuable (the reason is logged)",
+            ["upstream", "outcome"], registry=self.registry,
+        )
         self.upstream_errors = Counter(
             "kvreuse_gateway_upstream_errors", "upstream failures by kind",
             ["upstream", "kind"], registry=self.registry,

@@ -7,8 +7,12 @@
   cancelled upstream by closing its connection.
 * When every candidate failed, the client gets an OpenAI error body: 504 when they all timed
   out, the last upstream's 5xx status otherwise, 502 when none could be reached.
-* After the first byte, a failure ends the stream with an SSE error event
-  (``data: {"error": ...}``) and ``data: [DONE]``: nothing is dropped silently.
+* After the first byte, a stream whose upstream fails is continued on the next candidate
+  (stream migration, :mod:`kvreuse.gateway.migration`; the same ``retries`` bound the
+  upstreams one request may use); one that cannot be continued, or that no candidate could
+  continue, ends with an SSE error event (``data: {"error": ...}``) and ``data: [DONE]``:
+  nothing is dropped silently. A stream whose whole answer was sent before the break just
+  gets its ``[DONE]``.
 * Every failure the client sees, and every failed attempt, is logged at warning level with
   the request id, the upstream and the cause.
 * 4xx answers are the caller's to fix: passed through unchanged, never retried.
@@ -33,6 +37,7 @@ import msgspec
 from kvreuse.gateway.asgi import DisconnectHook, RawHeaders, Receive, until_disconnect
 from kvreuse.gateway.exchange import ClientReply, sse_error_event
 from kvreuse.gateway.metrics import GatewayMetrics, TokenTally
+from kvreuse.gateway.migration import Complete, Continuation, StreamProgress
 from kvreuse.gateway.router import Candidate, Plan, Router
 from kvreuse.gateway.telemetry import RequestRecord
 from kvreuse.gateway.upstream_client import (
@@ -121,6 +126,12 @@ def usage_of(content: bytes) -> dict[str, Any] | None:
     return _decode_usage(content)
 
 
+class UpstreamErrorEvent(UpstreamError):
+    """The upstream sent an error event in place of the rest of a stream."""
+
+    kind = "ErrorEvent"
+
+
 @dataclass(slots=True)
 class _Attempts:
     """What the failed attempts of one request came to."""
@@ -144,6 +155,7 @@ class Forwarder:
         retries: int,
         upstream_timeout_s: float = 60.0,
         max_response_bytes: int = 64 << 20,
+        migrate: bool = True,
     ) -> None:
         self.pools = pools
         self.router = router
@@ -153,6 +165,7 @@ class Forwarder:
         self.retries = retries
         self.upstream_timeout_s = upstream_timeout_s
         self.max_response_bytes = max_response_bytes
+        self.migrate = migrate
         self._names = {name: name.encode("latin-1") for name in pools}
 
     async def forward(self, receive: Receive, reply: ClientReply, path: str, body: bytes,
@@ -172,6 +185,8 @@ class Forwarder:
                        trace: Mapping[str, str]) -> None:
         attempts = _Attempts([])
         headers = {"x-request-id": reply.request_id, **trace}
+        # Set once the client's stream has started: from then on an attempt continues it.
+        progress: StreamProgress | None = None
         for attempt, candidate in enumerate(self.router.candidates(plan, self.retries + 1)):
             upstream = candidate.upstream
             record.upstream = upstream.name
@@ -179,13 +194,19 @@ class Forwarder:
             record.predicted_cached_tokens = candidate.predicted_cached_tokens
             if attempt:
                 record.retries = attempt
-                self.metrics.retries.labels(upstream.name).inc()
+                if progress is None:
+                    self.metrics.retries.labels(upstream.name).inc()
+            sent = body
+            if progress is not None:
+                continuation = progress.continuation()
+                assert isinstance(continuation, Continuation), "a stream continued unasked"
+                sent = continuation.body
             self.router.committed(plan, candidate)
             settled = False  # the router was told how this attempt ended
             try:
                 try:
                     response = await self.pools[upstream.name].request(
-                        "POST", path, body, headers,
+                        "POST", path, sent, headers,
                         first_byte_timeout_s=self.upstream_timeout_s)
                 except UpstreamError as exc:
                     settled = True
@@ -199,6 +220,15 @@ class Forwarder:
                     self._failed(reply, plan, candidate, attempts, "HTTP",
                                  f"{response.status} {_excerpt(content)}")
                     continue
+                if progress is not None and response.status != 200:
+                    content = await self._read_quietly(response)
+                    settled = True
+                    self._continuation_refused(reply, plan, candidate, response.status,
+                                               content, record)
+                    await self._end_stream(reply, record, progress, f"upstream {upstream.name} "
+                                           f"refused the continuation: {response.status} "
+                                           f"{_excerpt(content)}")
+                    return
                 if parsed.stream and response.status == 200:
                     stream = response.chunks()
                     try:
@@ -213,9 +243,16 @@ class Forwarder:
                                      timeout=isinstance(exc, UpstreamTimeout))
                         continue
                     settled = True
-                    await self._stream(reply, plan, candidate, response, first, stream,
-                                       record)
-                    return
+                    if progress is None:
+                        progress = StreamProgress(
+                            parsed, migratable=self.migrate and self.retries > 0,
+                            max_text_bytes=self.max_response_bytes)
+                    else:
+                        self.metrics.migrations.labels(upstream.name, "continued").inc()
+                    if not await self._stream(reply, plan, candidate, response, first,
+                                              stream, record, progress):
+                        return
+                    continue  # the stream broke and can be continued elsewhere
                 try:
                     content = await response.read(self.max_response_bytes)
                 except UpstreamTooLarge as exc:
@@ -236,6 +273,13 @@ class Forwarder:
                     record.status = CLIENT_LEFT
                     record.error = "client left before the first byte"
                 raise
+        if progress is not None:
+            self.metrics.migrations.labels(record.upstream or "-", "no_upstream").inc()
+            causes = "; ".join(attempts.causes) or "no other upstream to try"
+            await self._end_stream(reply, record, progress,
+                                   f"{record.error}, and no upstream could continue the "
+                                   f"stream: {causes}")
+            return
         await self._all_failed(reply, attempts, record)
 
     # ------------------------------------------------------------------ outcomes
@@ -346,45 +390,102 @@ class Forwarder:
 
     async def _stream(self, reply: ClientReply, plan: Plan, candidate: Candidate,
                       response: UpstreamResponse, first: bytes,
-                      rest: AsyncIterator[bytes], record: RequestRecord) -> None:
-        """Relay the stream chunk by chunk; the request is done when the upstream's stream
-        ends, breaks (an SSE error event ends the client's stream) or the client leaves (the
-        caller cancels this; the upstream connection is then closed, which makes vLLM abort
-        the request)."""
+                      rest: AsyncIterator[bytes], record: RequestRecord,
+                      progress: StreamProgress) -> bool:
+        """Relay the stream chunk by chunk (``progress`` holds back an unfinished event and
+        rewrites a continuation's); the upstream's part is done when its stream ends, breaks
+        or the client leaves (the caller cancels this; the upstream connection is then closed,
+        which makes vLLM abort the request). True when the stream broke and ``progress`` can
+        continue it on another upstream; otherwise the client's stream has been ended (an SSE
+        error event when it broke)."""
         self.router.first_byte(plan, candidate)
-        scanner = UsageScanner()
         upstream = candidate.upstream
-        content_type = response.header_bytes(b"content-type") or b"text/event-stream"
         status = CLIENT_LEFT
+        continuing = False
         try:
-            await reply.send({"type": "http.response.start", "status": 200,
-                              "headers": self._headers(candidate, content_type)})
+            if progress.upstreams == 0:
+                content_type = (response.header_bytes(b"content-type")
+                                or b"text/event-stream")
+                await reply.send({"type": "http.response.start", "status": 200,
+                                  "headers": self._headers(candidate, content_type)})
+            progress.begin_upstream()
             try:
-                scanner.feed(first)
-                await reply.send({"type": "http.response.body", "body": first,
-                                  "more_body": True})
-                async for chunk in rest:
-                    scanner.feed(chunk)
-                    await reply.send({"type": "http.response.body", "body": chunk,
-                                      "more_body": True})
+                await self._send_part(reply, progress.relay(first))
+                if progress.failure is None:
+                    async for chunk in rest:
+                        await self._send_part(reply, progress.relay(chunk))
+                        if progress.failure is not None:
+                            break
+                if progress.failure is not None:
+                    raise UpstreamErrorEvent(progress.failure)
             except UpstreamError as exc:
                 status = 502
-                message = f"upstream {upstream.name} failed mid-stream: {exc}"
-                record.error = f"mid-stream: {exc}"
-                log.warning("request %s: upstream %s failed after the first byte (%s): %s",
-                            reply.request_id, upstream.name, exc.kind, exc)
                 self._charge(candidate, "midstream")
+                continuation = progress.continuation()
+                if isinstance(continuation, Complete):
+                    log.warning("request %s: upstream %s failed after the whole answer was "
+                                "sent (%s), the stream is ended for it: %s", reply.request_id,
+                                upstream.name, exc.kind, exc)
+                    await reply.send({"type": "http.response.body", "more_body": False,
+                                      "body": continuation.tail})
+                    status = 200
+                    return False
+                if isinstance(continuation, Continuation) and self.retries > record.retries:
+                    log.warning("request %s: upstream %s failed after the first byte (%s), "
+                                "continuing the stream elsewhere after %d tokens: %s",
+                                reply.request_id, upstream.name, exc.kind,
+                                continuation.carried, exc)
+                    record.error = f"upstream {upstream.name} failed mid-stream: {exc}"
+                    continuing = True
+                    return True
+                why = continuation if isinstance(continuation, str) else "no retries left"
+                if isinstance(continuation, str):
+                    self.metrics.migrations.labels(upstream.name, "not_continuable").inc()
+                record.error = f"mid-stream: {exc}"
+                log.warning("request %s: upstream %s failed after the first byte (%s), not "
+                            "continued (%s): %s", reply.request_id, upstream.name, exc.kind,
+                            why, exc)
                 await reply.send({"type": "http.response.body", "more_body": False,
                                   "body": sse_error_event(
-                                      f"{message} (request id {reply.request_id})")})
-                return
-            await reply.send({"type": "http.response.body", "body": b"", "more_body": False})
+                                      f"upstream {upstream.name} failed mid-stream: {exc} "
+                                      f"(request id {reply.request_id})")})
+                return False
+            await reply.send({"type": "http.response.body", "body": progress.flush(),
+                              "more_body": False})
             status = 200
+            return False
         except OSError:  # a server that reports the gone client by raising (ASGI spec 2.4)
             status = CLIENT_LEFT
+            return False
         finally:
             await response.aclose()
-            self._done(plan, candidate, status, scanner.usage, record)
+            self._done(plan, candidate, status, progress.usage, record)
+            if status == 200 and progress.upstreams > 1:
+                record.completion_tokens = progress.completion_tokens()
+                record.error = None  # continued: the client got one whole answer
+            if continuing:
+                progress.usage = None  # the next upstream's usage is its own
+
+    @staticmethod
+    async def _send_part(reply: ClientReply, part: bytes) -> None:
+        if part:
+            await reply.send({"type": "http.response.body", "body": part, "more_body": True})
+
+    async def _end_stream(self, reply: ClientReply, record: RequestRecord,
+                          progress: StreamProgress, message: str) -> None:
+        """End a started stream that no upstream could continue: an SSE error event."""
+        record.status, record.error = 502, message
+        log.warning("request %s: %s", reply.request_id, message)
+        await reply.send({"type": "http.response.body", "more_body": False,
+                          "body": sse_error_event(f"{message} (request id {reply.request_id})")})
+
+    def _continuation_refused(self, reply: ClientReply, plan: Plan, candidate: Candidate,
+                              status: int, content: bytes, record: RequestRecord) -> None:
+        self.router.first_byte(plan, candidate)
+        self.router.finished(plan, candidate)
+        self.metrics.migrations.labels(candidate.upstream.name, "refused").inc()
+        self.metrics.count_request(candidate.upstream.name, self.policy_name, candidate.branch,
+                                   str(status), plan.request.identity.model)
 
     @staticmethod
     async def _read_quietly(response: UpstreamResponse) -> bytes:

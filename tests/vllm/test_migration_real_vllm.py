@@ -1,0 +1,77 @@
+"""Stream migration on real vLLM: a stream cut mid-answer on one replica is finished by the
+other, and with greedy decoding the client gets the answer an unbroken stream gives.
+
+Replica 0 sits behind a :class:`kvreuse.testing.cutter.CuttingProxy` that closes the
+connection after a few events, as a killed engine does; replica 1 behind a pass-through one
+that keeps the continuation request it was sent.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from kvreuse.gateway.config import UpstreamConfig
+from kvreuse.testing.cutter import CuttingProxy
+
+from .conftest import LiveGateway
+from .test_real_vllm import text
+from .vllm_fleet import MODEL_NAME, Replica
+
+StartGateway = Callable[..., LiveGateway]
+
+
+def streamed(url: str, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    response = httpx.post(url + path, json={"model": MODEL_NAME, "stream": True,
+                                            "temperature": 0, "ignore_eos": True,
+                                            "stream_options": {"include_usage": True}, **body},
+                          timeout=120)
+    assert response.status_code == 200, response.text
+    events = [line[6:] for line in response.text.split("\n") if line.startswith("data: ")]
+    assert events and events[-1] == "[DONE]", response.text
+    assert all('"error"' not in event for event in events), response.text
+    return [json.loads(event) for event in events[:-1]]
+
+
+def output(events: list[dict[str, Any]], kind: str) -> str:
+    pieces = []
+    for event in events:
+        for choice in event["choices"]:
+            pieces.append(choice["text"] if kind == "completion"
+                          else choice["delta"].get("content") or "")
+    return "".join(pieces)
+
+
+@pytest.mark.parametrize(("kind", "path", "body"), [
+    ("completion", "/v1/completions", {"prompt": text(40)}),
+    ("chat", "/v1/chat/completions", {"messages": [{"role": "user", "content": text(30)}]}),
+])
+def test_a_stream_cut_on_one_vllm_is_finished_by_the_other(
+        gateway_for: StartGateway, replicas: list[Replica], kind: str, path: str,
+        body: dict[str, Any]) -> None:
+    """The client's stream has every token, one id, the usage of all 16 tokens, and (greedy)
+    the same text as the unbroken answer; replica 1 was asked to continue the sent text."""
+    tokens = 16
+    whole = streamed(replicas[1].url, path, {**body, "max_tokens": tokens})
+    with CuttingProxy(replicas[0].url, cut_after=6) as cut, \
+            CuttingProxy(replicas[1].url, cut_after=10**6) as watcher:
+        gateway = gateway_for(upstreams=(
+            UpstreamConfig(cut.url, name="cut"), UpstreamConfig(watcher.url, name="watched")),
+            policy="round_robin")
+        events = streamed(gateway.url, path, {**body, "max_tokens": tokens})
+        assert cut.cuts == 1
+        continuation = watcher.bodies[-1]
+    assert len({event["id"] for event in events}) == 1
+    assert events[-1]["usage"]["completion_tokens"] == tokens
+    assert output(events, kind) == output(whole, kind)
+    if kind == "completion":
+        assert continuation["prompt"].startswith(body["prompt"])
+        assert len(continuation["prompt"]) > len(body["prompt"])
+    else:
+        assert continuation["continue_final_message"] is True
+        assert continuation["messages"][-1]["role"] == "assistant"
+    assert continuation["max_tokens"] < tokens
