@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from kvreuse.gateway.migration import StreamProgress
 from kvreuse.gateway.proxy import UsageScanner
-from kvreuse.gateway.validation import parse_request
+from kvreuse.gateway.validation import ParsedRequest, parse_request
 
 
 def events(count: int, kind: str) -> list[bytes]:
@@ -66,7 +66,8 @@ def main() -> int:
         def scanner() -> Callable[[bytes], object]:
             return UsageScanner().feed
 
-        def progress(migratable: bool) -> Callable[[bytes], object]:
+        def progress(migratable: bool, parsed: ParsedRequest = parsed
+                     ) -> Callable[[bytes], object]:
             made = StreamProgress(parsed, migratable=migratable)
             made.begin_upstream()
             return made.relay

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -235,6 +236,17 @@ def test_an_answer_longer_than_the_bound_is_not_kept_for_a_continuation() -> Non
     assert progress.text == [] and "over 10" in str(progress.continuation())
 
 
+def test_a_hostile_id_is_not_copied_into_the_continuation() -> None:
+    """A first upstream's oversized id (or one that is not a string) is not multiplied into
+    the next upstream's events; those keep their own."""
+    progress = completion()
+    huge = "x" * 100_000
+    fed(progress, completion_event("a").replace(b'"cmpl-1"', json.dumps(huge).encode()))
+    progress.begin_upstream()
+    out = progress.relay(completion_event("b").replace(b'"cmpl-1"', b'"cmpl-2"'))
+    assert json.loads(out[6:])["id"] == "cmpl-2" and len(out) < 1000
+
+
 def test_a_finished_answer_only_needs_its_done() -> None:
     """A break after the finish reason (or after [DONE]) continues nothing."""
     progress = completion()
@@ -380,6 +392,35 @@ def test_a_stream_cut_twice_is_continued_twice(engines: list[Engine],
     text = [e["choices"][0]["text"] for e in events if e["choices"]]
     assert len(text) == 9 and "error" not in raw and len({e["id"] for e in events}) == 1
     assert last["max_tokens"] == 9 - 2 - 3 and last["prompt"] == "go" + "".join(text[:5])
+
+
+def test_a_hung_continuation_times_out_and_a_leaving_client_frees_it(
+        engines: list[Engine], gateway_factory: Factory, tmp_path: Path) -> None:
+    """The next upstream hangs on the continuation: the stream ends with an error naming the
+    timeout instead of hanging; and a client that leaves during that wait closes the hung
+    upstream's connection."""
+    with Fleet(tmp_path) as fleet, CuttingProxy(engines[0].server.url, cut_after=2) as cut:
+        hung = fleet.start_misbehaving("hung", "hang")
+        upstreams = [UpstreamConfig(cut.url, name="cut"), UpstreamConfig(hung.url, name="hung")]
+        gateway = gateway_factory(upstreams, policy="round_robin", upstream_timeout_s=1.0)
+        started = time.monotonic()
+        _, raw = stream(gateway.url, "/v1/completions",
+                        {"model": "sim", "prompt": "go", "max_tokens": 9})
+        assert time.monotonic() - started < 10
+        assert "no upstream could continue the stream" in raw and "hung" in raw
+        patient = gateway_factory(upstreams, policy="round_robin", upstream_timeout_s=60.0)
+        with httpx.stream("POST", patient.url + "/v1/completions", timeout=30, json={
+                "model": "sim", "prompt": "go", "max_tokens": 9, "stream": True}) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            deadline = time.monotonic() + 10
+            while httpx.get(hung.url + "/stats").json()["open"] == 0:
+                assert time.monotonic() < deadline, "the continuation never reached hung"
+                time.sleep(0.05)
+        deadline = time.monotonic() + 10
+        while httpx.get(hung.url + "/stats").json()["open"] != 0:
+            assert time.monotonic() < deadline, "the hung continuation was not closed"
+            time.sleep(0.05)
 
 
 def test_without_retries_or_with_migration_off_a_cut_stream_ends_in_an_error_event(

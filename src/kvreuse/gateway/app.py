@@ -219,6 +219,7 @@ class Gateway:
             self._pools, self.router, self.metrics, self.tallies, policy_name=self.policy.name,
             retries=config.retries, upstream_timeout_s=config.upstream_timeout_s,
             max_response_bytes=config.max_response_bytes, migrate=config.stream_migration,
+            max_continuation_bytes=config.max_body_bytes,
         )
         if self.recorder is not None:
             self.recorder.start()

@@ -27,7 +27,7 @@ to be the same kind of answer; these are ended with the SSE error event, as befo
   and structured output (``response_format``, ``guided_*``, ``structured_outputs``) once text was
   sent: the grammar would restart at the continuation;
 * an event the gateway could not read, an event held back longer than 1 MiB, or an answer
-  longer than the gateway's ``max_response_bytes``.
+  longer than the gateway's ``max_body_bytes`` (a continuation is a request it sends).
 
 An error event from the upstream after the stream started (vLLM sends one when its engine
 dies under a live API server) is a break like a closed connection: it is not relayed, and the
@@ -268,8 +268,9 @@ class StreamProgress:
                 return None
             return event if not rewriting else self._rewritten(payload, [], None)
         choices = decoded.choices or []
-        if self._id is None and decoded.id is not None:
-            self._id, self._created = decoded.id, decoded.created
+        if self._id is None and _plausible_id(decoded.id):
+            self._id = decoded.id
+            self._created = decoded.created if type(decoded.created) is int else None
         if self.blocked is None:
             self._note(choices, usage)
         if not rewriting:
@@ -398,6 +399,15 @@ class StreamProgress:
                 body["continue_final_message"] = True
                 body["add_generation_prompt"] = False
         return Continuation(msgspec.json.encode(body), carried)
+
+
+MAX_ID_CHARS = 256
+
+
+def _plausible_id(value: Any) -> bool:
+    """An ``id`` worth copying into every continuation event: a short string. A hostile
+    upstream's megabyte id must not be multiplied into an honest upstream's events."""
+    return isinstance(value, str) and 0 < len(value) <= MAX_ID_CHARS
 
 
 def _excerpt(payload: bytes, limit: int = 300) -> str:

@@ -156,7 +156,11 @@ class Forwarder:
         upstream_timeout_s: float = 60.0,
         max_response_bytes: int = 64 << 20,
         migrate: bool = True,
+        max_continuation_bytes: int = 8 << 20,
     ) -> None:
+        """``max_continuation_bytes`` bounds the answer kept to continue a stream (a longer
+        one is not continued): the gateway's ``max_body_bytes``, as a continuation is a
+        request the gateway sends."""
         self.pools = pools
         self.router = router
         self.metrics = metrics
@@ -166,6 +170,7 @@ class Forwarder:
         self.upstream_timeout_s = upstream_timeout_s
         self.max_response_bytes = max_response_bytes
         self.migrate = migrate
+        self.max_continuation_bytes = max_continuation_bytes
         self._names = {name: name.encode("latin-1") for name in pools}
 
     async def forward(self, receive: Receive, reply: ClientReply, path: str, body: bytes,
@@ -246,7 +251,7 @@ class Forwarder:
                     if progress is None:
                         progress = StreamProgress(
                             parsed, migratable=self.migrate and self.retries > 0,
-                            max_text_bytes=self.max_response_bytes)
+                            max_text_bytes=self.max_continuation_bytes)
                     else:
                         self.metrics.migrations.labels(upstream.name, "continued").inc()
                     if not await self._stream(reply, plan, candidate, response, first,

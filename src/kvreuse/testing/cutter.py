@@ -123,20 +123,24 @@ class CuttingProxy:
             return None
         position = start + 4
         for _ in range(self.cut_after):
-            found = seen.find(b"data:", position)
-            if found < 0:
+            event = _next_event(seen, position)
+            if event is None:
                 return None
-            end = seen.find(b"\n\n", found)
-            if end < 0:
-                return None
-            position = end + 2
+            position = event[1]
         if not self.half:
             chunk_end = seen.find(b"\r\n", position)  # the HTTP chunk's trailing CRLF
             return chunk_end + 2 if chunk_end >= 0 else None
-        following = seen.find(b"data:", position)
-        if following < 0:
+        following = _next_event(seen, position)
+        if following is None:
             return None
-        following_end = seen.find(b"\n\n", following)
-        if following_end < 0:
-            return None
-        return following + (following_end - following) // 2
+        return following[0] + (following[1] - following[0]) // 2
+
+
+def _next_event(seen: bytes, position: int) -> tuple[int, int] | None:
+    """(start, end after its blank line) of the first whole SSE event at or after
+    ``position``, or None while it has not all arrived."""
+    found = seen.find(b"data:", position)
+    if found < 0:
+        return None
+    end = seen.find(b"\n\n", found)
+    return None if end < 0 else (found, end + 2)
