@@ -50,6 +50,31 @@ def test_no_queries_means_no_rate() -> None:
     assert tracker.observe(30, counters(10, 10)).window_rate is None
 
 
+def test_more_cached_than_queried_tokens_is_no_rate_and_says_so() -> None:
+    """Counters whose cached tokens outgrow the queried ones (a broken or forged exporter)
+    give no rate, not one over 100 %, and the reading is marked inconsistent."""
+    tracker = WindowedHitRate("a", 60)
+    tracker.observe(0, counters(0, 0))
+    reading = tracker.observe(30, counters(300, 100))
+    assert reading.inconsistent
+    assert reading.window_rate is None and reading.lifetime_rate is None
+    healthy = WindowedHitRate("b", 60)
+    healthy.observe(0, counters(0, 0))
+    assert not healthy.observe(30, counters(50, 100)).inconsistent
+
+
+@given(st.lists(st.tuples(st.integers(0, 1000), st.integers(0, 1000)), min_size=2, max_size=30))
+def test_any_counters_give_a_fraction_or_no_rate(steps: list[tuple[int, int]]) -> None:
+    """Property: whatever the counters, both rates are None or lie in [0, 1]."""
+    tracker = WindowedHitRate("a", 50)
+    hits = queries = 0.0
+    for t, (h, q) in enumerate(steps):
+        hits, queries = hits + h, queries + q
+        reading = tracker.observe(t * 10, counters(hits, queries))
+        for rate in (reading.window_rate, reading.lifetime_rate):
+            assert rate is None or 0.0 <= rate <= 1.0
+
+
 @given(st.lists(st.tuples(st.integers(0, 1000), st.integers(0, 1000)), min_size=2, max_size=30))
 def test_window_rate_is_a_fraction(steps: list[tuple[int, int]]) -> None:
     """Property: with hits <= queries in every step the windowed rate lies in [0, 1]."""

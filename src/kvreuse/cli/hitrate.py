@@ -196,6 +196,7 @@ def _reading_json(reading: RateReading) -> dict[str, Any]:
         "window_cached_tokens": reading.window_hits,
         "window_seconds": reading.covered_seconds,
         "counter_reset": reading.reset,
+        "counters_inconsistent": reading.inconsistent,
     }
 
 
@@ -232,6 +233,8 @@ def _table(monitor: Monitor, console: Console) -> RenderableType:
         )
         alerts = [a for a in monitor.alerts if a.instance == url]
         status = f"ALERT: fell {alerts[-1].drop_points:.1f} pts" if alerts else "ok"
+        if state.inconsistent:
+            status = "counters inconsistent: more cached than queried tokens"
         rows.append([url, state.family, window, lifetime, per_second, status])
     title = f"token hit rate, {monitor.args.window:.0f} s window"
     return table_renderable(console, title, HEADERS, rows, text_columns=(0, 5))

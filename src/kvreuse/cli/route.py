@@ -85,6 +85,10 @@ def register(subparsers: Any) -> None:
                         help="seconds between /metrics scrapes (0: off)")
     parser.add_argument("--max-body-bytes", type=int, help="largest request body (default "
                         "8 MiB; larger: 413, refused before it is read)")
+    parser.add_argument("--admin-key-file", metavar="FILE",
+                        help="turn on the admin API (GET/POST /admin/upstreams, DELETE "
+                        "/admin/upstreams/NAME: add and remove upstreams at runtime) for "
+                        "callers sending Authorization: Bearer <the file's key, 16+ bytes>")
     parser.add_argument("--no-stream-migration", dest="stream_migration",
                         action="store_false", default=None,
                         help="end a stream whose upstream fails mid-answer with an SSE error "
@@ -167,6 +171,7 @@ def build_config(args: argparse.Namespace) -> Any:
         caller_salt=args.caller_salt,
         retries=args.retries,
         stream_migration=args.stream_migration,
+        admin_key_file=args.admin_key_file,
         health_interval_s=args.health_interval,
         eject_after=args.eject_after,
         readmit_after=args.readmit_after,
@@ -198,6 +203,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kvreuse.gateway.app import Gateway
     from kvreuse.gateway.asgi import server_stack
+    from kvreuse.gateway.config import UpstreamConfig, load_config_file, parse_upstream_flag
     from kvreuse.gateway.serve import raise_open_file_limit, uvicorn_options
     from kvreuse.gateway.telemetry import configure_logging
 
@@ -215,7 +221,14 @@ def run(args: argparse.Namespace) -> int:
     def announce(summary: str) -> None:
         print(f"kvreuse route: serving {url} (Ctrl-C to stop); {summary}", flush=True)
 
-    gateway = Gateway(config, announce=announce)
+    reload = None
+    if args.config:
+        flag_upstreams = [parse_upstream_flag(text) for text in args.upstream]
+
+        def reload() -> tuple[UpstreamConfig, ...]:
+            return load_config_file(args.config).upstreams + tuple(flag_upstreams)
+
+    gateway = Gateway(config, announce=announce, reload_upstreams=reload)
     # Before the server starts: an endpoint in use or not this machine's is a one-line error
     # here, where the server's start-up would print a traceback.
     gateway.open_event_sockets()

@@ -5,7 +5,12 @@ except ``cache_salt``; routed among the upstreams serving the body's ``model``, 
 served models when none does), ``GET /v1/models`` (union of the healthy upstreams' models, as
 declared or last learned),
 ``/health`` (the process is up), ``/ready`` (at least one upstream admitted; 503 otherwise, with
-the reason), ``/metrics`` (Prometheus). The two generate endpoints are the hot path and are
+the reason), ``/metrics`` (Prometheus), and with ``--admin-key-file`` the admin API:
+``GET``/``POST /admin/upstreams`` (list; add one at runtime) and ``DELETE
+/admin/upstreams/NAME`` (remove one, draining it). SIGHUP re-reads ``--config``'s upstreams
+(:meth:`Gateway.apply_upstreams`). Every request sent upstream carries ``x-kvreuse-via`` (the
+gateways it passed), so a request that comes back to a gateway is refused with a 508 instead
+of circling. The two generate endpoints are the hot path and are
 served on bare ASGI by :meth:`Gateway.__call__` (see :mod:`kvreuse.gateway.asgi`); the others
 go through Starlette. Upstreams are reached through :mod:`kvreuse.gateway.upstream_client`:
 per upstream, one pool for proxied requests and a small one for probes, scrapes and model
@@ -22,8 +27,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hmac
 import logging
+import math
+import os
 import random
+import signal
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -48,7 +57,12 @@ from kvreuse.gateway.asgi import (
     read_body,
     send_json,
 )
-from kvreuse.gateway.config import GatewayConfig
+from kvreuse.gateway.config import (
+    GatewayConfig,
+    UpstreamConfig,
+    read_secret_file,
+    upstream_from_table,
+)
 from kvreuse.gateway.exchange import ClientReply, request_id_of
 from kvreuse.gateway.lanes import WorkerLanes, lane_full
 from kvreuse.gateway.metrics import GatewayMetrics, GatewayState, TokenTally
@@ -83,6 +97,7 @@ from kvreuse.gateway.validation import (
     parse_request,
     unsupported_coding,
 )
+from kvreuse.json_input import parse_json
 from kvreuse.routing import RoutingPolicy, build_policy
 
 log = logging.getLogger("kvreuse.gateway")
@@ -96,6 +111,55 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     message = f"{request.url.path}: {exc.detail}"
     return JSONResponse(error_body(message, kind, exc.status_code), status_code=exc.status_code,
                         headers=dict(exc.headers or {}))
+
+
+MAX_UPSTREAMS = 1024
+"""Upstreams one gateway holds at most (each has two pools, probe and scrape loops)."""
+
+
+class MembershipConflict(ConfigError):
+    """An upstream that cannot be added as things stand (a name in use, the most upstreams,
+    a membership fixed by a shared index): the admin API's 409."""
+
+
+VIA_HEADER = b"x-kvreuse-via"
+MAX_VIA_BYTES = 1024
+"""More gateways than fit here (about 75) in one request's path is a loop in all but name."""
+RELOAD_DRAIN_S = 30.0
+"""How long a reload waits for a removed upstream's requests in flight (the admin API's
+DELETE takes ``?drain=``)."""
+MAX_ADMIN_BODY_BYTES = 64 * 1024
+MAX_ADMIN_WAIT_S = 3600.0
+
+
+def _seconds(text: str, name: str) -> float:
+    """A query parameter of seconds, 0 to :data:`MAX_ADMIN_WAIT_S`."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value <= MAX_ADMIN_WAIT_S:
+        raise ConfigError(f"{name} must be a number of seconds from 0 to "
+                          f"{MAX_ADMIN_WAIT_S:g}, got {ascii(text)[:40]}")
+    return value
+
+
+async def _admin_body(request: Request) -> dict[str, Any]:
+    """The admin call's JSON object, read up to :data:`MAX_ADMIN_BODY_BYTES`."""
+    body = b""
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_ADMIN_BODY_BYTES:
+            raise ConfigError(f"body over {MAX_ADMIN_BODY_BYTES} bytes: an upstream's "
+                              "settings are a few hundred")
+    try:
+        value = parse_json(body)
+    except (InputFormatError, RecursionError, UnicodeError) as exc:
+        raise ConfigError(f"body: not a JSON object: {exc}") from None
+    if not isinstance(value, dict):
+        raise ConfigError("body: send a JSON object such as {\"url\": "
+                          "\"http://10.0.0.3:8000\", \"name\": \"gpu3\"}")
+    return value
 
 
 def no_upstream(model: str) -> dict[str, Any]:
@@ -121,11 +185,16 @@ class Gateway:
         policy: RoutingPolicy | None = None,
         tenants: Tenants | None = None,
         announce: Callable[[str], None] | None = None,
+        reload_upstreams: Callable[[], tuple[UpstreamConfig, ...]] | None = None,
     ) -> None:
         """``announce`` hears the start-up summary (upstreams, policy, models, metrics,
-        access log) once the upstreams' model lists have been asked for."""
+        access log) once the upstreams' model lists have been asked for.
+        ``reload_upstreams``, when given, is read again on SIGHUP (``kvreuse route --config``
+        re-reads its file) and the gateway's upstreams are made to match it
+        (:meth:`apply_upstreams`)."""
         self.config = config
         self.announce = announce
+        self.reload_source = reload_upstreams
         self.tokenizer = tokenizer or load_prompt_tokenizer(config.tokenizer)
         self.tenants = tenants or (load_tenants(Path(config.tenants)) if config.tenants else None)
         if self.tenants is not None and config.caller_salt is not None:
@@ -171,9 +240,15 @@ class Gateway:
                 log.warning("--record without --record-secret-file or $%s: a random secret, so "
                             "this trace's ids match no other gateway's or run's", SECRET_ENV)
         self._refusals = ThrottledLog(log)
+        # Names this gateway in x-kvreuse-via on every request it sends upstream (loops).
+        self.gateway_id = os.urandom(6).hex()
+        self._admin_key = (read_secret_file(config.admin_key_file, "--admin-key-file")
+                           if config.admin_key_file else None)
         self.subscribers: list[EventSubscriber] = []
         self._subscriber_tasks: dict[str, asyncio.Task[None]] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self._loops: dict[str, list[asyncio.Task[None]]] = {}  # upstream -> probe, scrape
+        self._membership: asyncio.Lock | None = None
         # Per upstream, two pools: proxied requests, and probes/scrapes/model lists, so that a
         # probe never queues behind requests when the request pool is at its limit.
         self._pools: dict[str, UpstreamPool] = {}
@@ -189,6 +264,8 @@ class Gateway:
                 Route("/health", self.health, methods=["GET"]),
                 Route("/ready", self.ready, methods=["GET"]),
                 Route("/metrics", self.prometheus, methods=["GET"]),
+                Route("/admin/upstreams", self.admin_upstreams, methods=["GET", "POST"]),
+                Route("/admin/upstreams/{name:path}", self.admin_remove, methods=["DELETE"]),
             ],
             lifespan=self._lifespan,
             exception_handlers={HTTPException: _http_error},
@@ -203,18 +280,8 @@ class Gateway:
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
         config = self.config
-        auth = ({"authorization": f"Bearer {config.upstream_api_key}"}
-                if config.upstream_api_key else {})
         for upstream in self.upstreams:
-            url = upstream.config.url
-            self._pools[upstream.name] = UpstreamPool(
-                url, max_connections=MAX_UPSTREAM_CONNECTIONS,
-                connect_timeout_s=config.connect_timeout_s,
-                read_timeout_s=config.read_timeout_s,
-                headers={"content-type": "application/json", **auth})
-            self._control[upstream.name] = UpstreamPool(
-                url, max_connections=4, connect_timeout_s=config.connect_timeout_s,
-                read_timeout_s=config.connect_timeout_s, headers=auth)
+            self._open_pools(upstream)
         self.forwarder = Forwarder(
             self._pools, self.router, self.metrics, self.tallies, policy_name=self.policy.name,
             retries=config.retries, upstream_timeout_s=config.upstream_timeout_s,
@@ -231,21 +298,23 @@ class Gateway:
         for subscriber in self.subscribers:
             self._subscriber_tasks[subscriber.replica] = loop.create_task(subscriber.run())
         for upstream in self.upstreams:
-            self._tasks.append(loop.create_task(self._probe_loop(upstream)))
-            if config.metrics_interval_s > 0:
-                self._tasks.append(loop.create_task(self._scrape_loop(upstream)))
+            self._start_loops(upstream)
         if self.announce is not None:
             self._tasks.append(loop.create_task(self._announce(self.announce)))
         if self.access_log.mode != "off":
             self._tasks.append(loop.create_task(self.access_log.run()))
-        if self.subscribers:
-            self._tasks.append(loop.create_task(self._watchdog()))
+        # Always: a subscriber may also come with an upstream added at runtime.
+        self._tasks.append(loop.create_task(self._watchdog()))
+        hangup = self.reload_source is not None and self._on_hangup(loop)
         try:
             yield
         finally:
+            if hangup:
+                loop.remove_signal_handler(signal.SIGHUP)
             for subscriber in self.subscribers:
                 subscriber.close()
-            tasks = [*self._tasks, *self._subscriber_tasks.values()]
+            tasks = [*self._tasks, *self._subscriber_tasks.values(),
+                     *(task for loops in self._loops.values() for task in loops)]
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -255,6 +324,172 @@ class Gateway:
             if self.recorder is not None:
                 await asyncio.to_thread(self.recorder.close)
             self._lanes.close()
+
+    def _open_pools(self, upstream: UpstreamState) -> None:
+        """The two pools of ``upstream``: proxied requests, and probes/scrapes/model lists."""
+        config = self.config
+        auth = ({"authorization": f"Bearer {config.upstream_api_key}"}
+                if config.upstream_api_key else {})
+        url = upstream.config.url
+        self._pools[upstream.name] = UpstreamPool(
+            url, max_connections=MAX_UPSTREAM_CONNECTIONS,
+            connect_timeout_s=config.connect_timeout_s, read_timeout_s=config.read_timeout_s,
+            headers={"content-type": "application/json", **auth})
+        self._control[upstream.name] = UpstreamPool(
+            url, max_connections=4, connect_timeout_s=config.connect_timeout_s,
+            read_timeout_s=config.connect_timeout_s, headers=auth)
+
+    def _start_loops(self, upstream: UpstreamState) -> None:
+        """``upstream``'s health probes and, unless scraping is off, its /metrics scrapes."""
+        loop = asyncio.get_running_loop()
+        loops = [loop.create_task(self._probe_loop(upstream))]
+        if self.config.metrics_interval_s > 0:
+            loops.append(loop.create_task(self._scrape_loop(upstream)))
+        self._loops[upstream.name] = loops
+
+    # ------------------------------------------------------------------ membership at runtime
+
+    async def add_upstream(self, config: UpstreamConfig) -> UpstreamState:
+        """Serve through one more upstream from now on (the admin API's POST). It takes no
+        request until its first health probe passes; its served models are read first
+        unless declared, and its KV-event socket (if any) is opened here. Raises
+        :class:`ConfigError` saying what to change: a name in use, an events endpoint ZeroMQ
+        refuses, a gateway whose membership is fixed (a Redis-shared index). O(upstreams)."""
+        if self.state.shared_sync is not None:
+            raise MembershipConflict("upstreams cannot be added to a gateway sharing its index "
+                              "through Redis (--shared-index): restart it with the new list")
+        name = config.name
+        if len(self._pools) >= MAX_UPSTREAMS:
+            raise MembershipConflict(f"this gateway has {len(self._pools)} upstreams (draining "
+                                     f"ones included), its most: remove some first")
+        if name in self.router.upstreams or name in self._pools:
+            raise MembershipConflict(f"an upstream named {name!r} is already here (or still "
+                              "draining): remove it first, or give this one another name")
+        upstream = UpstreamState(config, eject_after=self.config.eject_after,
+                                 readmit_after=self.config.readmit_after,
+                                 ejection_s=self.config.ejection_s, admitted=False)
+        self.router.add_upstream(upstream, self.index_budget(upstream))
+        subscriber = None
+        if config.events:
+            subscriber = self._subscriber(upstream)
+            try:
+                subscriber.open()
+            except zmq.ZMQError as exc:
+                self.router.remove_upstream(name)
+                verb = "bind" if config.bind else "connect to"
+                raise ConfigError(f"upstream {name}: cannot {verb} events {config.events}: "
+                                  f"{exc.strerror}") from None
+        self._open_pools(upstream)
+        self.upstreams.append(upstream)
+        for model in upstream.models or ():
+            self.metrics.models.served_by_upstream(model)
+        if subscriber is not None:
+            self.subscribers.append(subscriber)
+            self._subscriber_tasks[name] = asyncio.get_running_loop().create_task(
+                subscriber.run())
+        if not upstream.declared:
+            await self.learn_models(upstream)
+        if upstream.removed:  # removed while its models were being read
+            return upstream
+        self._start_loops(upstream)
+        log.warning("upstream %s (%s) added at runtime; admitted after its first health "
+                    "probe", name, config.url)
+        return upstream
+
+    async def remove_upstream(self, name: str, drain_s: float) -> dict[str, Any]:
+        """Stop routing to ``name`` now and wait up to ``drain_s`` for its requests in flight
+        to finish (the admin API's DELETE). Those still running after that run on: the
+        engine's own shutdown ends them, and a broken stream is continued elsewhere (stream
+        migration). Its probes, scrapes, KV-event subscriber and indexes go at once, its
+        pools when their last response ends. Raises KeyError for an unknown name."""
+        upstream = self.router.remove_upstream(name)
+        for task in self._loops.pop(name, []):
+            task.cancel()
+        for subscriber in [s for s in self.subscribers if s.replica == name]:
+            subscriber.close()
+            self.subscribers.remove(subscriber)
+            if name in self._subscriber_tasks:
+                self._subscriber_tasks.pop(name).cancel()
+        self.upstreams.remove(upstream)
+        in_flight_at_removal = upstream.in_flight
+        deadline = time.monotonic() + drain_s
+        while upstream.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        for pools in (self._pools, self._control):
+            pool = pools.pop(name, None)
+            if pool is not None:
+                await pool.aclose()
+        log.warning("upstream %s removed at runtime: %d requests were in flight, %d still are",
+                    name, in_flight_at_removal, upstream.in_flight)
+        return {"removed": name, "in_flight_at_removal": in_flight_at_removal,
+                "in_flight_left": upstream.in_flight}
+
+    def _on_hangup(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """Reload the upstreams on SIGHUP; False where signals cannot be caught (a loop
+        outside the main thread, as in tests)."""
+        def reload() -> None:
+            self._tasks.append(loop.create_task(self.reload_upstreams()))
+
+        try:
+            loop.add_signal_handler(signal.SIGHUP, reload)
+        except (RuntimeError, ValueError, NotImplementedError):
+            return False
+        return True
+
+    async def reload_upstreams(self) -> None:
+        """Read :attr:`reload_source` again and apply it; a source that cannot be read (or
+        names bad upstreams) is logged and changes nothing."""
+        assert self.reload_source is not None, "reload without a source"
+        try:
+            wanted = self.reload_source()
+        except (ConfigError, InputFormatError) as exc:
+            log.error("SIGHUP: upstreams not reloaded, the configuration is unusable: %s", exc)
+            return
+        await self.apply_upstreams(wanted)
+
+    async def apply_upstreams(self, wanted: tuple[UpstreamConfig, ...],
+                              drain_s: float = RELOAD_DRAIN_S) -> dict[str, list[str]]:
+        """Make the upstreams ``wanted``, by name: new names are added, missing ones removed
+        (draining up to ``drain_s``), changed ones removed then added with their new settings,
+        concurrently. One reload at a time; what each step did is logged."""
+        async with self._membership_lock():
+            current = {u.name: u.config for u in self.upstreams}
+            names = [u.name for u in wanted]
+            if len(set(names)) != len(names):
+                log.error("upstreams not reloaded: names must be unique, got %s", names)
+                return {}
+            by_name = {u.name: u for u in wanted}
+            gone = [name for name in current if name not in by_name]
+            changed = [name for name in current if name in by_name
+                       and by_name[name] != current[name]]
+            new = [name for name in by_name if name not in current]
+            await asyncio.gather(*(self.remove_upstream(name, drain_s)
+                                   for name in gone + changed))
+            failed = []
+            for name in changed + new:
+                try:
+                    await self.add_upstream(by_name[name])
+                except ConfigError as exc:
+                    failed.append(name)
+                    log.error("upstream %s not added on reload: %s", name, exc)
+            done = {"added": [n for n in new if n not in failed], "removed": gone,
+                    "replaced": [n for n in changed if n not in failed], "failed": failed}
+            log.warning("upstreams reloaded: %s", "; ".join(
+                f"{what} {', '.join(names) or 'none'}" for what, names in done.items()))
+            return done
+
+    def _membership_lock(self) -> asyncio.Lock:
+        if self._membership is None:  # made on first use: it belongs to the serving loop
+            self._membership = asyncio.Lock()
+        return self._membership
+
+    def describe_upstreams(self) -> list[dict[str, Any]]:
+        """Each upstream as the admin API lists it."""
+        return [{"name": u.name, "url": u.config.url, "healthy": u.healthy,
+                 "probed": u.probed_ok, "in_flight": u.in_flight,
+                 "models": sorted(u.models) if u.models is not None else None,
+                 "events": u.config.events, "weight": u.config.weight}
+                for u in self.upstreams]
 
     def open_event_sockets(self) -> None:
         """Bind (or connect) each upstream's KV-event socket, once: the lifespan calls it, and
@@ -361,8 +596,9 @@ class Gateway:
         metrics = (f"port {config.metrics_port}" if config.metrics_port is not None
                    else "this port")
         tenants = (f"{len(self.tenants.keys)} keys" if self.tenants is not None else "off")
+        admin = "on" if self._admin_key is not None else "off"
         return (f"policy {self.policy.name}; upstreams {', '.join(parts)}; tenants {tenants}; "
-                f"/metrics on {metrics}; access log {config.access_log}")
+                f"/metrics on {metrics}; access log {config.access_log}; admin API {admin}")
 
     async def _probe_loop(self, upstream: UpstreamState) -> None:
         while True:
@@ -371,8 +607,10 @@ class Gateway:
                 ok = status == 200
             except UpstreamError:
                 ok = False
+            first = upstream.awaiting_first_probe
             if ok and upstream.record_success(probe=True):
-                log.warning("upstream %s re-admitted", upstream.name)
+                log.warning("upstream %s %s", upstream.name,
+                            "admitted: its first health probe passed" if first else "re-admitted")
             elif not ok and upstream.record_failure(probe=True):
                 log.warning("upstream %s ejected (health probes failing)", upstream.name)
             if ok and not upstream.declared:
@@ -455,6 +693,69 @@ class Gateway:
             body["degraded"] = True
         return JSONResponse(body, status_code=200 if probed else 503)
 
+    # ------------------------------------------------------------------ the admin API
+
+    def _admin_refusal(self, request: Request) -> JSONResponse | None:
+        """The answer to an admin call that is not allowed (None when it is): 403 when the
+        gateway has no admin key, 401 without the right ``Authorization: Bearer KEY``."""
+        if self._admin_key is None:
+            return self._admin_error(403, "the admin API is off: start kvreuse route with "
+                                     "--admin-key-file FILE to add and remove upstreams at "
+                                     "runtime", "PermissionDenied", request)
+        given = request.headers.getlist("authorization")
+        key = given[0].encode("latin-1") if len(given) == 1 else b""
+        if not hmac.compare_digest(key, b"Bearer " + self._admin_key):
+            return self._admin_error(401, "send the admin key: Authorization: Bearer KEY",
+                                     "AuthenticationError", request)
+        return None
+
+    def _admin_error(self, status: int, message: str, kind: str,
+                     request: Request) -> JSONResponse:
+        self._refusals.warning("admin %s %s refused with %d: %s", request.method,
+                               ascii(request.url.path)[:200], status, message)
+        return JSONResponse(error_body(message, kind, status), status_code=status)
+
+    async def admin_upstreams(self, request: Request) -> Response:
+        """GET: every upstream and its state. POST: add one (a JSON object with the keys of a
+        TOML ``[[upstreams]]`` table); ``?wait=S`` waits up to S seconds for its admission."""
+        refusal = self._admin_refusal(request)
+        if refusal is not None:
+            return refusal
+        if request.method == "GET":
+            return JSONResponse({"upstreams": self.describe_upstreams()})
+        try:
+            wait_s = _seconds(request.query_params.get("wait", "0"), "wait")
+            raw = await _admin_body(request)
+            config = upstream_from_table(raw, "body")
+            upstream = await self.add_upstream(config)
+        except MembershipConflict as exc:
+            return self._admin_error(409, str(exc), "ConflictError", request)
+        except ConfigError as exc:
+            return self._admin_error(400, str(exc), "BadRequestError", request)
+        deadline = time.monotonic() + wait_s
+        while not upstream.healthy and not upstream.removed and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        described = next((u for u in self.describe_upstreams() if u["name"] == upstream.name),
+                         {"name": upstream.name, "removed": True})
+        return JSONResponse(described, status_code=201)
+
+    async def admin_remove(self, request: Request) -> Response:
+        """DELETE: take an upstream out; ``?drain=S`` (default 30, at most 3,600) waits for
+        its requests in flight."""
+        refusal = self._admin_refusal(request)
+        if refusal is not None:
+            return refusal
+        name = request.path_params["name"]
+        try:
+            drain_s = _seconds(request.query_params.get("drain", "30"), "drain")
+        except ConfigError as exc:
+            return self._admin_error(400, str(exc), "BadRequestError", request)
+        if name not in self.router.upstreams:
+            known = ", ".join(sorted(self.router.upstreams)) or "none"
+            return self._admin_error(404, f"no upstream named {ascii(name)[:200]}; upstreams: "
+                                     f"{known[:2000]}", "NotFoundError", request)
+        return JSONResponse(await self.remove_upstream(name, drain_s))
+
     async def prometheus(self, request: Request) -> Response:
         if self.config.metrics_port is not None:
             return JSONResponse(error_body(f"/metrics is served on port "
@@ -503,7 +804,7 @@ class Gateway:
 
     async def _generate(self, scope: Scope, receive: Receive, send: Send, path: str,
                         kind: str) -> None:
-        session_id = declared = traceparent = tracestate = coding = None
+        session_id = declared = traceparent = tracestate = coding = via = None
         for name, value in scope["headers"]:
             if name == b"content-length":
                 declared = value
@@ -515,12 +816,18 @@ class Gateway:
                 traceparent = value
             elif name == b"tracestate":
                 tracestate = value
+            elif name == VIA_HEADER:
+                via = value
         request_id = request_id_of(scope["headers"])
+        trace = trace_headers(traceparent, tracestate)
+        hops, loop = self._via(via)
+        trace["x-kvreuse-via"] = hops
+        coding = coding or loop
         record = RequestRecord(request_id, path, time.perf_counter())
         reply = ClientReply(send, request_id, record)
         try:
             await self._serve(scope, receive, reply, path, kind, record, session_id, declared,
-                              trace_headers(traceparent, tracestate), coding)
+                              trace, coding)
         except Exception as exc:  # a bug: the client still gets an answer, and it is logged
             log.error("request %s: internal error, answered 500: %r", reply.request_id, exc,
                       exc_info=exc)
@@ -531,6 +838,21 @@ class Gateway:
                                  "InternalServerError")
         finally:
             self._finish(record)
+
+    def _via(self, received: bytes | None) -> tuple[str, RequestError | None]:
+        """The ``x-kvreuse-via`` to send upstream (the gateways a request has passed, this
+        one last), and the refusal of a request that has passed this gateway before (an
+        upstream that points back at a gateway would otherwise send it round for ever) or
+        too many gateways. O(header)."""
+        if received is None or not (received.isascii() and received.decode().isprintable()):
+            return self.gateway_id, None  # not a list another kvreuse gateway wrote
+        hops = received.decode()
+        if self.gateway_id in hops.split(", ") or len(received) > MAX_VIA_BYTES:
+            return hops, RequestError(
+                "this request came back to a gateway it had passed "
+                f"(x-kvreuse-via: {hops[:200]!a}): an upstream of this gateway is a "
+                "gateway that routes back to it; fix its upstream list", None, 508)
+        return f"{hops}, {self.gateway_id}", None
 
     def _finish(self, record: RequestRecord) -> None:
         """Account for a request that ended (answered, refused, or its client left)."""

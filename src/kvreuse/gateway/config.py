@@ -58,6 +58,9 @@ MAX_MODEL_NAME_CHARS = 512
 ACCESS_LOG_MODES = ("off", "text", "json")
 
 
+MAX_UPSTREAM_NAME_CHARS = 256
+
+
 @dataclass(frozen=True, slots=True)
 class UpstreamConfig:
     """One engine behind the gateway."""
@@ -102,6 +105,27 @@ class UpstreamConfig:
                                   "tcp://*:PORT is what the engine itself binds")
         if not self.name:
             object.__setattr__(self, "name", self.url.rstrip("/"))
+        if (len(self.name) > MAX_UPSTREAM_NAME_CHARS or not self.name.isascii()
+                or not self.name.isprintable() or self.name != self.name.strip()):
+            raise ConfigError(f"upstream {self.url}: name must be 1 to "
+                              f"{MAX_UPSTREAM_NAME_CHARS} printable ASCII characters without "
+                              f"leading or trailing spaces (it is a header value and a metric "
+                              f"label), got {ascii(self.name)[:100]}")
+
+
+MIN_SECRET_BYTES = 16
+
+
+def read_secret_file(path: str, flag: str) -> bytes:
+    """The secret in the file at ``path`` (surrounding whitespace stripped), for ``flag``;
+    :class:`ConfigError` when it cannot be read or is shorter than 16 bytes."""
+    try:
+        secret = Path(path).read_bytes().strip()
+    except OSError as exc:
+        raise ConfigError(f"{flag} {path}: cannot read: {exc.strerror}") from None
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ConfigError(f"{flag} {path}: the secret must be at least {MIN_SECRET_BYTES} bytes")
+    return secret
 
 
 def http_url_problem(url: str) -> str | None:
@@ -170,6 +194,9 @@ class GatewayConfig:
     ejection_s: float = 10.0
     upstream_api_key: str | None = None
     seed: int = 0
+    # A file holding the key of the admin API (/admin/upstreams: add and remove upstreams at
+    # runtime); None: the admin API answers 403.
+    admin_key_file: str | None = None
     access_log: str = "off"  # off, text or json: one line per request on stdout
     metrics_port: int | None = None  # serve /metrics on this port instead of the main one
     # Every index kept per upstream is bounded to its KV capacity (scraped, else the
@@ -231,7 +258,9 @@ _UPSTREAM_KEYS = {f.name: f.type for f in fields(UpstreamConfig)}
 _GATEWAY_KEYS = {f.name for f in fields(GatewayConfig)} - {"upstreams"}
 
 
-def _coerce_upstream(raw: dict[str, Any], where: str) -> UpstreamConfig:
+def upstream_from_table(raw: dict[str, Any], where: str) -> UpstreamConfig:
+    """An upstream from its keys (a TOML ``[[upstreams]]`` table, an ``--upstream`` flag's
+    options, the admin API's JSON body); :class:`ConfigError` names ``where`` and the key."""
     unknown = sorted(set(raw) - set(_UPSTREAM_KEYS))
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; "
@@ -241,12 +270,16 @@ def _coerce_upstream(raw: dict[str, Any], where: str) -> UpstreamConfig:
     values: dict[str, Any] = {}
     for key, value in raw.items():
         if key == "capacity_tokens":
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ConfigError(f"{where}: capacity_tokens must be an integer, got {value!r}")
             try:
                 values[key] = int(value)
             except (TypeError, ValueError):
                 raise ConfigError(f"{where}: capacity_tokens must be an integer, got "
                                   f"{value!r}") from None
         elif key == "weight":
+            if isinstance(value, bool):
+                raise ConfigError(f"{where}: weight must be a number, got {value!r}")
             try:
                 values[key] = float(value)
             except (TypeError, ValueError):
@@ -258,7 +291,9 @@ def _coerce_upstream(raw: dict[str, Any], where: str) -> UpstreamConfig:
                 if value.lower() not in ("true", "false", "1", "0"):
                     raise ConfigError(f"{where}: bind must be true or false, got {value!r}")
                 value = value.lower() in ("true", "1")
-            values[key] = bool(value)
+            elif not isinstance(value, bool):
+                raise ConfigError(f"{where}: bind must be true or false, got {value!r}")
+            values[key] = value
         else:
             if not isinstance(value, str):
                 raise ConfigError(f"{where}: {key} must be a string, got {value!r}")
@@ -290,7 +325,7 @@ def parse_upstream_flag(text: str) -> UpstreamConfig:
         if not sep:
             raise ConfigError(f"--upstream {text!r}: expected key=value, got {option!r}")
         raw[key.strip()] = value.strip()
-    return _coerce_upstream(raw, f"--upstream {text!r}")
+    return upstream_from_table(raw, f"--upstream {text!r}")
 
 
 def load_config_file(path: Path) -> GatewayConfig:
@@ -310,7 +345,7 @@ def load_config_file(path: Path) -> GatewayConfig:
     if not isinstance(raw_upstreams, list):
         raise ConfigError(f"{path}: upstreams must be an array of tables ([[upstreams]])")
     upstreams = tuple(
-        _coerce_upstream(dict(u), f"{path}: upstreams[{i}]") for i, u in enumerate(raw_upstreams)
+        upstream_from_table(dict(u), f"{path}: upstreams[{i}]") for i, u in enumerate(raw_upstreams)
     )
     gateway = data.get("gateway", {})
     bad = sorted(set(gateway) - _GATEWAY_KEYS)

@@ -171,7 +171,7 @@ class Forwarder:
         self.max_response_bytes = max_response_bytes
         self.migrate = migrate
         self.max_continuation_bytes = max_continuation_bytes
-        self._names = {name: name.encode("latin-1") for name in pools}
+        self._names: dict[str, bytes] = {}
 
     async def forward(self, receive: Receive, reply: ClientReply, path: str, body: bytes,
                       parsed: ParsedRequest, plan: Plan, record: RequestRecord,
@@ -194,6 +194,9 @@ class Forwarder:
         progress: StreamProgress | None = None
         for attempt, candidate in enumerate(self.router.candidates(plan, self.retries + 1)):
             upstream = candidate.upstream
+            if upstream.removed:  # taken out at runtime after this request was planned
+                attempts.causes.append(f"{upstream.name}: removed from the gateway")
+                continue
             record.upstream = upstream.name
             record.branch = candidate.branch
             record.predicted_cached_tokens = candidate.predicted_cached_tokens
@@ -350,9 +353,18 @@ class Forwarder:
         await reply.json(status, error_body(f"{message} (request id {reply.request_id})",
                                             kind, status))
 
+    def _name_bytes(self, name: str) -> bytes:
+        """The upstream's name as a header value (ASCII: UpstreamConfig checks), cached."""
+        encoded = self._names.get(name)
+        if encoded is None:
+            if len(self._names) > 4 * len(self.pools) + 64:  # names of removed upstreams
+                self._names.clear()
+            encoded = self._names[name] = name.encode("ascii")
+        return encoded
+
     def _headers(self, candidate: Candidate, content_type: bytes | None) -> RawHeaders:
         headers = [
-            (b"x-kvreuse-upstream", self._names[candidate.upstream.name]),
+            (b"x-kvreuse-upstream", self._name_bytes(candidate.upstream.name)),
             (b"x-kvreuse-branch", candidate.branch.encode()),
             (b"x-kvreuse-predicted-cached-tokens", b"%d" % candidate.predicted_cached_tokens),
         ]

@@ -52,6 +52,7 @@ from typing import IO
 from prometheus_client.core import CounterMetricFamily, Metric
 
 from kvreuse.errors import ConfigError, require_at_least
+from kvreuse.gateway.config import read_secret_file
 from kvreuse.gateway.telemetry import RequestRecord
 from kvreuse.tokens import TOKEN_BYTES
 from kvreuse.trace.format import DEFAULT_BLOCK_TOKENS, MAX_TEXT_FIELD, TraceRecord, record_json
@@ -87,13 +88,7 @@ def load_secret(path: str | None) -> tuple[bytes, bool]:
     Returns ``(secret, shared)``; ``shared`` is False for a random one (its ids match no
     other gateway's and no other run's)."""
     if path is not None:
-        try:
-            secret = Path(path).read_bytes().strip()
-        except OSError as exc:
-            raise ConfigError(f"--record-secret-file {path}: cannot read: {exc.strerror}") from None
-        if len(secret) < 16:
-            raise ConfigError(f"--record-secret-file {path}: the secret must be at least 16 bytes")
-        return secret, True
+        return read_secret_file(path, "--record-secret-file"), True
     env = os.environ.get(SECRET_ENV)
     if env:
         if len(env.encode()) < 16:

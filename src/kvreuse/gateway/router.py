@@ -110,6 +110,7 @@ class Router:
         self.clock = clock
         self.indexes = {u.name: EventIndex(u.name) for u in upstreams if u.config.events}
         self.streams = {name: StreamStats() for name in self.indexes}
+        self._health_settings = health
         self.health = {name: IndexHealth(health) for name in self.indexes}
         # Upstream name -> when a request that must have made it publish was answered while
         # its events were silent (cleared by the next batch). /ready reports these.
@@ -144,6 +145,42 @@ class Router:
         self._modeled: dict[tuple[CacheIdentity, str], CacheIdentity] = {}
         self._model_free: dict[tuple[CacheIdentity, bool], CacheIdentity] = {}
         self._rebuild_models()
+
+    # ------------------------------------------------------------------ membership
+
+    def add_upstream(self, upstream: UpstreamState, budget: int) -> None:
+        """Route to ``upstream`` (added at runtime) from now on, once it is healthy; its
+        KV-event index starts empty and its indexes are bounded to ``budget`` tokens. The
+        caller checked that the name is new. O(upstreams) to re-file the served models."""
+        assert upstream.name not in self.upstreams, f"upstream {upstream.name} added twice"
+        name = upstream.name
+        self.upstreams[name] = upstream
+        if upstream.config.events:
+            self.indexes[name] = EventIndex(name)
+            self.streams[name] = StreamStats()
+            self.health[name] = IndexHealth(self._health_settings)
+            self.epochs[name] = self.epochs.get(name, 0) + 1
+        self._rebuild_models()
+        self.set_budget(name, budget)
+
+    def remove_upstream(self, name: str) -> UpstreamState:
+        """Never route to ``name`` again (requests already sent there finish, or fail over,
+        as usual) and free what was kept for it: its KV-event index and the policy's trees of
+        it (emptied through a budget of 0). What stays is a few counters per name in the
+        policy. O(index + upstreams)."""
+        upstream = self.upstreams.pop(name)
+        upstream.removed = True
+        upstream.healthy = False
+        if self.estimating is not None:
+            for trees in (self.estimating.estimator, getattr(self.estimating, "fallback", None)):
+                if isinstance(trees, ApproxTrees):
+                    trees.set_capacity(name, 0)
+        if self.indexes.pop(name, None) is not None:
+            self.policy.on_kv_event(KvCleared(name, self.clock()))
+        for table in (self.streams, self.health, self.budgets, self.silent_since):
+            table.pop(name, None)
+        self._rebuild_models()
+        return upstream
 
     # ------------------------------------------------------------------ models
 
@@ -265,7 +302,7 @@ class Router:
         chosen = plan.first.upstream
         ranked = []
         for upstream in plan.eligible:
-            if upstream is not chosen and upstream.healthy:
+            if upstream is not chosen and upstream.healthy and not upstream.removed:
                 cached = self._index_match(plan.request, upstream.name)
                 ranked.append((-cached, self.cost.queue_delay_s(upstream.load()),
                                upstream.name, upstream))

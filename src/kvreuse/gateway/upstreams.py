@@ -127,14 +127,19 @@ class UpstreamState:
 
     def __init__(self, config: UpstreamConfig, *, eject_after: int, readmit_after: int,
                  ejection_s: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 admitted: bool = True) -> None:
+        """``admitted=False`` (an upstream added at runtime): no request goes to it until
+        its first health probe passes, which admits it at once."""
         self.config = config
         self.name = config.name
         self.eject_after = eject_after
         self.readmit_after = readmit_after
         self.ejection_s = ejection_s
         self.clock = clock
-        self.healthy = True
+        self.healthy = admitted
+        self.awaiting_first_probe = not admitted
+        self.removed = False  # taken out of the gateway at runtime: never routed to again
         self.probe_failures = 0  # consecutive
         self.request_failures = 0  # consecutive
         self.successes = 0  # consecutive probe successes while ejected
@@ -209,6 +214,10 @@ class UpstreamState:
             return False
         self.probed_ok = True
         self.probe_failures = 0
+        if self.awaiting_first_probe:
+            self.awaiting_first_probe = False
+            self.healthy = True
+            return True
         if self.healthy:
             return False
         self.successes += 1

@@ -39,7 +39,7 @@ class RequestError(InputFormatError):
         """OpenAI's error shape, as vLLM answers."""
         kind = {401: "AuthenticationError", 404: "NotFoundError", 413: "RequestTooLargeError",
                 415: "UnsupportedMediaTypeError", 501: "NotImplementedError",
-                503: "ServiceUnavailableError"}
+                503: "ServiceUnavailableError", 508: "LoopDetected"}
         return error_body(str(self), kind.get(self.status, "BadRequestError"), self.status,
                           self.param)
 

@@ -32,6 +32,9 @@ class RateReading:
     window_hits: float
     covered_seconds: float
     reset: bool = False
+    # The engine reported more cached than queried tokens (a rate over 100 % is no rate): both
+    # rates are None then, and the reading says so.
+    inconsistent: bool = False
 
 
 class WindowedHitRate:
@@ -60,8 +63,11 @@ class WindowedHitRate:
         start_t, start_hits, start_queries = self._scrapes[0]
         delta_hits = counters.hits - start_hits
         delta_queries = counters.queries - start_queries
-        window_rate = delta_hits / delta_queries if delta_queries > 0 else None
-        lifetime = counters.hits / counters.queries if counters.queries > 0 else None
+        inconsistent = delta_hits > delta_queries or counters.hits > counters.queries
+        window_rate = (delta_hits / delta_queries
+                       if delta_queries > 0 and not inconsistent else None)
+        lifetime = (counters.hits / counters.queries
+                    if counters.queries > 0 and not inconsistent else None)
         return RateReading(
             t,
             self.instance,
@@ -72,6 +78,7 @@ class WindowedHitRate:
             delta_hits,
             t - start_t,
             reset,
+            inconsistent,
         )
 
 
