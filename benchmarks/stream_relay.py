@@ -10,18 +10,32 @@ as engines send them, through each and prints microseconds per event, best of ``
 
 The three rows: the usage scan alone (the gateway before), ``StreamProgress`` with migration
 off (what ``--no-stream-migration`` and unmigratable requests cost) and on.
+
+Then, end to end (``--end-to-end-seconds``, 0 skips it): one zero-cost ``kvreuse engine`` (it
+streams tokens as fast as it can) behind two ``kvreuse route`` processes, one with stream
+migration and one with ``--no-stream-migration``; a closed loop of ``--connections`` streamed
+completions of ``--tokens`` tokens alternates between them in 1 s slices, and each gateway's
+CPU seconds (from /proc) per relayed event are printed, with their ratio.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from kvreuse.gateway.migration import StreamProgress
 from kvreuse.gateway.proxy import UsageScanner
+from kvreuse.gateway.upstream_client import UpstreamError, UpstreamPool
 from kvreuse.gateway.validation import ParsedRequest, parse_request
+from kvreuse.testing.processes import EngineSpec, Fleet, Process
+
+ZERO_COST = EngineSpec(model="sim", cache_tokens=262_144, block_size=16,
+                       prefill_tokens_per_s=1e9, overhead_ms=0.0, tpot_ms=0.0, events=False)
 
 
 def events(count: int, kind: str) -> list[bytes]:
@@ -49,10 +63,85 @@ def per_event_us(feed: Callable[[bytes], object], stream: list[bytes]) -> float:
     return (time.perf_counter() - started) / len(stream) * 1e6
 
 
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, from /proc/PID/stat."""
+    import os
+
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _slice(url: str, connections: int, tokens: int, seconds: float) -> tuple[int, int]:
+    """A closed loop of streamed completions for ``seconds``: (events relayed, failures)."""
+    pool = UpstreamPool(url, max_connections=connections,
+                        headers={"content-type": "application/json"})
+    events = failures = 0
+    stop = time.monotonic() + seconds
+
+    async def client(index: int) -> None:
+        nonlocal events, failures
+        n = index
+        while time.monotonic() < stop:
+            n += connections
+            body = json.dumps({"model": "sim", "prompt": f"question {n % 64}",
+                               "max_tokens": tokens, "stream": True}).encode()
+            try:
+                response = await pool.request("POST", "/v1/completions", body)
+                got = 0
+                async for chunk in response.chunks():
+                    got += chunk.count(b"data: ")
+                events += got
+                failures += response.status != 200 or got != tokens + 1
+            except UpstreamError:
+                failures += 1
+
+    await asyncio.gather(*(client(i) for i in range(connections)))
+    await pool.aclose()
+    return events, failures
+
+
+def end_to_end(seconds: float, connections: int, tokens: int) -> None:
+    print(f"\nend to end: one zero-cost engine, {connections} streams at a time of {tokens} "
+          f"tokens, {seconds:g} s per gateway in 1 s slices")
+    with Fleet(Path(tempfile.mkdtemp(prefix="kvreuse-relay-"))) as fleet:
+        engine = fleet.start_engine("engine", ZERO_COST)
+        gateways: dict[str, Process] = {
+            "migration on": fleet.start_gateway(
+                "on", [engine], policy="round_robin",
+                extra_args=["--metrics-interval", "0"]),
+            "migration off": fleet.start_gateway(
+                "off", [engine], policy="round_robin",
+                extra_args=["--metrics-interval", "0", "--no-stream-migration"]),
+        }
+        for gateway in gateways.values():  # warm: connections, lazy imports
+            asyncio.run(_slice(gateway.url, connections, tokens, 0.5))
+        totals = {name: [0.0, 0, 0] for name in gateways}
+        for _ in range(max(int(seconds), 1)):
+            for name, gateway in gateways.items():
+                before = cpu_seconds(gateway.pid)
+                events, failures = asyncio.run(_slice(gateway.url, connections, tokens, 1.0))
+                totals[name][0] += cpu_seconds(gateway.pid) - before
+                totals[name][1] += events
+                totals[name][2] += failures
+        print(f"{'gateway':<15} {'events':>10} {'failures':>9} {'CPU s':>7} "
+              f"{'us CPU per event':>17}")
+        per_event = {}
+        for name, (cpu, events, failures) in totals.items():
+            per_event[name] = cpu / max(events, 1) * 1e6
+            print(f"{name:<15} {events:>10,} {failures:>9} {cpu:>7.2f} "
+                  f"{per_event[name]:>17.2f}")
+        print(f"migration on / off, CPU per event: "
+              f"{per_event['migration on'] / per_event['migration off']:.2f}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--events", type=int, default=100_000)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--end-to-end-seconds", type=float, default=10.0,
+                        help="seconds per gateway of the end-to-end run (0 skips it)")
+    parser.add_argument("--connections", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=64)
     args = parser.parse_args()
     print(f"{args.events:,} events per run, best of {args.repeats} runs")
     print(f"{'request':<11} {'relay':<36} {'us per event':>13} {'x usage scan':>13}")
@@ -80,6 +169,8 @@ def main() -> int:
             best = min(per_event_us(make(), stream) for _ in range(args.repeats))
             base = base or best
             print(f"{kind:<11} {label:<36} {best:>13.2f} {best / base:>13.2f}")
+    if args.end_to_end_seconds > 0:
+        end_to_end(args.end_to_end_seconds, args.connections, args.tokens)
     return 0
 
 

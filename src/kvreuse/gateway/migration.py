@@ -193,6 +193,14 @@ class StreamProgress:
     def relay(self, chunk: bytes) -> bytes:
         """The part of ``chunk`` to send to the client now: whole SSE events only (rewritten
         when a continuation produced them), the rest held until its end arrives. O(bytes)."""
+        if (not self._held and self.upstreams == 1 and self.blocked is None
+                and chunk.startswith(b"data: {") and chunk.endswith(b"}\n\n")
+                and chunk.count(b"\n") == 2):  # one whole event, as engines send: fast path
+            return self._read_payload(chunk, chunk[6:-2], False) or b""
+        if (not self._held and self.upstreams <= 1 and self.blocked is not None
+                and chunk.endswith(b"\n\n")):  # not continuable: only the usage is read
+            self._scan_usage(chunk)
+            return chunk
         data = self._held + chunk if self._held else chunk
         end = _last_event_end(data)
         if end < 0:
@@ -230,10 +238,6 @@ class StreamProgress:
 
     def _read_events(self, data: bytes) -> bytes:
         rewriting = self.upstreams > 1
-        if (data.startswith(b"data: ") and data.count(b"\n") == 2 and b"\r" not in data
-                and not rewriting):  # one event per chunk, as engines send: the common case
-            kept = self._read_event(data, rewriting)
-            return b"" if kept is None else kept
         out: list[bytes] = []
         for event in _split_events(data):
             if self.failure is not None:  # nothing after an upstream's error event is sent
@@ -251,6 +255,10 @@ class StreamProgress:
         if payload.strip() == b"[DONE]":
             self.done = True
             return event
+        return self._read_payload(event, payload, rewriting)
+
+    def _read_payload(self, event: bytes, payload: bytes, rewriting: bool) -> bytes | None:
+        """An event whose data is ``payload`` (JSON, not ``[DONE]``): what to send of it."""
         try:
             decoded = _event_decoder.decode(payload)
         except msgspec.DecodeError:
