@@ -3,8 +3,9 @@
 To continue a broken stream the gateway must know what the client has been sent, so every
 event of a migratable stream is read as it is relayed (gateway/migration.py's
 ``StreamProgress``); before migration the gateway only scanned for the usage chunk
-(gateway/proxy.py's ``UsageScanner``). This relays the same vLLM-shaped events, one per chunk
-as engines send them, through each and prints microseconds per event, best of ``--repeats``:
+(``UsageScanner``, now in gateway/migration.py). This relays the same vLLM-shaped events, one
+per chunk as engines send them, through each and prints microseconds per event, best of
+``--repeats``:
 
     PYTHONPATH=src .venv/bin/python benchmarks/stream_relay.py
 
@@ -28,8 +29,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from kvreuse.gateway.migration import StreamProgress
-from kvreuse.gateway.proxy import UsageScanner
+from kvreuse.gateway.migration import StreamProgress, UsageScanner
 from kvreuse.gateway.upstream_client import UpstreamError, UpstreamPool
 from kvreuse.gateway.validation import ParsedRequest, parse_request
 from kvreuse.testing.processes import EngineSpec, Fleet, Process

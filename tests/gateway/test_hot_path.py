@@ -105,7 +105,8 @@ def test_body_decoding_accepts_and_refuses_as_the_stdlib() -> None:
 def test_usage_is_read_from_whole_and_streamed_responses() -> None:
     """usage comes out of a completion body and out of the SSE usage chunk; null, absent or
     malformed usage gives None."""
-    from kvreuse.gateway.proxy import UsageScanner, usage_of
+    from kvreuse.gateway.migration import UsageScanner
+    from kvreuse.gateway.proxy import usage_of
 
     usage = {"prompt_tokens": 8, "prompt_tokens_details": {"cached_tokens": 4}}
     assert usage_of(json.dumps({"choices": [], "usage": usage}).encode()) == usage

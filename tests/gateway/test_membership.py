@@ -426,3 +426,23 @@ def test_concurrent_calls_on_one_name_settle_to_one_outcome(
         answer = waiting.result(30)
     assert answer.status_code == 201 and answer.json() == {"name": "never", "removed": True}
     assert time.monotonic() - started < 5
+
+
+def test_an_events_endpoint_in_use_is_a_400_and_leaves_nothing_behind(
+        gateway_factory: Factory, key_file: str) -> None:
+    """An addition whose KV-event endpoint another upstream already binds is refused naming
+    the endpoint, and the gateway keeps no trace of it (the name can be used at once)."""
+    first = start_engine("ev0")
+    try:
+        gateway = gateway_factory([first], admin_key_file=key_file)
+        taken = first.upstream.events
+        refused = admin(gateway, "POST", body={"url": "http://127.0.0.1:9", "name": "clash",
+                                               "events": taken, "models": ["sim"]})
+        assert refused.status_code == 400
+        assert "cannot bind events" in refused.json()["error"]["message"]
+        assert "clash" not in gateway.gateway.router.upstreams
+        assert "clash" not in gateway.gateway.router.indexes
+        assert admin(gateway, "POST", body={"url": "http://127.0.0.1:9", "name": "clash",
+                                            "models": ["sim"]}).status_code == 201
+    finally:
+        first.server.stop()

@@ -83,7 +83,9 @@ def test_streams_cut_on_one_vllm_are_finished_by_the_other(
             assert continuation["messages"][:-1] == body["messages"]
             assert continuation["messages"][-1]["role"] == "assistant"
             sent = continuation["messages"][-1]["content"]
-        assert sent and got.startswith(sent) and expected.startswith(sent)
+        # The tiny random model's first tokens may carry no text (bytes the detokenizer
+        # holds back): then nothing is appended, and the continuation regenerates them.
+        assert got.startswith(sent) and expected.startswith(sent)
         assert continuation["max_tokens"] == tokens - (cut_after - (kind == "chat"))
         same += got == expected
     print(f"{kind}: {same} of 10 migrated answers equal the unbroken one", file=sys.stderr)

@@ -353,18 +353,21 @@ class Gateway:
         """Serve through one more upstream from now on (the admin API's POST). It takes no
         request until its first health probe passes; its served models are read first
         unless declared, and its KV-event socket (if any) is opened here. Raises
-        :class:`ConfigError` saying what to change: a name in use, an events endpoint ZeroMQ
-        refuses, a gateway whose membership is fixed (a Redis-shared index). O(upstreams)."""
+        :class:`MembershipConflict` for a name in use, a full gateway or one whose membership
+        is fixed (a Redis-shared index), :class:`ConfigError` for an events endpoint ZeroMQ
+        refuses. O(upstreams)."""
         if self.state.shared_sync is not None:
-            raise MembershipConflict("upstreams cannot be added to a gateway sharing its index "
-                              "through Redis (--shared-index): restart it with the new list")
+            raise MembershipConflict("upstreams cannot be added to a gateway sharing its "
+                                     "index through Redis (--shared-index): restart it with "
+                                     "the new list")
         name = config.name
         if len(self._pools) >= MAX_UPSTREAMS:
             raise MembershipConflict(f"this gateway has {len(self._pools)} upstreams (draining "
                                      f"ones included), its most: remove some first")
         if name in self.router.upstreams or name in self._pools:
             raise MembershipConflict(f"an upstream named {name!r} is already here (or still "
-                              "draining): remove it first, or give this one another name")
+                                     "draining): remove it first, or give this one another "
+                                     "name")
         upstream = UpstreamState(config, eject_after=self.config.eject_after,
                                  readmit_after=self.config.readmit_after,
                                  ejection_s=self.config.ejection_s, admitted=False)

@@ -89,12 +89,45 @@ class _Event(msgspec.Struct):
     error: Any = None
 
 
-class _UsageOnly(msgspec.Struct):
-    usage: Any = None
-
-
 _event_decoder = msgspec.json.Decoder(_Event)
-_usage_decoder = msgspec.json.Decoder(_UsageOnly)
+
+
+class _UsageEnvelope(msgspec.Struct):
+    """A response or SSE event, reduced to its ``usage``: msgspec skips every other field
+    without building it (about 6x faster than ``json.loads`` on a short completion)."""
+
+    usage: dict[str, Any] | None = None
+
+
+_usage_decoder = msgspec.json.Decoder(_UsageEnvelope)
+
+
+def decode_usage(payload: bytes) -> dict[str, Any] | None:
+    """The ``usage`` object of a JSON response or event, or None. O(bytes)."""
+    try:
+        return _usage_decoder.decode(payload).usage
+    except msgspec.DecodeError:  # not JSON, not an object, or usage not an object
+        return None
+
+
+class UsageScanner:
+    """Finds the ``usage`` object in an SSE stream without holding the stream. O(bytes)."""
+
+    def __init__(self) -> None:
+        self._tail = b""
+        self.usage: dict[str, Any] | None = None
+
+    def feed(self, chunk: bytes) -> None:
+        data = self._tail + chunk
+        lines = data.split(b"\n")
+        self._tail = lines.pop()
+        if len(self._tail) > 1 << 20:  # a line this long is not an SSE event we care about
+            self._tail = b""
+        for line in lines:
+            if line.startswith(b"data:") and b'"usage"' in line:
+                usage = decode_usage(line[5:])
+                if usage is not None:
+                    self.usage = usage
 
 
 def _usage_object(value: Any) -> dict[str, Any] | None:
@@ -174,6 +207,7 @@ class StreamProgress:
         self.max_text_bytes = max_text_bytes
         self._text_bytes = 0
         self._held = b""
+        self._scanner = UsageScanner()  # once not continuable, usage is all that is read
         self._id: Any = None
         self._created: Any = None
         self._carried = 0  # output tokens before the current upstream's
@@ -186,6 +220,7 @@ class StreamProgress:
         self.upstreams += 1
         self.failure = None
         self._held = b""  # an unfinished event of a broken upstream never reaches the client
+        self._scanner = UsageScanner()
         if self.upstreams > 1:
             self._carried = self.completion_tokens()
             self._prompt_carried = self._carried
@@ -197,10 +232,12 @@ class StreamProgress:
                 and chunk.startswith(b"data: {") and chunk.endswith(b"}\n\n")
                 and chunk.count(b"\n") == 2):  # one whole event, as engines send: fast path
             return self._read_payload(chunk, chunk[6:-2], False) or b""
-        if (not self._held and self.upstreams <= 1 and self.blocked is not None
-                and chunk.endswith(b"\n\n")):  # not continuable: only the usage is read
-            self._scan_usage(chunk)
-            return chunk
+        if self.blocked is not None and self.upstreams <= 1:
+            # Not continuable: the bytes pass as they come, and only the usage is read.
+            data = self._held + chunk if self._held else chunk
+            self._held = b""
+            self._scan_usage(data)
+            return data
         data = self._held + chunk if self._held else chunk
         end = _last_event_end(data)
         if end < 0:
@@ -211,11 +248,7 @@ class StreamProgress:
             self._held = data
             return b""
         self._held = data[end:]
-        whole = data[:end]
-        if self.upstreams <= 1 and self.blocked is not None:
-            self._scan_usage(whole)
-            return whole
-        return self._read_events(whole)
+        return self._read_events(data[:end])
 
     def flush(self) -> bytes:
         """What is still held when the upstream's stream ended normally: sent as it is."""
@@ -225,16 +258,10 @@ class StreamProgress:
         return held
 
     def _scan_usage(self, data: bytes) -> None:
-        if b'"usage"' not in data:
-            return
-        for line in data.split(b"\n"):
-            if line.startswith(b"data:") and b'"usage"' in line:
-                try:
-                    usage = _usage_object(_usage_decoder.decode(line[5:]).usage)
-                except msgspec.DecodeError:
-                    continue
-                if usage is not None:
-                    self.usage = usage
+        scanner = self._scanner
+        scanner.feed(data)
+        if scanner.usage is not None:
+            self.usage, scanner.usage = scanner.usage, None
 
     def _read_events(self, data: bytes) -> bytes:
         rewriting = self.upstreams > 1

@@ -32,12 +32,10 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
-
 from kvreuse.gateway.asgi import DisconnectHook, RawHeaders, Receive, until_disconnect
 from kvreuse.gateway.exchange import ClientReply, sse_error_event
 from kvreuse.gateway.metrics import GatewayMetrics, TokenTally
-from kvreuse.gateway.migration import Complete, Continuation, StreamProgress
+from kvreuse.gateway.migration import Complete, Continuation, StreamProgress, decode_usage
 from kvreuse.gateway.router import Candidate, Plan, Router
 from kvreuse.gateway.telemetry import RequestRecord
 from kvreuse.gateway.upstream_client import (
@@ -52,29 +50,6 @@ from kvreuse.gateway.validation import ParsedRequest, error_body
 log = logging.getLogger("kvreuse.gateway.proxy")
 
 CLIENT_LEFT = 499  # nginx's status for "the client closed the connection first"; metrics only
-
-
-class UsageScanner:
-    """Finds the ``usage`` object in an SSE stream without holding the stream. O(bytes)."""
-
-    def __init__(self) -> None:
-        self._tail = b""
-        self.usage: dict[str, Any] | None = None
-
-    def feed(self, chunk: bytes) -> None:
-        data = self._tail + chunk
-        lines = data.split(b"\n")
-        self._tail = lines.pop()
-        if len(self._tail) > 1 << 20:  # a line this long is not an SSE event we care about
-            self._tail = b""
-        for line in lines:
-            if line.startswith(b"data:") and b'"usage"' in line:
-                self._take(line[5:])
-
-    def _take(self, payload: bytes) -> None:
-        usage = _decode_usage(payload)
-        if usage is not None:
-            self.usage = usage
 
 
 MAX_USAGE_TOKENS = 2**40
@@ -102,28 +77,11 @@ def cached_tokens_of(usage: dict[str, Any] | None) -> tuple[int, int] | None:
     return (prompt, cached) if cached is not None and cached <= prompt else None
 
 
-class _UsageEnvelope(msgspec.Struct):
-    """A response or SSE event, reduced to its ``usage``: msgspec skips every other field
-    without building it (about 6x faster than ``json.loads`` on a short completion)."""
-
-    usage: dict[str, Any] | None = None
-
-
-_usage_decoder = msgspec.json.Decoder(_UsageEnvelope)
-
-
-def _decode_usage(payload: bytes) -> dict[str, Any] | None:
-    try:
-        return _usage_decoder.decode(payload).usage
-    except msgspec.DecodeError:  # not JSON, not an object, or usage not an object
-        return None
-
-
 def usage_of(content: bytes) -> dict[str, Any] | None:
     """The ``usage`` object of a whole JSON response, or None. O(bytes)."""
     if b'"usage"' not in content:  # errors and engines that report none: skip the decode
         return None
-    return _decode_usage(content)
+    return decode_usage(content)
 
 
 class UpstreamErrorEvent(UpstreamError):

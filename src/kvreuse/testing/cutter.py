@@ -53,6 +53,11 @@ class CuttingProxy:
         async def close() -> None:
             assert self._server is not None
             self._server.close()
+            current = asyncio.current_task()
+            pending = [task for task in asyncio.all_tasks() if task is not current]
+            for task in pending:  # connections still open: closed, not left pending
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
 
         asyncio.run_coroutine_threadsafe(close(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
