@@ -55,7 +55,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvreuse.gateway.upstream_client import UpstreamError, UpstreamPool
+from kvreuse.gateway.upstream_client import UpstreamError, UpstreamPool, UpstreamResponse
 from kvreuse.sim.summary import percentile
 from kvreuse.testing.processes import EngineSpec, Fleet, Process
 
@@ -130,8 +130,18 @@ def closed_loop_wrk(name: str, url: str, bodies: list[bytes], connections: int,
     return Throughput(name, requests - errors, errors, seconds, "wrk")
 
 
+async def _whole(response: UpstreamResponse) -> int:
+    await response.read()
+    return int(response.status == 200)
+
+
 async def _closed_loop_asyncio(url: str, bodies: list[bytes], connections: int,
-                               duration_s: float) -> tuple[int, int, float]:
+                               duration_s: float,
+                               read: Callable[[UpstreamResponse], Awaitable[int]] = _whole,
+                               ) -> tuple[int, int, float]:
+    """``connections`` clients posting ``bodies`` in turn for ``duration_s``: (what ``read``
+    counted, failures, seconds). ``read`` reads an answer and returns how many of what is
+    counted it held (a whole answer: 1 when it is a 200), 0 for a failure."""
     pool = UpstreamPool(url, max_connections=connections,
                         headers={"content-type": "application/json"})
     done = errors = 0
@@ -144,12 +154,11 @@ async def _closed_loop_asyncio(url: str, bodies: list[bytes], connections: int,
             n += connections
             try:
                 response = await pool.request("POST", "/v1/completions", bodies[n % len(bodies)])
-                await response.read()
-                ok = response.status == 200
+                counted = await read(response)
             except UpstreamError:
-                ok = False
-            done += ok
-            errors += not ok
+                counted = 0
+            done += counted
+            errors += not counted
 
     started = time.monotonic()
     await asyncio.gather(*(client(i) for i in range(connections)))

@@ -24,18 +24,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from kvreuse.gateway.migration import StreamProgress, UsageScanner
-from kvreuse.gateway.upstream_client import UpstreamError, UpstreamPool
+from kvreuse.gateway.upstream_client import UpstreamResponse
 from kvreuse.gateway.validation import ParsedRequest, parse_request
-from kvreuse.testing.processes import EngineSpec, Fleet, Process
+from kvreuse.testing.processes import Fleet, Process
 
-ZERO_COST = EngineSpec(model="sim", cache_tokens=262_144, block_size=16,
-                       prefill_tokens_per_s=1e9, overhead_ms=0.0, tpot_ms=0.0, events=False)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gateway_throughput import ZERO_COST, _closed_loop_asyncio, cpu_seconds
 
 
 def events(count: int, kind: str) -> list[bytes]:
@@ -63,40 +64,21 @@ def per_event_us(feed: Callable[[bytes], object], stream: list[bytes]) -> float:
     return (time.perf_counter() - started) / len(stream) * 1e6
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process, from /proc/PID/stat."""
-    import os
+async def _events(response: UpstreamResponse, expected: int) -> int:
+    """The SSE events of a streamed answer: ``expected`` of them, else 0 (a failure)."""
+    count = 0
+    async for chunk in response.chunks():
+        count += chunk.count(b"data: ")
+    return count if response.status == 200 and count == expected else 0
 
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-
-async def _slice(url: str, connections: int, tokens: int, seconds: float) -> tuple[int, int]:
+def _slice(url: str, connections: int, tokens: int, seconds: float) -> tuple[int, int]:
     """A closed loop of streamed completions for ``seconds``: (events relayed, failures)."""
-    pool = UpstreamPool(url, max_connections=connections,
-                        headers={"content-type": "application/json"})
-    events = failures = 0
-    stop = time.monotonic() + seconds
-
-    async def client(index: int) -> None:
-        nonlocal events, failures
-        n = index
-        while time.monotonic() < stop:
-            n += connections
-            body = json.dumps({"model": "sim", "prompt": f"question {n % 64}",
-                               "max_tokens": tokens, "stream": True}).encode()
-            try:
-                response = await pool.request("POST", "/v1/completions", body)
-                got = 0
-                async for chunk in response.chunks():
-                    got += chunk.count(b"data: ")
-                events += got
-                failures += response.status != 200 or got != tokens + 1
-            except UpstreamError:
-                failures += 1
-
-    await asyncio.gather(*(client(i) for i in range(connections)))
-    await pool.aclose()
+    bodies = [json.dumps({"model": "sim", "prompt": f"question {n}", "max_tokens": tokens,
+                          "stream": True}).encode() for n in range(64)]
+    events, failures, _ = asyncio.run(_closed_loop_asyncio(
+        url, bodies, connections, seconds,
+        read=lambda response: _events(response, tokens + 1)))  # the tokens, then [DONE]
     return events, failures
 
 
@@ -114,21 +96,23 @@ def end_to_end(seconds: float, connections: int, tokens: int) -> None:
                 extra_args=["--metrics-interval", "0", "--no-stream-migration"]),
         }
         for gateway in gateways.values():  # warm: connections, lazy imports
-            asyncio.run(_slice(gateway.url, connections, tokens, 0.5))
-        totals = {name: [0.0, 0, 0] for name in gateways}
+            _slice(gateway.url, connections, tokens, 0.5)
+        cpu = dict.fromkeys(gateways, 0.0)
+        events = dict.fromkeys(gateways, 0)
+        failures = dict.fromkeys(gateways, 0)
         for _ in range(max(int(seconds), 1)):
             for name, gateway in gateways.items():
                 before = cpu_seconds(gateway.pid)
-                events, failures = asyncio.run(_slice(gateway.url, connections, tokens, 1.0))
-                totals[name][0] += cpu_seconds(gateway.pid) - before
-                totals[name][1] += events
-                totals[name][2] += failures
+                relayed, failed = _slice(gateway.url, connections, tokens, 1.0)
+                cpu[name] += cpu_seconds(gateway.pid) - before
+                events[name] += relayed
+                failures[name] += failed
         print(f"{'gateway':<15} {'events':>10} {'failures':>9} {'CPU s':>7} "
               f"{'us CPU per event':>17}")
         per_event = {}
-        for name, (cpu, events, failures) in totals.items():
-            per_event[name] = cpu / max(events, 1) * 1e6
-            print(f"{name:<15} {events:>10,} {failures:>9} {cpu:>7.2f} "
+        for name in gateways:
+            per_event[name] = cpu[name] / max(events[name], 1) * 1e6
+            print(f"{name:<15} {events[name]:>10,} {failures[name]:>9} {cpu[name]:>7.2f} "
                   f"{per_event[name]:>17.2f}")
         print(f"migration on / off, CPU per event: "
               f"{per_event['migration on'] / per_event['migration off']:.2f}")

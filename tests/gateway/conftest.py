@@ -34,6 +34,15 @@ def engines() -> Iterator[list[Engine]]:
         engine.server.stop()
 
 
+@pytest.fixture(scope="module")
+def plain_engines() -> Iterator[list[Engine]]:
+    """Three simulated replicas without KV events, r0 to r2."""
+    started = [start_engine(f"r{i}", events=False) for i in range(3)]
+    yield started
+    for engine in started:
+        engine.server.stop()
+
+
 @pytest.fixture
 def gateway_factory() -> Iterator[Callable[..., RunningGateway]]:
     """Start gateways in front of given engines; all are stopped after the test."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -25,14 +25,6 @@ Factory = Callable[..., RunningGateway]
 KEY = "admin-key-0123456789abcdef"
 AUTH = {"authorization": f"Bearer {KEY}"}
 BODY = {"model": "sim", "prompt": "hello there", "max_tokens": 2}
-
-
-@pytest.fixture(scope="module")
-def engines() -> Iterator[list[Engine]]:
-    started = [start_engine(f"r{i}", events=False) for i in range(3)]
-    yield started
-    for engine in started:
-        engine.server.stop()
 
 
 @pytest.fixture
@@ -63,13 +55,13 @@ def served_by(gateway: RunningGateway, count: int) -> set[str]:
 
 
 def test_the_admin_api_is_off_without_a_key_and_refuses_wrong_keys(
-        engines: list[Engine], gateway_factory: Factory, key_file: str) -> None:
+        plain_engines: list[Engine], gateway_factory: Factory, key_file: str) -> None:
     """No --admin-key-file: 403 saying how to turn it on; with one, a missing, wrong or
     doubled Authorization is a 401."""
-    off = gateway_factory([engines[0]])
+    off = gateway_factory([plain_engines[0]])
     refused = admin(off, "GET")
     assert refused.status_code == 403 and "--admin-key-file" in refused.json()["error"]["message"]
-    on = gateway_factory([engines[0]], admin_key_file=key_file)
+    on = gateway_factory([plain_engines[0]], admin_key_file=key_file)
     for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": KEY}):
         assert admin(on, "GET", headers=headers).status_code == 401
     doubled = httpx.get(on.url + "/admin/upstreams", timeout=10,
@@ -81,20 +73,20 @@ def test_the_admin_api_is_off_without_a_key_and_refuses_wrong_keys(
 
 def test_a_short_admin_key_is_refused_at_start(tmp_path: Path,
                                                gateway_factory: Factory,
-                                               engines: list[Engine]) -> None:
+                                               plain_engines: list[Engine]) -> None:
     """A key under 16 bytes stops the gateway at start with an error naming the flag."""
     short = tmp_path / "short.key"
     short.write_text("abc")
     with pytest.raises(ConfigError, match="--admin-key-file"):
-        gateway_factory([engines[0]], admin_key_file=str(short))
+        gateway_factory([plain_engines[0]], admin_key_file=str(short))
 
 
 def test_an_added_upstream_is_admitted_after_its_probe_and_takes_traffic(
-        engines: list[Engine], gateway_factory: Factory, key_file: str) -> None:
+        plain_engines: list[Engine], gateway_factory: Factory, key_file: str) -> None:
     """POST adds an upstream: admitted once probed (?wait), listed, and routed to."""
-    gateway = gateway_factory([engines[0]], admin_key_file=key_file, policy="round_robin")
+    gateway = gateway_factory([plain_engines[0]], admin_key_file=key_file, policy="round_robin")
     assert served_by(gateway, 4) == {"r0"}
-    added = admin(gateway, "POST", body={"url": engines[1].server.url, "name": "r1"}, wait=10)
+    added = admin(gateway, "POST", body={"url": plain_engines[1].server.url, "name": "r1"}, wait=10)
     assert added.status_code == 201, added.text
     assert added.json()["healthy"] is True and added.json()["models"] == ["sim"]
     assert served_by(gateway, 6) == {"r0", "r1"}
@@ -105,10 +97,10 @@ def test_an_added_upstream_is_admitted_after_its_probe_and_takes_traffic(
 
 
 def test_an_added_upstream_that_is_down_takes_no_request(
-        engines: list[Engine], gateway_factory: Factory, key_file: str) -> None:
+        plain_engines: list[Engine], gateway_factory: Factory, key_file: str) -> None:
     """An upstream that does not answer its probe is listed, never admitted, never sent a
     request; the gateway keeps serving from the others."""
-    gateway = gateway_factory([engines[0]], admin_key_file=key_file, policy="round_robin")
+    gateway = gateway_factory([plain_engines[0]], admin_key_file=key_file, policy="round_robin")
     added = admin(gateway, "POST", body={"url": "http://127.0.0.1:9", "name": "down",
                                          "models": ["sim"]}, wait=0.5)
     assert added.status_code == 201 and added.json()["healthy"] is False
@@ -131,21 +123,21 @@ def test_an_added_upstream_that_is_down_takes_no_request(
 ], ids=["no-url", "bad-port", "unknown-key", "bool-weight", "fractional-capacity", "bad-bind",
         "bad-events", "array", "not-json", "deep", "oversized", "duplicate-name"])
 def test_a_malformed_addition_is_refused_naming_the_problem(
-        engines: list[Engine], gateway_factory: Factory, key_file: str, body: Any,
+        plain_engines: list[Engine], gateway_factory: Factory, key_file: str, body: Any,
         status: int, says: str) -> None:
     """Each bad body is a 400 (a taken name a 409) whose message names what to change, and
     the gateway's upstreams are as they were."""
-    gateway = gateway_factory([engines[0]], admin_key_file=key_file)
+    gateway = gateway_factory([plain_engines[0]], admin_key_file=key_file)
     refused = admin(gateway, "POST", body=body)
     assert refused.status_code == status, refused.text
     assert says in refused.json()["error"]["message"]
     assert [u["name"] for u in admin(gateway, "GET").json()["upstreams"]] == ["r0"]
 
 
-def test_bad_wait_and_drain_values_are_400s(engines: list[Engine], gateway_factory: Factory,
+def test_bad_wait_and_drain_values_are_400s(plain_engines: list[Engine], gateway_factory: Factory,
                                             key_file: str) -> None:
     """wait and drain must be seconds from 0 to 3,600."""
-    gateway = gateway_factory([engines[0]], admin_key_file=key_file)
+    gateway = gateway_factory([plain_engines[0]], admin_key_file=key_file)
     for value in ("-1", "nan", "inf", "abc", "4000"):
         assert admin(gateway, "POST", body={"url": "http://h:1"}, wait=value).status_code == 400
         assert admin(gateway, "DELETE", "/admin/upstreams/r0", drain=value).status_code == 400
@@ -153,9 +145,9 @@ def test_bad_wait_and_drain_values_are_400s(engines: list[Engine], gateway_facto
 
 
 def test_a_removed_upstream_takes_no_new_request_and_its_name_can_come_back(
-        engines: list[Engine], gateway_factory: Factory, key_file: str) -> None:
+        plain_engines: list[Engine], gateway_factory: Factory, key_file: str) -> None:
     """DELETE stops routing at once; the same name can be added again afterwards."""
-    gateway = gateway_factory([engines[0], engines[1]], admin_key_file=key_file,
+    gateway = gateway_factory([plain_engines[0], plain_engines[1]], admin_key_file=key_file,
                               policy="round_robin")
     assert served_by(gateway, 4) == {"r0", "r1"}
     removed = admin(gateway, "DELETE", "/admin/upstreams/r1", drain=5)
@@ -163,32 +155,32 @@ def test_a_removed_upstream_takes_no_new_request_and_its_name_can_come_back(
     assert served_by(gateway, 6) == {"r0"}
     assert [u["name"] for u in admin(gateway, "GET").json()["upstreams"]] == ["r0"]
     assert "r1" not in gateway.gateway.router.upstreams
-    again = admin(gateway, "POST", body={"url": engines[1].server.url, "name": "r1"}, wait=10)
+    again = admin(gateway, "POST", body={"url": plain_engines[1].server.url, "name": "r1"}, wait=10)
     assert again.status_code == 201 and again.json()["healthy"]
     assert served_by(gateway, 6) == {"r0", "r1"}
 
 
 def test_a_name_with_slashes_is_removed_by_its_quoted_path(
-        engines: list[Engine], gateway_factory: Factory, key_file: str) -> None:
+        plain_engines: list[Engine], gateway_factory: Factory, key_file: str) -> None:
     """An upstream named by its URL (the default) is removed through its percent-encoded
     name."""
-    gateway = gateway_factory([engines[0]], admin_key_file=key_file)
-    url = engines[1].server.url
+    gateway = gateway_factory([plain_engines[0]], admin_key_file=key_file)
+    url = plain_engines[1].server.url
     assert admin(gateway, "POST", body={"url": url}, wait=10).json()["name"] == url
     removed = admin(gateway, "DELETE", "/admin/upstreams/" + quote(url, safe=""))
     assert removed.status_code == 200 and removed.json()["removed"] == url
 
 
 def test_removing_every_upstream_leaves_readable_refusals(
-        engines: list[Engine], gateway_factory: Factory, key_file: str) -> None:
+        plain_engines: list[Engine], gateway_factory: Factory, key_file: str) -> None:
     """With no upstream left a request is a 404 naming no served model, and /ready a 503;
     adding one back serves again."""
-    gateway = gateway_factory([engines[0]], admin_key_file=key_file)
+    gateway = gateway_factory([plain_engines[0]], admin_key_file=key_file)
     assert admin(gateway, "DELETE", "/admin/upstreams/r0").status_code == 200
     refused = httpx.post(gateway.url + "/v1/completions", json=BODY, timeout=10)
     assert refused.status_code == 404 and "served models: none" in refused.text
     assert httpx.get(gateway.url + "/ready").status_code == 503
-    assert admin(gateway, "POST", body={"url": engines[0].server.url, "name": "r0"},
+    assert admin(gateway, "POST", body={"url": plain_engines[0].server.url, "name": "r0"},
                  wait=10).status_code == 201
     assert served_by(gateway, 2) == {"r0"}
 
@@ -258,14 +250,14 @@ def test_an_upstream_with_kv_events_added_at_runtime_is_indexed_exactly(
 
 
 def test_churn_of_additions_and_removals_leaves_no_state_behind(
-        engines: list[Engine], gateway_factory: Factory, key_file: str) -> None:
+        plain_engines: list[Engine], gateway_factory: Factory, key_file: str) -> None:
     """Fifty add-and-remove rounds under traffic: the gateway's per-upstream tables hold only
     what is there, the removed upstream's trees are empty, and no request failed."""
-    gateway = gateway_factory([engines[0]], admin_key_file=key_file, policy="cache_aware",
+    gateway = gateway_factory([plain_engines[0]], admin_key_file=key_file, policy="cache_aware",
                               policy_options={"block_size": 4})
     for round_number in range(50):
         name = f"churn{round_number}"
-        assert admin(gateway, "POST", body={"url": engines[1].server.url, "name": name},
+        assert admin(gateway, "POST", body={"url": plain_engines[1].server.url, "name": name},
                      wait=10).status_code == 201
         assert served_by(gateway, 2)
         assert admin(gateway, "DELETE", f"/admin/upstreams/{name}", drain=5).status_code == 200
@@ -281,16 +273,16 @@ def test_churn_of_additions_and_removals_leaves_no_state_behind(
 
 
 def test_apply_upstreams_adds_removes_and_replaces_by_name(
-        engines: list[Engine], gateway_factory: Factory) -> None:
+        plain_engines: list[Engine], gateway_factory: Factory) -> None:
     """A reload's list is matched by name: a new name is added, a missing one removed, one
     whose settings changed is replaced; an unchanged one keeps its state."""
     from kvreuse.gateway.config import UpstreamConfig
 
-    gateway = gateway_factory([engines[0], engines[1]], policy="round_robin")
+    gateway = gateway_factory([plain_engines[0], plain_engines[1]], policy="round_robin")
     kept = gateway.gateway.router.upstreams["r0"]
-    wanted = (engines[0].upstream,
-              UpstreamConfig(engines[2].server.url, name="r2"),
-              UpstreamConfig(engines[1].server.url, name="r1", weight=2.0))
+    wanted = (plain_engines[0].upstream,
+              UpstreamConfig(plain_engines[2].server.url, name="r2"),
+              UpstreamConfig(plain_engines[1].server.url, name="r1", weight=2.0))
     done = gateway.server.call(gateway.gateway.apply_upstreams(wanted, drain_s=5), 30)
     assert done == {"added": ["r2"], "removed": [], "replaced": ["r1"], "failed": []}
     assert gateway.gateway.router.upstreams["r0"] is kept
@@ -349,14 +341,14 @@ def test_sighup_reloads_the_config_files_upstreams(tmp_path: Path) -> None:
 
 
 def test_an_upstream_pointing_back_at_the_gateway_is_a_loop_cut_after_one_hop(
-        engines: list[Engine], gateway_factory: Factory, key_file: str,
+        plain_engines: list[Engine], gateway_factory: Factory, key_file: str,
         caplog: pytest.LogCaptureFixture) -> None:
     """A clumsy addition of the gateway's own URL: the request that comes back is refused
     with a 508 naming the loop, the gateway retries on the real engine, every client gets
     its answer, and the looping upstream is ejected."""
     import logging
 
-    gateway = gateway_factory([engines[0]], admin_key_file=key_file, policy="round_robin")
+    gateway = gateway_factory([plain_engines[0]], admin_key_file=key_file, policy="round_robin")
     assert admin(gateway, "POST", body={"url": gateway.url, "name": "itself"},
                  wait=10).status_code == 201
     with caplog.at_level(logging.WARNING):
@@ -368,11 +360,11 @@ def test_an_upstream_pointing_back_at_the_gateway_is_a_loop_cut_after_one_hop(
 
 
 def test_two_gateways_routing_to_each_other_are_cut(
-        engines: list[Engine], gateway_factory: Factory, key_file: str) -> None:
+        plain_engines: list[Engine], gateway_factory: Factory, key_file: str) -> None:
     """A sends to B, B back to A: the second visit to A is refused and A falls back on its
     engine; a via header that is not a gateway list is ignored, not trusted."""
-    a = gateway_factory([engines[0]], admin_key_file=key_file, policy="round_robin")
-    b = gateway_factory([engines[1]], admin_key_file=key_file, policy="round_robin")
+    a = gateway_factory([plain_engines[0]], admin_key_file=key_file, policy="round_robin")
+    b = gateway_factory([plain_engines[1]], admin_key_file=key_file, policy="round_robin")
     assert admin(a, "POST", body={"url": b.url, "name": "b"}, wait=10).status_code == 201
     assert admin(b, "DELETE", "/admin/upstreams/r1").status_code == 200
     assert admin(b, "POST", body={"url": a.url, "name": "a", "models": ["sim"]},
@@ -384,26 +376,26 @@ def test_two_gateways_routing_to_each_other_are_cut(
 
 
 def test_a_gateway_sharing_its_index_refuses_additions_with_a_409(
-        engines: list[Engine], gateway_factory: Factory, key_file: str) -> None:
+        plain_engines: list[Engine], gateway_factory: Factory, key_file: str) -> None:
     """With --shared-index the Redis index names its upstreams at start: an addition is a
     409 saying to restart with the new list."""
     from kvreuse.gateway.shared_index import attach
 
-    gateway = gateway_factory([engines[0]], admin_key_file=key_file, policy="cache_aware")
+    gateway = gateway_factory([plain_engines[0]], admin_key_file=key_file, policy="cache_aware")
     attach(gateway.gateway, "redis://127.0.0.1:1")  # the client connects only when used
-    refused = admin(gateway, "POST", body={"url": engines[1].server.url, "name": "r1"})
+    refused = admin(gateway, "POST", body={"url": plain_engines[1].server.url, "name": "r1"})
     assert refused.status_code == 409 and "--shared-index" in refused.json()["error"]["message"]
 
 
 def test_concurrent_calls_on_one_name_settle_to_one_outcome(
-        engines: list[Engine], gateway_factory: Factory, key_file: str) -> None:
+        plain_engines: list[Engine], gateway_factory: Factory, key_file: str) -> None:
     """Twenty simultaneous additions of one name: one 201, nineteen 409s; five simultaneous
     removals: one 200, four 404s; a removal while an addition waits for its probe ends the
     wait. The gateway's tables agree with the answers."""
     from concurrent.futures import ThreadPoolExecutor
 
-    gateway = gateway_factory([engines[0]], admin_key_file=key_file)
-    body = {"url": engines[1].server.url, "name": "twin"}
+    gateway = gateway_factory([plain_engines[0]], admin_key_file=key_file)
+    body = {"url": plain_engines[1].server.url, "name": "twin"}
     with ThreadPoolExecutor(20) as pool:
         added = list(pool.map(lambda _: admin(gateway, "POST", body=body).status_code,
                               range(20)))

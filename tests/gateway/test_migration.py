@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ from kvreuse.gateway.validation import parse_request
 from kvreuse.testing.cutter import CuttingProxy
 from kvreuse.testing.processes import Fleet
 
-from .fleet import Engine, RunningGateway, start_engine
+from .fleet import Engine, RunningGateway
 
 Factory = Callable[..., RunningGateway]
 
@@ -279,14 +279,6 @@ def test_migration_off_relays_bytes_untouched() -> None:
 # ---------------------------------------------------------------------------------- served
 
 
-@pytest.fixture(scope="module")
-def engines() -> Iterator[list[Engine]]:
-    started = [start_engine(f"m{i}", events=False) for i in range(2)]
-    yield started
-    for engine in started:
-        engine.server.stop()
-
-
 def stream(url: str, path: str, body: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
     """The JSON events of a streamed answer, and its raw text."""
     response = httpx.post(url + path, json={**body, "stream": True,
@@ -311,12 +303,12 @@ def watched(engine: Engine) -> CuttingProxy:
 
 @pytest.mark.parametrize("half", [False, True], ids=["between-events", "mid-event"])
 def test_a_completion_cut_mid_stream_is_finished_by_another_engine(
-        engines: list[Engine], gateway_factory: Factory, half: bool,
+        plain_engines: list[Engine], gateway_factory: Factory, half: bool,
         caplog: pytest.LogCaptureFixture) -> None:
     """The client gets every token it asked for in one stream with one id, no error; the
     second engine was asked for the rest with the sent text in its prompt."""
-    with CuttingProxy(engines[0].server.url, cut_after=3, half=half) as cut, \
-            watched(engines[1]) as watcher:
+    with CuttingProxy(plain_engines[0].server.url, cut_after=3, half=half) as cut, \
+            watched(plain_engines[1]) as watcher:
         gateway = gateway_factory([UpstreamConfig(cut.url, name="cut"),
                                    UpstreamConfig(watcher.url, name="watched")],
                                   policy="round_robin")
@@ -339,11 +331,11 @@ def test_a_completion_cut_mid_stream_is_finished_by_another_engine(
 
 
 def test_a_chat_cut_mid_stream_is_continued_as_the_assistant_message(
-        engines: list[Engine], gateway_factory: Factory) -> None:
+        plain_engines: list[Engine], gateway_factory: Factory) -> None:
     """A chat's continuation carries the partial answer as a final assistant message; the
     client sees one role opener and every token."""
-    with CuttingProxy(engines[0].server.url, cut_after=3) as cut, \
-            watched(engines[1]) as watcher:
+    with CuttingProxy(plain_engines[0].server.url, cut_after=3) as cut, \
+            watched(plain_engines[1]) as watcher:
         gateway = gateway_factory([UpstreamConfig(cut.url, name="cut"),
                                    UpstreamConfig(watcher.url, name="watched")],
                                   policy="round_robin")
@@ -361,11 +353,11 @@ def test_a_chat_cut_mid_stream_is_continued_as_the_assistant_message(
 
 
 def test_an_error_event_mid_stream_is_continued_elsewhere(
-        engines: list[Engine], gateway_factory: Factory) -> None:
+        plain_engines: list[Engine], gateway_factory: Factory) -> None:
     """An engine that ends a started stream with an error event (vLLM's dead engine core):
     the client never sees it and gets the whole answer from the other engine."""
-    with CuttingProxy(engines[0].server.url, cut_after=2, error_event=True) as cut:
-        gateway = gateway_factory([UpstreamConfig(cut.url, name="cut"), engines[1].upstream],
+    with CuttingProxy(plain_engines[0].server.url, cut_after=2, error_event=True) as cut:
+        gateway = gateway_factory([UpstreamConfig(cut.url, name="cut"), plain_engines[1].upstream],
                                   policy="round_robin")
         events, raw = stream(gateway.url, "/v1/completions",
                              {"model": "sim", "prompt": "go", "max_tokens": 7})
@@ -374,13 +366,13 @@ def test_an_error_event_mid_stream_is_continued_elsewhere(
     assert len([e for e in events if e["choices"]]) == 7
 
 
-def test_a_stream_cut_twice_is_continued_twice(engines: list[Engine],
+def test_a_stream_cut_twice_is_continued_twice(plain_engines: list[Engine],
                                                gateway_factory: Factory) -> None:
-    """Two engines break in turn: the third finishes the answer, which still has one id and
+    """Two plain_engines break in turn: the third finishes the answer, which still has one id and
     every token (retries 2 allow three upstreams)."""
-    with CuttingProxy(engines[0].server.url, cut_after=2) as first, \
-            CuttingProxy(engines[1].server.url, cut_after=3) as second, \
-            watched(engines[1]) as third:
+    with CuttingProxy(plain_engines[0].server.url, cut_after=2) as first, \
+            CuttingProxy(plain_engines[1].server.url, cut_after=3) as second, \
+            watched(plain_engines[1]) as third:
         gateway = gateway_factory([UpstreamConfig(first.url, name="first"),
                                    UpstreamConfig(second.url, name="second"),
                                    UpstreamConfig(third.url, name="third")],
@@ -395,11 +387,11 @@ def test_a_stream_cut_twice_is_continued_twice(engines: list[Engine],
 
 
 def test_a_hung_continuation_times_out_and_a_leaving_client_frees_it(
-        engines: list[Engine], gateway_factory: Factory, tmp_path: Path) -> None:
+        plain_engines: list[Engine], gateway_factory: Factory, tmp_path: Path) -> None:
     """The next upstream hangs on the continuation: the stream ends with an error naming the
     timeout instead of hanging; and a client that leaves during that wait closes the hung
     upstream's connection."""
-    with Fleet(tmp_path) as fleet, CuttingProxy(engines[0].server.url, cut_after=2) as cut:
+    with Fleet(tmp_path) as fleet, CuttingProxy(plain_engines[0].server.url, cut_after=2) as cut:
         hung = fleet.start_misbehaving("hung", "hang")
         upstreams = [UpstreamConfig(cut.url, name="cut"), UpstreamConfig(hung.url, name="hung")]
         gateway = gateway_factory(upstreams, policy="round_robin", upstream_timeout_s=1.0)
@@ -424,21 +416,21 @@ def test_a_hung_continuation_times_out_and_a_leaving_client_frees_it(
 
 
 def test_without_retries_or_with_migration_off_a_cut_stream_ends_in_an_error_event(
-        engines: list[Engine], gateway_factory: Factory) -> None:
+        plain_engines: list[Engine], gateway_factory: Factory) -> None:
     """--retries 0 or --no-stream-migration: the old ending, an SSE error event and [DONE]."""
     body = {"model": "sim", "prompt": "tell me", "max_tokens": 9}
-    with CuttingProxy(engines[0].server.url, cut_after=2) as proxy:
+    with CuttingProxy(plain_engines[0].server.url, cut_after=2) as proxy:
         for options in ({"retries": 0}, {"stream_migration": False}):
-            gateway = cut_gateway(gateway_factory, proxy, engines[1], **options)
+            gateway = cut_gateway(gateway_factory, proxy, plain_engines[1], **options)
             _, raw = stream(gateway.url, "/v1/completions", body)
             assert '"error"' in raw and "failed mid-stream" in raw
 
 
 def test_a_refused_continuation_ends_the_stream_with_its_reason(
-        engines: list[Engine], gateway_factory: Factory, tmp_path: Path) -> None:
+        plain_engines: list[Engine], gateway_factory: Factory, tmp_path: Path) -> None:
     """The next upstream answers the continuation with a 4xx: the stream ends with an error
     event that names the refusal."""
-    with Fleet(tmp_path) as fleet, CuttingProxy(engines[0].server.url, cut_after=2) as cut:
+    with Fleet(tmp_path) as fleet, CuttingProxy(plain_engines[0].server.url, cut_after=2) as cut:
         refuser = fleet.start_misbehaving("refuser", "status", "--status", "400")
         gateway = gateway_factory([UpstreamConfig(cut.url, name="cut"),
                                    UpstreamConfig(refuser.url, name="refuser")],
@@ -449,10 +441,10 @@ def test_a_refused_continuation_ends_the_stream_with_its_reason(
 
 
 def test_a_cut_with_no_other_upstream_ends_in_an_error_naming_both(
-        engines: list[Engine], gateway_factory: Factory) -> None:
+        plain_engines: list[Engine], gateway_factory: Factory) -> None:
     """Only the broken upstream serves the model: the error says it broke and that no
     upstream could continue the stream."""
-    with CuttingProxy(engines[0].server.url, cut_after=2) as proxy:
+    with CuttingProxy(plain_engines[0].server.url, cut_after=2) as proxy:
         gateway = gateway_factory([UpstreamConfig(proxy.url, name="cut")])
         _, raw = stream(gateway.url, "/v1/completions",
                         {"model": "sim", "prompt": "x", "max_tokens": 5})
