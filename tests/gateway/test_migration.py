@@ -449,3 +449,23 @@ def test_a_cut_with_no_other_upstream_ends_in_an_error_naming_both(
         _, raw = stream(gateway.url, "/v1/completions",
                         {"model": "sim", "prompt": "x", "max_tokens": 5})
     assert "failed mid-stream" in raw and "no upstream could continue the stream" in raw
+
+
+def test_a_tenants_continuation_carries_its_cache_salt(
+        plain_engines: list[Engine], gateway_factory: Factory, tmp_path: Path) -> None:
+    """With tenants on, the continuation goes out with the tenant's salt, as the first
+    request did: a migration cannot read another tenant's cache."""
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text('secret = "a-long-enough-secret"\n[keys]\n"key-a" = "alpha"\n')
+    with CuttingProxy(plain_engines[0].server.url, cut_after=2) as cut, \
+            watched(plain_engines[1]) as watcher:
+        gateway = gateway_factory([UpstreamConfig(cut.url, name="cut"),
+                                   UpstreamConfig(watcher.url, name="watched")],
+                                  policy="round_robin", tenants=str(tenants))
+        response = httpx.post(gateway.url + "/v1/completions", timeout=30,
+                              headers={"authorization": "Bearer key-a"},
+                              json={"model": "sim", "prompt": "p", "max_tokens": 6,
+                                    "stream": True})
+        first, continuation = cut.bodies[-1], watcher.bodies[-1]
+    assert response.status_code == 200 and "error" not in response.text
+    assert first["cache_salt"] and continuation["cache_salt"] == first["cache_salt"]
