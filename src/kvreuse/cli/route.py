@@ -64,7 +64,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=port_number, default=8080)
     parser.add_argument("--upstream", action="append", default=[], metavar="URL[,key=value]")
-    parser.add_argument("--config", type=Path, metavar="FILE", help="TOML gateway config")
+    parser.add_argument("--config", type=Path, metavar="FILE",
+                        help="TOML gateway config; SIGHUP re-reads its [[upstreams]] and "
+                        "adds, removes or replaces upstreams to match")
     parser.add_argument(
         "--policy", choices=sorted(DESCRIPTIONS),
         help=f"routing policy (default {DEFAULT_POLICY}): " + "; ".join(
