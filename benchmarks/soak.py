@@ -78,6 +78,7 @@ class Traffic:
     preamble_tokens: int = 200
     document_tokens: int = 600
     question_tokens: int = 40
+    max_tokens: int = 4
     sent: dict[tuple[str, str], int] = field(default_factory=dict)
 
     def note_sent(self, call: Call) -> None:
@@ -113,7 +114,7 @@ class Traffic:
             question = range(next_question, next_question + self.question_tokens)
             next_question += self.question_tokens
             tokens = pack([*preamble, *body_ids, *question])
-            body = {"model": MODEL, "prompt": tokens_text(tokens), "max_tokens": 4,
+            body = {"model": MODEL, "prompt": tokens_text(tokens), "max_tokens": self.max_tokens,
                     "stream": True, "stream_options": {"include_usage": True}}
             yield Call(now, "/v1/completions", json.dumps(body).encode(), f"t{tenant}",
                        session=f"doc{doc}", prompt_tokens=len(tokens) // 4)
@@ -281,6 +282,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tenants", type=int, default=3)
     parser.add_argument("--cache-tokens", type=int, default=16_384)
     parser.add_argument("--policy", default="exact")
+    parser.add_argument("--max-tokens", type=int, default=4,
+                        help="tokens per streamed answer (longer: more streams are mid-answer "
+                        "when the engine is killed, and continued elsewhere)")
     parser.add_argument("--malformed-per-s", type=float, default=4.0)
     parser.add_argument("--upstream-timeout", type=float, default=2.0,
                         help="the gateway's --upstream-timeout (the hung and frozen upstreams "
@@ -355,7 +359,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                           f"{tally.lost_before_first_byte}, cross-tenant "
                           f"{tally.cross_tenant_hits}", flush=True)
 
-        traffic = Traffic(args.rate, seconds, args.tenants)
+        traffic = Traffic(args.rate, seconds, args.tenants, max_tokens=args.max_tokens)
 
         def pick(i: int, call: Call) -> str:
             traffic.note_sent(call)
