@@ -415,6 +415,35 @@ def test_a_hung_continuation_times_out_and_a_leaving_client_frees_it(
             time.sleep(0.05)
 
 
+def test_the_access_log_names_the_upstreams_a_stream_was_continued_from(
+        plain_engines: list[Engine], gateway_factory: Factory) -> None:
+    """A stream continued twice is one access-log line: status 200, no error, the last
+    upstream, and continued_from naming the two that broke, in order."""
+    import io
+
+    with CuttingProxy(plain_engines[0].server.url, cut_after=2) as first, \
+            CuttingProxy(plain_engines[1].server.url, cut_after=3) as second:
+        gateway = gateway_factory([UpstreamConfig(first.url, name="first"),
+                                   UpstreamConfig(second.url, name="second"),
+                                   # retries go by cached tokens, then queue, then name
+                                   UpstreamConfig(plain_engines[2].server.url, name="third")],
+                                  policy="round_robin", access_log="json")
+        lines = io.StringIO()
+        gateway.gateway.access_log.stream = lines
+        stream(gateway.url, "/v1/completions", {"model": "sim", "prompt": "go",
+                                                 "max_tokens": 9})
+        gateway.server.call(asyncio_noop(), 10)  # the request has finished on the loop
+        gateway.gateway.access_log.flush()
+    logged = [json.loads(line) for line in lines.getvalue().splitlines()]
+    assert len(logged) == 1
+    assert logged[0]["status"] == 200 and logged[0]["error"] is None
+    assert logged[0]["upstream"] == "third" and logged[0]["continued_from"] == "first,second"
+
+
+async def asyncio_noop() -> None:
+    return None
+
+
 def test_without_retries_or_with_migration_off_a_cut_stream_ends_in_an_error_event(
         plain_engines: list[Engine], gateway_factory: Factory) -> None:
     """--retries 0 or --no-stream-migration: the old ending, an SSE error event and [DONE]."""

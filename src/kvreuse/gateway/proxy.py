@@ -411,6 +411,8 @@ class Forwarder:
                                 reply.request_id, upstream.name, exc.kind,
                                 continuation.carried, exc)
                     record.error = f"upstream {upstream.name} failed mid-stream: {exc}"
+                    record.continued_from = (upstream.name if record.continued_from is None
+                                             else f"{record.continued_from},{upstream.name}")
                     continuing = True
                     return True
                 why = continuation if isinstance(continuation, str) else "no retries left"

@@ -79,6 +79,8 @@ class RequestRecord:
     cached_tokens: int | None = None
     prompt_tokens: int | None = None
     retries: int = 0
+    # The upstreams whose stream broke mid-answer and was continued elsewhere, in order.
+    continued_from: str | None = None
     status: int = 0
     first_byte: float | None = None
     finished: float | None = None
@@ -123,6 +125,7 @@ def access_fields(record: RequestRecord, policy: str) -> dict[str, Any]:
         "cached_tokens": record.cached_tokens,
         "prompt_tokens": record.prompt_tokens,
         "retries": record.retries,
+        "continued_from": record.continued_from,
         "status": record.status,
         "ttft_ms": _ms(record.ttft_s),
         "total_ms": _ms(record.total_s),
