@@ -259,6 +259,21 @@ def test_a_finished_answer_only_needs_its_done() -> None:
     assert isinstance(spent.continuation(), Complete)
 
 
+def test_tokens_whose_text_never_arrived_are_asked_for_again() -> None:
+    """The last events before a break carried no text (held UTF-8 bytes): the continuation
+    does not count them as sent, and usage after it counts each token once."""
+    progress = completion()
+    fed(progress, completion_event(" a"), completion_event(""), completion_event(" b"),
+        completion_event(""), completion_event(""))
+    body = continued(progress)
+    assert body["prompt"] == "Once upon a b" and body["max_tokens"] == 7
+    progress.begin_upstream()
+    usage = {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}
+    out = progress.relay(b'data: {"id": "x", "choices": [], "usage": '
+                         + json.dumps(usage).encode() + b"}\n\n")
+    assert json.loads(out[6:])["usage"]["completion_tokens"] == 10
+
+
 def test_continuous_usage_stats_count_the_tokens_exactly() -> None:
     """With continuous usage stats, tokens sent are the engine's count, not the events'."""
     progress = completion()

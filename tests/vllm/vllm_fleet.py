@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from kvreuse.testing.servers import free_listen_port, free_port
+from kvreuse.testing.servers import free_listen_port
 
 BLOCK_SIZE = 32  # the CPU attention backend wants multiples of 32 (its default is 128)
 MODEL_NAME = "tiny-llama"
@@ -65,9 +65,15 @@ def launch(name: str, python: str, model_dir: Path, log_dir: Path,
            served: tuple[str, ...] = (MODEL_NAME,)) -> Replica:
     """Start one replica serving the model under the ``served`` names; returns at once (see
     :func:`wait_ready`)."""
-    # The gateway binds the events endpoint after vLLM starts connecting to it (see
-    # free_listen_port); vLLM binds its own HTTP and replay ports.
-    port, events_port, replay_port = free_port(), free_listen_port(), free_port()
+    # Every port comes from below Linux's ephemeral range (free_listen_port): the gateway binds
+    # the events endpoint after vLLM starts connecting to it, and vLLM binds its own HTTP and
+    # replay ports some 30 s after they were picked, while the other replica's ZeroMQ
+    # reconnects take a fresh ephemeral source port every 100 ms. An ephemeral pick was once
+    # taken in between ("Address already in use" on the replay port, a CI run lost).
+    ports: set[int] = set()
+    while len(ports) < 3:
+        ports.add(free_listen_port())
+    port, events_port, replay_port = sorted(ports)
     events = f"tcp://127.0.0.1:{events_port}"
     replay = f"tcp://127.0.0.1:{replay_port}"
     kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events,

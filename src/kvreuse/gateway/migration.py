@@ -36,7 +36,10 @@ stream is continued elsewhere when it can be.
 Tokens sent so far are counted as the events that carried output: vLLM and SGLang send one per
 engine step, which is one token without speculative decoding (with it, a step may carry
 several, and the continuation may run that many tokens past ``max_tokens``). A stream that
-reported ``continuous_usage_stats`` is counted exactly from them. The usage chunk after a
+reported ``continuous_usage_stats`` is counted exactly from them. The last events before a
+break that carried no text (bytes of a character the detokenizer held back) are not in the
+text the continuation extends, so they are not counted as sent: the next upstream generates
+them again. The usage chunk after a
 migration reports the completion tokens of both upstreams, and as prompt tokens the
 continuation's less the tokens carried over into its prompt; cached tokens are the
 continuation's. The gateway's own per-upstream tallies keep each upstream's real usage.
@@ -206,6 +209,7 @@ class StreamProgress:
         self.failure: str | None = None
         self.max_text_bytes = max_text_bytes
         self._text_bytes = 0
+        self._trailing_empty = 0  # the last output events that carried no text
         self._held = b""
         self._scanner = UsageScanner()  # once not continuable, usage is all that is read
         self._id: Any = None
@@ -222,7 +226,13 @@ class StreamProgress:
         self._held = b""  # an unfinished event of a broken upstream never reaches the client
         self._scanner = UsageScanner()
         if self.upstreams > 1:
-            self._carried = self.completion_tokens()
+            # The tokens whose text never reached the client are asked for again: they stop
+            # counting as sent.
+            self._carried = self.carried_tokens()
+            self.steps = max(0, self.steps - self._trailing_empty)
+            if self.reported_completion is not None:
+                self.reported_completion = self._carried
+            self._trailing_empty = 0
             self._prompt_carried = self._carried
 
     def relay(self, chunk: bytes) -> bytes:
@@ -341,6 +351,7 @@ class StreamProgress:
 
     def _keep(self, piece: str) -> None:
         self.steps += 1
+        self._trailing_empty = 0 if piece else self._trailing_empty + 1
         self._text_bytes += len(piece)
         if self._text_bytes > self.max_text_bytes:
             self._block(f"the answer so far is over {self.max_text_bytes} characters")
@@ -400,6 +411,13 @@ class StreamProgress:
         return self.reported_completion if self.reported_completion is not None \
             else self.steps
 
+    def carried_tokens(self) -> int:
+        """The output tokens a continuation carries over: those sent so far, less the last
+        ones that carried no text (bytes of an unfinished character the detokenizer held
+        back, or skipped special tokens), which are not in the text it is asked to continue
+        and so are generated again."""
+        return max(0, self.completion_tokens() - self._trailing_empty)
+
     def continuation(self) -> Continuation | Complete | str:
         """The next upstream's request after a break, :class:`Complete` when none is needed,
         or why the stream cannot be continued. O(body)."""
@@ -410,7 +428,7 @@ class StreamProgress:
         if self.blocked is not None:
             return self.blocked
         text = "".join(self.text)
-        carried = self.completion_tokens()
+        carried = self.carried_tokens()
         body = copy.deepcopy(self.parsed.body)
         if text and any(body.get(name) is not None for name in STRUCTURED_OUTPUT_FIELDS):
             return "structured output cannot restart its grammar mid-answer"
