@@ -146,12 +146,15 @@ def _seconds(text: str, name: str) -> float:
 
 async def _admin_body(request: Request) -> dict[str, Any]:
     """The admin call's JSON object, read up to :data:`MAX_ADMIN_BODY_BYTES`."""
-    body = b""
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_ADMIN_BODY_BYTES:
-            raise ConfigError(f"body over {MAX_ADMIN_BODY_BYTES} bytes: an upstream's "
-                              "settings are a few hundred")
+    declared = request.headers.get("content-length")
+    try:
+        body = await read_body(request.receive, MAX_ADMIN_BODY_BYTES,
+                               declared.encode("latin-1") if declared is not None else None)
+    except RequestError:
+        raise ConfigError(f"body over {MAX_ADMIN_BODY_BYTES} bytes: an upstream's settings "
+                          "are a few hundred") from None
+    except ClientGone:  # nobody reads the answer; nothing was added
+        raise ConfigError("the client left before its body arrived") from None
     try:
         value = parse_json(body)
     except (InputFormatError, RecursionError, UnicodeError) as exc:
@@ -374,14 +377,11 @@ class Gateway:
         self.router.add_upstream(upstream, self.index_budget(upstream))
         subscriber = None
         if config.events:
-            subscriber = self._subscriber(upstream)
             try:
-                subscriber.open()
-            except zmq.ZMQError as exc:
+                subscriber = self._open_subscriber(upstream)
+            except ConfigError:
                 self.router.remove_upstream(name)
-                verb = "bind" if config.bind else "connect to"
-                raise ConfigError(f"upstream {name}: cannot {verb} events {config.events}: "
-                                  f"{exc.strerror}") from None
+                raise
         self._open_pools(upstream)
         self.upstreams.append(upstream)
         for model in upstream.models or ():
@@ -506,17 +506,25 @@ class Gateway:
             events = upstream.config.events
             if not events:
                 continue
-            subscriber = self._subscriber(upstream)
             try:
-                subscriber.open()
-            except zmq.ZMQError as exc:
+                opened.append(self._open_subscriber(upstream))
+            except ConfigError:
                 for done in opened:
                     done.close()
-                verb = "bind" if upstream.config.bind else "connect to"
-                raise ConfigError(f"upstream {upstream.name}: cannot {verb} events {events}: "
-                                  f"{exc.strerror}") from None
-            opened.append(subscriber)
+                raise
         self.subscribers.extend(opened)
+
+    def _open_subscriber(self, upstream: UpstreamState) -> EventSubscriber:
+        """``upstream``'s KV-event subscriber, its socket bound (or connected); an endpoint
+        ZeroMQ refuses is a :class:`ConfigError` naming the upstream."""
+        subscriber = self._subscriber(upstream)
+        try:
+            subscriber.open()
+        except zmq.ZMQError as exc:
+            verb = "bind" if upstream.config.bind else "connect to"
+            raise ConfigError(f"upstream {upstream.name}: cannot {verb} events "
+                              f"{upstream.config.events}: {exc.strerror}") from None
+        return subscriber
 
     def _subscriber(self, upstream: UpstreamState) -> EventSubscriber:
         name = upstream.name

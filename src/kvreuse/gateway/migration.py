@@ -309,7 +309,7 @@ class StreamProgress:
             if self.blocked is None:
                 # vLLM ends a stream whose engine died with an error event (its code says
                 # 400 even then); after the first token no error is the caller's to fix.
-                self.failure = f"error event: {_excerpt(payload)}"
+                self.failure = f"error event: {excerpt(payload)}"
                 return None
             return event if not rewriting else self._rewritten(payload, [], None)
         choices = decoded.choices or []
@@ -463,7 +463,8 @@ def _plausible_id(value: Any) -> bool:
     return isinstance(value, str) and 0 < len(value) <= MAX_ID_CHARS
 
 
-def _excerpt(payload: bytes, limit: int = 300) -> str:
+def excerpt(payload: bytes, limit: int = 300) -> str:
+    """The start of an upstream's body or event, for logs and error messages."""
     text = payload[:limit].decode("utf-8", errors="replace").strip()
     return text + ("..." if len(payload) > limit else "")
 

@@ -35,7 +35,13 @@ from typing import Any
 from kvreuse.gateway.asgi import DisconnectHook, RawHeaders, Receive, until_disconnect
 from kvreuse.gateway.exchange import ClientReply, sse_error_event
 from kvreuse.gateway.metrics import GatewayMetrics, TokenTally
-from kvreuse.gateway.migration import Complete, Continuation, StreamProgress, decode_usage
+from kvreuse.gateway.migration import (
+    Complete,
+    Continuation,
+    StreamProgress,
+    decode_usage,
+    excerpt,
+)
 from kvreuse.gateway.router import Candidate, Plan, Router
 from kvreuse.gateway.telemetry import RequestRecord
 from kvreuse.gateway.upstream_client import (
@@ -129,7 +135,6 @@ class Forwarder:
         self.max_response_bytes = max_response_bytes
         self.migrate = migrate
         self.max_continuation_bytes = max_continuation_bytes
-        self._names: dict[str, bytes] = {}
 
     async def forward(self, receive: Receive, reply: ClientReply, path: str, body: bytes,
                       parsed: ParsedRequest, plan: Plan, record: RequestRecord,
@@ -152,9 +157,6 @@ class Forwarder:
         progress: StreamProgress | None = None
         for attempt, candidate in enumerate(self.router.candidates(plan, self.retries + 1)):
             upstream = candidate.upstream
-            if upstream.removed:  # taken out at runtime after this request was planned
-                attempts.causes.append(f"{upstream.name}: removed from the gateway")
-                continue
             record.upstream = upstream.name
             record.branch = candidate.branch
             record.predicted_cached_tokens = candidate.predicted_cached_tokens
@@ -184,7 +186,7 @@ class Forwarder:
                     settled = True
                     attempts.last_5xx = response.status
                     self._failed(reply, plan, candidate, attempts, "HTTP",
-                                 f"{response.status} {_excerpt(content)}")
+                                 f"{response.status} {excerpt(content, 200)}")
                     continue
                 if progress is not None and response.status != 200:
                     content = await self._read_quietly(response)
@@ -193,7 +195,7 @@ class Forwarder:
                                                content, record)
                     await self._end_stream(reply, record, progress, f"upstream {upstream.name} "
                                            f"refused the continuation: {response.status} "
-                                           f"{_excerpt(content)}")
+                                           f"{excerpt(content, 200)}")
                     return
                 if parsed.stream and response.status == 200:
                     stream = response.chunks()
@@ -311,18 +313,9 @@ class Forwarder:
         await reply.json(status, error_body(f"{message} (request id {reply.request_id})",
                                             kind, status))
 
-    def _name_bytes(self, name: str) -> bytes:
-        """The upstream's name as a header value (ASCII: UpstreamConfig checks), cached."""
-        encoded = self._names.get(name)
-        if encoded is None:
-            if len(self._names) > 4 * len(self.pools) + 64:  # names of removed upstreams
-                self._names.clear()
-            encoded = self._names[name] = name.encode("ascii")
-        return encoded
-
     def _headers(self, candidate: Candidate, content_type: bytes | None) -> RawHeaders:
         headers = [
-            (b"x-kvreuse-upstream", self._name_bytes(candidate.upstream.name)),
+            (b"x-kvreuse-upstream", candidate.upstream.header_name),
             (b"x-kvreuse-branch", candidate.branch.encode()),
             (b"x-kvreuse-predicted-cached-tokens", b"%d" % candidate.predicted_cached_tokens),
         ]
@@ -470,9 +463,3 @@ class Forwarder:
             return await response.read(1 << 20)
         except UpstreamError:
             return b""
-
-
-def _excerpt(content: bytes, limit: int = 200) -> str:
-    """The start of an upstream's error body, for logs and error messages."""
-    text = content[:limit].decode("utf-8", errors="replace").strip()
-    return text + ("..." if len(content) > limit else "")

@@ -290,13 +290,14 @@ class Router:
         return Plan(request, first, eligible, time.perf_counter() - started)
 
     def candidates(self, plan: Plan, limit: int) -> Iterator[Candidate]:
-        """At most ``limit`` upstreams to try, in order: the policy's choice, then (computed
-        only when asked for, i.e. after the choice failed) the other eligible ones, most
-        cached prompt tokens first, then least predicted queueing. O(n log n) for n
-        eligible, plus one index match each in exact mode."""
+        """At most ``limit`` upstreams to try, in order: the policy's choice (unless removed
+        since), then (computed only when asked for, i.e. after the choice failed) the other
+        eligible ones, most cached prompt tokens first, then least predicted queueing.
+        O(n log n) for n eligible, plus one index match each in exact mode."""
         if limit < 1:
             return
-        yield plan.first
+        if not plan.first.upstream.removed:  # taken out at runtime since the plan was made
+            yield plan.first
         if limit == 1:
             return
         chosen = plan.first.upstream

@@ -133,6 +133,7 @@ class UpstreamState:
         its first health probe passes, which admits it at once."""
         self.config = config
         self.name = config.name
+        self.header_name = config.name.encode("ascii")  # x-kvreuse-upstream (names are ASCII)
         self.eject_after = eject_after
         self.readmit_after = readmit_after
         self.ejection_s = ejection_s
