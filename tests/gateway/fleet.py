@@ -24,7 +24,8 @@ class Engine:
 
 
 def start_engine(name: str, *, model: str = "sim", events: bool = True, shape: str = "map",
-                 replay: bool = False, **overrides: object) -> Engine:
+                 replay: bool = False, host: str = "127.0.0.1", port: int = 0,
+                 **overrides: object) -> Engine:
     settings: dict[str, object] = {"model": model, "block_size": 4, "num_blocks": 4096,
                                    "prefill_tokens_per_s": 1e6, "overhead_s": 0.0,
                                    "time_per_output_token_s": 0.001}
@@ -34,7 +35,7 @@ def start_engine(name: str, *, model: str = "sim", events: bool = True, shape: s
     engine = build_engine(EngineConfig(**settings), TextApproximation(),  # type: ignore[arg-type]
                           events_endpoint=endpoint, replay_endpoint=replay_endpoint,
                           topic="kv-events", shape=shape)
-    server = ServerThread(engine.app).start()
+    server = ServerThread(engine.app, host=host, port=port).start()
     upstream = UpstreamConfig(server.url, name=name, events=endpoint, replay=replay_endpoint,
                               topic="kv-events")
     return Engine(server, engine, upstream)

@@ -173,12 +173,12 @@ def test_a_name_with_slashes_is_removed_by_its_quoted_path(
 
 def test_removing_every_upstream_leaves_readable_refusals(
         plain_engines: list[Engine], gateway_factory: Factory, key_file: str) -> None:
-    """With no upstream left a request is a 404 naming no served model, and /ready a 503;
-    adding one back serves again."""
+    """With no upstream left a request is a 503 saying so (retry later, not a missing
+    model), and /ready a 503; adding one back serves again."""
     gateway = gateway_factory([plain_engines[0]], admin_key_file=key_file)
     assert admin(gateway, "DELETE", "/admin/upstreams/r0").status_code == 200
     refused = httpx.post(gateway.url + "/v1/completions", json=BODY, timeout=10)
-    assert refused.status_code == 404 and "served models: none" in refused.text
+    assert refused.status_code == 503 and "has no upstream now" in refused.text
     assert httpx.get(gateway.url + "/ready").status_code == 503
     assert admin(gateway, "POST", body={"url": plain_engines[0].server.url, "name": "r0"},
                  wait=10).status_code == 201

@@ -18,7 +18,9 @@ through unbuffered; failures before the first byte are retried on the next candi
 
 Upstreams: --upstream URL[,name=N][,events=tcp://HOST:PORT][,replay=tcp://HOST:PORT]
 [,bind=true|false][,topic=T][,weight=W][,models=A|B], repeatable, or a TOML --config file (see
-DEVELOPERS.md).
+DEVELOPERS.md). --discover dns:NAME:PORT (A/AAAA records, e.g. a Kubernetes headless Service)
+or srv:NAME (SRV records) keeps them in step with DNS: found replicas are added, and one
+missing from 3 answers in a row is removed after draining.
 `events` is the endpoint given to vLLM's --kv-events-config: a tcp://HOST:PORT address makes vLLM
 connect, so the gateway binds it (bind=true, the default); with tcp://*:PORT vLLM binds and the
 gateway must connect (bind=false). With events, the gateway rebuilds each upstream's cache from
@@ -64,6 +66,12 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=port_number, default=8080)
     parser.add_argument("--upstream", action="append", default=[], metavar="URL[,key=value]")
+    parser.add_argument("--discover", action="append", default=[],
+                        metavar="dns:NAME:PORT|srv:NAME[,key=value]",
+                        help="keep the upstreams in step with a DNS name's A/AAAA records (a "
+                             "Kubernetes headless Service) or SRV records; keys: nameserver, "
+                             "interval_s, timeout_s, remove_after, scheme, models, weight, "
+                             "capacity_tokens, events_port, topic (repeatable)")
     parser.add_argument("--config", type=Path, metavar="FILE",
                         help="TOML gateway config; SIGHUP re-reads its [[upstreams]] and "
                         "adds, removes or replaces upstreams to match")
@@ -155,7 +163,12 @@ def register(subparsers: Any) -> None:
 
 
 def build_config(args: argparse.Namespace) -> Any:
-    from kvreuse.gateway.config import load_config_file, merge, parse_upstream_flag
+    from kvreuse.gateway.config import (
+        load_config_file,
+        merge,
+        parse_discover_flag,
+        parse_upstream_flag,
+    )
 
     file_config = load_config_file(args.config) if args.config else None
     options: dict[str, Any] = dict(file_config.policy_options) if file_config else {}
@@ -166,6 +179,7 @@ def build_config(args: argparse.Namespace) -> Any:
     return merge(
         file_config,
         [parse_upstream_flag(text) for text in args.upstream],
+        discovery=[parse_discover_flag(text) for text in args.discover],
         policy=args.policy,
         policy_options=options,
         tokenizer=args.tokenizer,
@@ -237,6 +251,9 @@ def run(args: argparse.Namespace) -> int:
     if args.shared_index:
         from kvreuse.gateway.shared_index import attach
 
+        if config.discovery:
+            raise ConfigError("--discover cannot be used with --shared-index: a shared index "
+                              "names its upstreams at start, so its membership is fixed")
         if args.shared_index_capacity_blocks < 1:
             raise ConfigError("--shared-index-capacity-blocks must be >= 1")
         attach(gateway, args.shared_index, capacity_blocks=args.shared_index_capacity_blocks)

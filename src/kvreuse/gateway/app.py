@@ -63,6 +63,7 @@ from kvreuse.gateway.config import (
     read_secret_file,
     upstream_from_table,
 )
+from kvreuse.gateway.discovery import Discovery
 from kvreuse.gateway.exchange import ClientReply, request_id_of
 from kvreuse.gateway.lanes import WorkerLanes, lane_full
 from kvreuse.gateway.metrics import GatewayMetrics, GatewayState, TokenTally
@@ -260,6 +261,7 @@ class Gateway:
         for upstream in self.upstreams:
             for name in upstream.models or ():
                 self.metrics.models.served_by_upstream(name)
+        self.discoveries = [Discovery(d, self) for d in config.discovery]
         # The generate endpoints are served by __call__ itself; Starlette serves the rest.
         self._starlette = Starlette(
             routes=[
@@ -306,6 +308,8 @@ class Gateway:
             self._tasks.append(loop.create_task(self._announce(self.announce)))
         if self.access_log.mode != "off":
             self._tasks.append(loop.create_task(self.access_log.run()))
+        for discovery in self.discoveries:
+            self._tasks.append(loop.create_task(discovery.run()))
         # Always: a subscriber may also come with an upstream added at runtime.
         self._tasks.append(loop.create_task(self._watchdog()))
         hangup = self.reload_source is not None and self._on_hangup(loop)
@@ -321,6 +325,8 @@ class Gateway:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            for discovery in self.discoveries:
+                await discovery.aclose()
             self.access_log.flush()
             for pool in (*self._pools.values(), *self._control.values()):
                 await pool.aclose()
@@ -422,6 +428,7 @@ class Gateway:
             pool = pools.pop(name, None)
             if pool is not None:
                 await pool.aclose()
+        self.metrics.forget_upstream(name)
         log.warning("upstream %s removed at runtime: %d requests were in flight, %d still are",
                     name, in_flight_at_removal, upstream.in_flight)
         return {"removed": name, "in_flight_at_removal": in_flight_at_removal,
@@ -456,7 +463,8 @@ class Gateway:
         (draining up to ``drain_s``), changed ones removed then added with their new settings,
         concurrently. One reload at a time; what each step did is logged."""
         async with self._membership_lock():
-            current = {u.name: u.config for u in self.upstreams}
+            discovered = self.discovered_names()
+            current = {u.name: u.config for u in self.upstreams if u.name not in discovered}
             names = [u.name for u in wanted]
             if len(set(names)) != len(names):
                 log.error("upstreams not reloaded: names must be unique, got %s", names)
@@ -486,12 +494,18 @@ class Gateway:
             self._membership = asyncio.Lock()
         return self._membership
 
+    def discovered_names(self) -> dict[str, str]:
+        """The upstreams DNS discovery added, each with the name it was found under."""
+        return {name: d.config.source for d in self.discoveries for name in d.owned}
+
     def describe_upstreams(self) -> list[dict[str, Any]]:
         """Each upstream as the admin API lists it."""
+        discovered = self.discovered_names()
         return [{"name": u.name, "url": u.config.url, "healthy": u.healthy,
                  "probed": u.probed_ok, "in_flight": u.in_flight,
                  "models": sorted(u.models) if u.models is not None else None,
-                 "events": u.config.events, "weight": u.config.weight}
+                 "events": u.config.events, "weight": u.config.weight,
+                 "discovered_by": discovered.get(u.name)}
                 for u in self.upstreams]
 
     def open_event_sockets(self) -> None:
@@ -688,7 +702,9 @@ class Gateway:
         body: dict[str, Any] = {"ready": bool(probed), "admitted": admitted,
                                 "ejected": ejected}
         if not probed:
-            body["reason"] = ("every upstream is ejected" if not admitted else
+            body["reason"] = ("no upstream (none configured, and DNS discovery has found "
+                              "none)" if not self.upstreams else
+                              "every upstream is ejected" if not admitted else
                               "no upstream has passed a health probe yet")
         # Degraded, not down: an upstream whose events went silent (or whose index is
         # suspect) still serves, routed on the approximate estimate; failing readiness would

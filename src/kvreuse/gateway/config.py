@@ -22,6 +22,15 @@ same keys per ``[[upstreams]]`` table (``models = ["a", "b"]``) and the gateway 
     weight = 1.0
     models = ["llama-8b"]              # optional: else learned from its GET /v1/models
 
+Upstreams can also be found in DNS and kept in step with it (:class:`DiscoveryConfig`,
+:mod:`kvreuse.gateway.discovery`): ``--discover dns:NAME:PORT[,key=value...]`` or
+``srv:NAME[,...]``, or in TOML::
+
+    [[discover]]
+    dns = "vllm.default.svc.cluster.local"   # or srv = "_http._tcp.vllm..."
+    port = 8000
+    events_port = 5557
+
 ``weight`` scales the load the policies see (load / weight): an upstream of weight 2 is taken
 to drain its queue twice as fast. ``capacity_tokens`` is the engine's KV capacity when its
 ``/metrics`` has no ``vllm:cache_config_info``: the gateway's indexes for it are bounded to
@@ -160,6 +169,123 @@ def is_zmq_endpoint(text: str) -> bool:
             and 1 <= int(port) <= 65535)
 
 
+DISCOVERY_SCHEMES = ("http", "https")
+MAX_DNS_NAME_CHARS = 253
+
+
+@dataclass(frozen=True, slots=True)
+class DiscoveryConfig:
+    """Upstreams found in DNS and kept in step with it (:mod:`kvreuse.gateway.discovery`).
+
+    Exactly one of ``dns`` (a name whose A and AAAA records are the replicas' addresses, such
+    as a Kubernetes headless Service's ``vllm.default.svc.cluster.local``; every replica listens
+    on ``port``) and ``srv`` (a name whose SRV records give each replica's host and port, such
+    as ``_http._tcp.vllm.default.svc.cluster.local``). ``nameserver`` is ``ADDRESS[:PORT]``
+    (None: the system's resolv.conf). Each found replica becomes the upstream
+    ``scheme://ADDRESS:PORT`` (named so) with this table's ``models``, ``weight``,
+    ``capacity_tokens`` and, with ``events_port``, the KV events its engine binds at
+    ``tcp://ADDRESS:events_port`` (the gateway connects). The name is asked every
+    ``interval_s`` (each try bounded by ``timeout_s``); a replica missing from
+    ``remove_after`` answers in a row is removed, draining its requests in flight."""
+
+    dns: str | None = None
+    srv: str | None = None
+    port: int | None = None
+    scheme: str = "http"
+    nameserver: str | None = None
+    interval_s: float = 5.0
+    timeout_s: float = 2.0
+    remove_after: int = 3
+    models: tuple[str, ...] = ()
+    weight: float = 1.0
+    capacity_tokens: int | None = None
+    events_port: int | None = None
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        if (self.dns is None) == (self.srv is None):
+            raise ConfigError("discovery: give exactly one of dns = NAME (A/AAAA records, with "
+                              "port) and srv = NAME (SRV records, which carry the ports)")
+        where = f"discovery {self.source}"
+        if dns_name_problem(self.source) is not None:
+            raise ConfigError(f"{where}: not a DNS name: {dns_name_problem(self.source)}")
+        if self.dns is not None and self.port is None:
+            raise ConfigError(f"{where}: port is required with dns (the replicas' port)")
+        if self.srv is not None and self.port is not None:
+            raise ConfigError(f"{where}: port comes from the SRV records; remove port")
+        for key in ("port", "events_port"):
+            value = getattr(self, key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 1 <= value <= 65535):
+                raise ConfigError(f"{where}: {key} must be a TCP port (1-65535), got {value!r}")
+        if self.scheme not in DISCOVERY_SCHEMES:
+            raise ConfigError(f"{where}: scheme must be http or https, got {self.scheme!r}")
+        if self.nameserver is not None:
+            nameserver_address(self.nameserver, where)
+        for key in ("interval_s", "timeout_s"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not (
+                    0 < value < math.inf):
+                raise ConfigError(f"{where}: {key} must be a number > 0, got {value!r}")
+        if isinstance(self.remove_after, bool) or not isinstance(self.remove_after, int) or (
+                self.remove_after < 1):
+            raise ConfigError(f"{where}: remove_after must be an integer >= 1, got "
+                              f"{self.remove_after!r}")
+        # The upstream template is checked now, not at the first answer.
+        self.upstream_at("127.0.0.1", self.port or 1)
+
+    @property
+    def source(self) -> str:
+        """The name asked (what logs and metrics call this discovery)."""
+        name = self.dns if self.dns is not None else self.srv
+        assert name is not None, "a discovery without a name passed its check"
+        return name
+
+    def upstream_at(self, address: str, port: int) -> UpstreamConfig:
+        """The upstream for a replica found at ``address`` (an IP address) and ``port``."""
+        host = f"[{address}]" if ":" in address else address
+        return UpstreamConfig(
+            url=f"{self.scheme}://{host}:{port}",
+            events=f"tcp://{host}:{self.events_port}" if self.events_port else None,
+            bind=False, topic=self.topic, weight=self.weight,
+            capacity_tokens=self.capacity_tokens, models=self.models)
+
+
+def dns_name_problem(name: object) -> str | None:
+    """Why ``name`` is not a DNS name a resolver can be asked, or None."""
+    if not isinstance(name, str) or not name:
+        return "it must be a non-empty string"
+    if len(name) > MAX_DNS_NAME_CHARS or not name.isascii():
+        return f"it must be at most {MAX_DNS_NAME_CHARS} ASCII characters"
+    labels = name.rstrip(".").split(".")
+    if not all(0 < len(label) <= 63 for label in labels):
+        return "its labels must be 1 to 63 characters, separated by single dots"
+    if not all(c.isalnum() or c in "-_." for c in name):
+        return "only letters, digits, '-', '_' and '.' may appear"
+    return None
+
+
+def nameserver_address(text: str, where: str) -> tuple[str, int]:
+    """``ADDRESS[:PORT]`` (``[V6]:PORT`` for IPv6 with a port) as (address, port 53 by
+    default); :class:`ConfigError` naming ``where`` otherwise."""
+    import ipaddress
+
+    host, port = text, "53"
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else ("53" if not rest else "x")
+    elif text.count(":") == 1:
+        host, _, port = text.partition(":")
+    try:
+        address = str(ipaddress.ip_address(host))
+    except ValueError:
+        raise ConfigError(f"{where}: nameserver must be an IP address with an optional :PORT, "
+                          f"got {text!r}") from None
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"{where}: nameserver port must be 1-65535, got {text!r}")
+    return address, int(port)
+
+
 DEFAULT_INDEX_BUDGET_FACTOR = 2.0
 """Every index the gateway keeps per upstream holds at most this many times the upstream's KV
 capacity (the simulator's replay of a gateway run bounds its trees alike)."""
@@ -214,10 +340,16 @@ class GatewayConfig:
     record_rotate_s: float = 3600.0
     record_queue: int = 10_000
     record_reorder_s: float = 30.0
+    # Upstreams found in DNS and kept in step with it (gateway/discovery.py).
+    discovery: tuple[DiscoveryConfig, ...] = ()
 
     def __post_init__(self) -> None:
-        if not self.upstreams:
-            raise ConfigError("no upstreams: pass --upstream URL (repeatable) or --config FILE")
+        if not self.upstreams and not self.discovery:
+            raise ConfigError("no upstreams: pass --upstream URL (repeatable), --discover "
+                              "dns:NAME:PORT or srv:NAME, or --config FILE")
+        sources = [d.source for d in self.discovery]
+        if len(set(sources)) != len(sources):
+            raise ConfigError(f"each name may be discovered once, got {sources}")
         names = [u.name for u in self.upstreams]
         if len(set(names)) != len(names):
             raise ConfigError(f"upstream names must be unique, got {names}")
@@ -255,7 +387,63 @@ class GatewayConfig:
 
 
 _UPSTREAM_KEYS = {f.name: f.type for f in fields(UpstreamConfig)}
-_GATEWAY_KEYS = {f.name for f in fields(GatewayConfig)} - {"upstreams"}
+_GATEWAY_KEYS = {f.name for f in fields(GatewayConfig)} - {"upstreams", "discovery"}
+_DISCOVERY_KEYS = {f.name for f in fields(DiscoveryConfig)}
+_DISCOVERY_INTS = ("port", "events_port", "remove_after", "capacity_tokens")
+_DISCOVERY_NUMBERS = ("interval_s", "timeout_s", "weight")
+
+
+def discovery_from_table(raw: dict[str, Any], where: str) -> DiscoveryConfig:
+    """A discovery from its keys (a TOML ``[[discover]]`` table, a ``--discover`` flag's);
+    :class:`ConfigError` names ``where`` and the key."""
+    unknown = sorted(set(raw) - _DISCOVERY_KEYS)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; "
+                          f"known: {', '.join(sorted(_DISCOVERY_KEYS))}")
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in _DISCOVERY_INTS or key in _DISCOVERY_NUMBERS:
+            kind: type[int] | type[float] = int if key in _DISCOVERY_INTS else float
+            wrong = f"{where}: {key} must be {'an integer' if kind is int else 'a number'}, " \
+                    f"got {value!r}"
+            if isinstance(value, bool) or (kind is int and isinstance(value, float)):
+                raise ConfigError(wrong)
+            try:
+                values[key] = kind(value)
+            except (TypeError, ValueError):
+                raise ConfigError(wrong) from None
+        elif key == "models":
+            values[key] = _models(value, where)
+        else:
+            if not isinstance(value, str):
+                raise ConfigError(f"{where}: {key} must be a string, got {value!r}")
+            values[key] = value
+    try:
+        return DiscoveryConfig(**values)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def parse_discover_flag(text: str) -> DiscoveryConfig:
+    """``dns:NAME:PORT[,key=value...]`` or ``srv:NAME[,key=value...]`` from ``--discover``."""
+    head, *options = [part.strip() for part in text.split(",")]
+    kind, _, rest = head.partition(":")
+    raw: dict[str, Any] = {}
+    if kind == "dns":
+        name, colon, port = rest.rpartition(":")
+        if not colon:
+            raise ConfigError(f"--discover {text!r}: expected dns:NAME:PORT")
+        raw.update(dns=name, port=port)
+    elif kind == "srv":
+        raw["srv"] = rest
+    else:
+        raise ConfigError(f"--discover {text!r}: expected dns:NAME:PORT or srv:NAME")
+    for option in options:
+        key, sep, value = option.partition("=")
+        if not sep:
+            raise ConfigError(f"--discover {text!r}: expected key=value, got {option!r}")
+        raw[key.strip()] = value.strip()
+    return discovery_from_table(raw, f"--discover {text!r}")
 
 
 def upstream_from_table(raw: dict[str, Any], where: str) -> UpstreamConfig:
@@ -338,7 +526,7 @@ def load_config_file(path: Path) -> GatewayConfig:
         raise ConfigError(f"{path}: not valid UTF-8 (byte {exc.start})") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-    unknown = sorted(set(data) - {"gateway", "upstreams"})
+    unknown = sorted(set(data) - {"gateway", "upstreams", "discover"})
     if unknown:
         raise ConfigError(f"{path}: unknown table(s) {', '.join(unknown)}")
     raw_upstreams = data.get("upstreams", [])
@@ -347,21 +535,28 @@ def load_config_file(path: Path) -> GatewayConfig:
     upstreams = tuple(
         upstream_from_table(dict(u), f"{path}: upstreams[{i}]") for i, u in enumerate(raw_upstreams)
     )
+    raw_discovery = data.get("discover", [])
+    if not isinstance(raw_discovery, list):
+        raise ConfigError(f"{path}: discover must be an array of tables ([[discover]])")
+    discovery = tuple(discovery_from_table(dict(d), f"{path}: discover[{i}]")
+                      for i, d in enumerate(raw_discovery))
     gateway = data.get("gateway", {})
     bad = sorted(set(gateway) - _GATEWAY_KEYS)
     if bad:
         raise ConfigError(f"{path}: [gateway] has unknown key(s) {', '.join(bad)}; "
                           f"known: {', '.join(sorted(_GATEWAY_KEYS))}")
     try:
-        return GatewayConfig(upstreams=upstreams, **gateway)
+        return GatewayConfig(upstreams=upstreams, discovery=discovery, **gateway)
     except TypeError as exc:
         raise ConfigError(f"{path}: [gateway]: {exc}") from None
 
 
 def merge(config: GatewayConfig | None, upstreams: list[UpstreamConfig], **overrides: Any
           ) -> GatewayConfig:
-    """Flags win over the file; flag upstreams are added to the file's."""
+    """Flags win over the file; flag upstreams (and ``discovery``) are added to the file's."""
     given = {k: v for k, v in overrides.items() if v is not None}
+    discovery = tuple(given.pop("discovery", ()))
     if config is None:
-        return GatewayConfig(upstreams=tuple(upstreams), **given)
-    return replace(config, upstreams=config.upstreams + tuple(upstreams), **given)
+        return GatewayConfig(upstreams=tuple(upstreams), discovery=discovery, **given)
+    return replace(config, upstreams=config.upstreams + tuple(upstreams),
+                   discovery=config.discovery + discovery, **given)

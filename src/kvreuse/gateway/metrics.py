@@ -22,6 +22,9 @@ the whole answer. Label values are bounded whatever callers send: ``model`` is a
 upstream has answered with 2xx (at most :data:`MAX_MODEL_LABELS` of them), else ``other``;
 ``status`` is a common HTTP status or its class (``4xx``).
 
+DNS discovery (``--discover``): ``kvreuse_gateway_discovery_lookups_total{source, outcome}``
+and ``kvreuse_gateway_discovered_upstreams{source}``.
+
 Also exported: ejections per upstream, the Redis sync counters of a shared index
 (:class:`~kvreuse.gateway.shared_index.SyncStats`) when one is attached, and
 prometheus_client's process, platform and GC collectors.
@@ -38,6 +41,7 @@ from prometheus_client import (
     GC_COLLECTOR,
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     PlatformCollector,
     ProcessCollector,
@@ -307,6 +311,15 @@ class GatewayMetrics:
             "continuable (the reason is logged)",
             ["upstream", "outcome"], registry=self.registry,
         )
+        self.discovery_lookups = Counter(
+            "kvreuse_gateway_discovery_lookups", "DNS lookups of each --discover name, by "
+            "outcome: answered (applied, even when it lists no replica) or failed (nothing "
+            "changed)", ["source", "outcome"], registry=self.registry,
+        )
+        self.discovered = Gauge(
+            "kvreuse_gateway_discovered_upstreams", "upstreams each --discover name keeps now",
+            ["source"], registry=self.registry,
+        )
         self.upstream_errors = Counter(
             "kvreuse_gateway_upstream_errors", "upstream failures by kind",
             ["upstream", "kind"], registry=self.registry,
@@ -370,3 +383,15 @@ class GatewayMetrics:
         if ttft_s is not None:
             children[0].observe(ttft_s)
         children[1].observe(total_s)
+
+    def forget_upstream(self, name: str) -> None:
+        """Drop every series labelled with upstream ``name`` (removed at runtime): a fleet
+        whose replicas come and go under discovery would otherwise keep each departed
+        address's series for the life of the process. O(series)."""
+        for metric in (self.requests, self.retries, self.migrations, self.upstream_errors,
+                       self.duration_seconds, self.ttft_seconds):
+            metric.remove_by_labels({"upstream": name})
+        self._request_children = {key: child for key, child in self._request_children.items()
+                                  if key[0] != name}
+        self._timing_children = {key: children for key, children
+                                 in self._timing_children.items() if key[0] != name}

@@ -222,7 +222,12 @@ class Router:
                 ) -> tuple[UpstreamState, ...]:
         """The upstreams (of ``allowed``) that serve ``model``, healthy or not; upstreams of
         unknown models when no known one does. Raises a 404 :class:`RequestError` listing
-        the served models when there are none. O(upstreams of the model)."""
+        the served models when there are none, a 503 when the gateway has no upstream at all
+        (a fleet discovered in DNS that scaled to zero or is not found yet: a client should
+        retry, not give up on the model). O(upstreams of the model)."""
+        if not self.upstreams:
+            raise RequestError("this gateway has no upstream now (none configured, and DNS "
+                               "discovery has found none): try again later", None, 503)
         serving = self._by_model.get(model) or self._unknown
         if allowed is not None:
             serving = tuple(u for u in serving if u.name in allowed)

@@ -45,16 +45,18 @@ def free_listen_port() -> int:
 class ServerThread:
     """``with ServerThread(app) as server: httpx.get(server.url + "/health")``."""
 
-    def __init__(self, app: Any, *, startup_timeout_s: float = 20.0, **options: Any) -> None:
+    def __init__(self, app: Any, *, startup_timeout_s: float = 20.0, host: str = "127.0.0.1",
+                 port: int = 0, **options: Any) -> None:
         """``options`` go to ``uvicorn.Config`` (e.g. the gateway's
-        :func:`kvreuse.gateway.serve.uvicorn_options`)."""
+        :func:`kvreuse.gateway.serve.uvicorn_options`); ``host`` is a loopback address
+        (127.0.0.2 too: two servers on one port), ``port`` 0 picks a free one."""
         import uvicorn
 
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind(("127.0.0.1", 0))
+        self._sock.bind((host, port))
         self.port: int = self._sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host}:{self.port}"
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
                                 **options)
         self._server = uvicorn.Server(config)

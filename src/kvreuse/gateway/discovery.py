@@ -1,0 +1,341 @@
+"""Upstreams found in DNS: a gateway in front of an autoscaled fleet follows it without a
+restart, an admin call or a SIGHUP.
+
+Each ``--discover`` (or ``[[discover]]`` table, :class:`~kvreuse.gateway.config.DiscoveryConfig`)
+names one DNS name, asked every ``interval_s``:
+
+* ``dns = NAME``: its A and AAAA records are the replicas' addresses, all on ``port``. This is
+  a Kubernetes headless Service (``clusterIP: None``): its name resolves to the ready pods'
+  addresses, and a pod that fails its readiness probe or goes away leaves the answer. No
+  Kubernetes API access (and so no RBAC) is needed, as it is for smg's or vLLM
+  production-stack's pod discovery; the same works for Docker Compose, Consul or Nomad DNS.
+* ``srv = NAME``: its SRV records give each replica's host and port (Kubernetes publishes
+  ``_PORTNAME._tcp.SERVICE.NAMESPACE.svc.cluster.local`` for a named port). A target's
+  address comes from the answer's additional records when they are there, else from asking
+  the target's A and AAAA records. SRV priority and weight are not used: every replica
+  found is a member, weighted by the table's ``weight``.
+
+What an answer changes (:class:`Sightings`, pure): a replica in it that is not an upstream is
+added through :meth:`Gateway.add_upstream` (the admin API's path: it takes requests once its
+first health probe passes); an upstream this discovery added that is missing from
+``remove_after`` answers in a row is removed through :meth:`Gateway.remove_upstream`,
+draining its requests in flight for up to ``DRAIN_S``. One answer without a replica is not
+enough, because a rolling deploy or a DNS server's partial view can drop a record for one
+answer. A lookup that fails (timeout, SERVFAIL, refused, a malformed reply) is not an
+answer: it changes nothing, is counted in ``kvreuse_gateway_discovery_lookups_total{source,
+outcome="failed"}`` and logged (throttled). A name that does not exist (NXDOMAIN) or has no
+records is an answer with no replica: scaling to zero is legitimate, and ``/ready`` then says
+the gateway has no upstream.
+
+Answers are untrusted input, bounded: at most ``MAX_FOUND`` replicas per answer (the rest
+are dropped and logged), at most ``MAX_SRV_TARGETS`` targets asked, and addresses that cannot
+be a replica's (unspecified, multicast) are skipped. An upstream named like a found replica
+that this discovery did not add (a ``--upstream`` or admin addition of the same URL) is left
+alone and the conflict is logged once. SIGHUP reloads only the configured upstreams and never
+removes discovered ones; an admin DELETE of a discovered upstream lasts until the next answer
+that still lists it.
+
+Why dnspython: the system resolver (``getaddrinfo``) cannot be pointed at another server,
+returns no TTLs or SRV records, and blocks a thread per lookup; dnspython's asyncio resolver
+does all three on the gateway's own loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import dns.asyncresolver
+import dns.exception
+import dns.name
+import dns.rdatatype
+import dns.resolver
+
+from kvreuse.errors import ConfigError
+from kvreuse.gateway.config import DiscoveryConfig, UpstreamConfig, nameserver_address
+from kvreuse.gateway.telemetry import ThrottledLog
+
+if TYPE_CHECKING:
+    from kvreuse.gateway.app import Gateway
+
+log = logging.getLogger("kvreuse.gateway.discovery")
+
+MAX_FOUND = 1024
+"""Replicas taken from one answer (the gateway's own bound on upstreams)."""
+
+MAX_SRV_TARGETS = 1024
+"""SRV targets whose addresses are asked for, per answer."""
+
+DRAIN_S = 30.0
+"""How long a removed replica's requests in flight are waited for."""
+
+CONCURRENT_QUERIES = 16
+"""SRV targets asked at once (each query holds a socket)."""
+
+LOOKUP_TIMEOUTS = 4
+"""One lookup, SRV targets included, takes at most this many ``timeout_s``."""
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """What one answer asks of the membership: names to add and to remove, sorted."""
+
+    add: tuple[str, ...]
+    remove: tuple[str, ...]
+
+
+class Sightings:
+    """Which upstreams one discovery keeps: pure bookkeeping, no I/O.
+
+    :meth:`answer` is called with each successful answer's upstream names and the names this
+    discovery added that are still upstreams, and says what to add and remove. A name is
+    removed once missing from ``remove_after`` answers in a row; seen again before that, its
+    count starts over. O(found + present) per answer; memory O(present)."""
+
+    def __init__(self, remove_after: int) -> None:
+        assert remove_after >= 1, f"remove_after must be >= 1, got {remove_after}"
+        self.remove_after = remove_after
+        self._missed: dict[str, int] = {}
+
+    def answer(self, found: Collection[str], present: Collection[str]) -> Change:
+        """The change one answer listing ``found`` makes to ``present``."""
+        remove = []
+        missed: dict[str, int] = {}
+        for name in present:
+            if name in found:
+                continue
+            count = self._missed.get(name, 0) + 1
+            if count >= self.remove_after:
+                remove.append(name)
+            else:
+                missed[name] = count
+        self._missed = missed  # names seen again, or gone, are forgotten
+        return Change(tuple(sorted(set(found) - set(present))), tuple(sorted(remove)))
+
+    def missed(self, name: str) -> int:
+        """Answers in a row that lacked ``name`` (0: it was in the last one)."""
+        return self._missed.get(name, 0)
+
+
+class LookupFailed(Exception):
+    """The DNS server gave no usable answer (not a name without records: that is an answer)."""
+
+
+def usable_address(text: str) -> str | None:
+    """``text`` as a replica address, or None when it cannot be one (unparsable,
+    unspecified, multicast)."""
+    try:
+        address = ipaddress.ip_address(text)
+    except ValueError:
+        return None
+    if address.is_unspecified or address.is_multicast:
+        return None
+    return str(address)
+
+
+class DnsLookup:
+    """Asks one discovery's name; :meth:`replicas` returns the ``(address, port)`` pairs found,
+    sorted and deduplicated, at most ``MAX_FOUND``."""
+
+    def __init__(self, config: DiscoveryConfig) -> None:
+        self.config = config
+        try:
+            resolver = dns.asyncresolver.Resolver(configure=config.nameserver is None)
+        except dns.resolver.NoResolverConfiguration as exc:
+            raise ConfigError(f"discovery {config.source}: no nameserver given and the "
+                              f"system's resolv.conf names none ({exc}): set nameserver = "
+                              "ADDRESS[:PORT]") from None
+        if config.nameserver is not None:
+            address, port = nameserver_address(config.nameserver, "nameserver")
+            resolver.nameservers = [address]
+            resolver.port = port
+        resolver.timeout = config.timeout_s
+        resolver.lifetime = config.timeout_s
+        resolver.cache = None  # every round must see the server's current answer
+        self.resolver = resolver
+        self.dropped = 0  # replicas over MAX_FOUND in the last answer
+        self._queries = asyncio.Semaphore(CONCURRENT_QUERIES)
+
+    async def replicas(self) -> list[tuple[str, int]]:
+        """The replicas the name lists now, within ``LOOKUP_TIMEOUTS`` × ``timeout_s``;
+        raises :class:`LookupFailed`."""
+        budget_s = LOOKUP_TIMEOUTS * self.config.timeout_s
+        try:
+            async with asyncio.timeout(budget_s):
+                return await self._replicas()
+        except TimeoutError:
+            raise LookupFailed(f"the lookup took over {budget_s:g} s") from None
+
+    async def _replicas(self) -> list[tuple[str, int]]:
+        config = self.config
+        if config.dns is not None:
+            assert config.port is not None, "a dns discovery without a port passed its check"
+            found = {(address, config.port) for address in await self._addresses(config.dns)}
+        else:
+            assert config.srv is not None, "a discovery with neither name passed its check"
+            found = await self._srv(config.srv)
+        ordered = sorted(found, key=lambda row: (ipaddress.ip_address(row[0]).version,
+                                                 int(ipaddress.ip_address(row[0])), row[1]))
+        self.dropped = max(0, len(ordered) - MAX_FOUND)
+        return ordered[:MAX_FOUND]
+
+    async def _ask(self, name: str, rdtype: dns.rdatatype.RdataType) -> dns.resolver.Answer | None:
+        """The answer for ``name``'s ``rdtype`` records; None when it has none (NXDOMAIN or
+        no data); :class:`LookupFailed` when the server gave no usable answer."""
+        try:
+            async with self._queries:
+                # search: a short name (``vllm-headless``) is tried with resolv.conf's search
+                # domains, as getaddrinfo would; a name ending in a dot never is.
+                return await self.resolver.resolve(name, rdtype, search=True)
+        except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):
+            return None
+        except dns.exception.Timeout:
+            raise LookupFailed(f"no answer for {name} {rdtype.name} within "
+                               f"{self.config.timeout_s:g} s") from None
+        except dns.exception.DNSException as exc:
+            raise LookupFailed(f"{name} {rdtype.name}: {exc}") from None
+
+    async def _addresses(self, name: str) -> set[str]:
+        """Every usable A and AAAA address of ``name``."""
+        answers = await asyncio.gather(self._ask(name, dns.rdatatype.A),
+                                       self._ask(name, dns.rdatatype.AAAA))
+        found = set()
+        for answer in answers:
+            for record in answer or ():
+                address = usable_address(record.to_text())
+                if address is not None:
+                    found.add(address)
+        return found
+
+    async def _srv(self, name: str) -> set[tuple[str, int]]:
+        answer = await self._ask(name, dns.rdatatype.SRV)
+        if answer is None:
+            return set()
+        targets: dict[str, set[int]] = {}
+        for record in answer:
+            target = record.target.to_text()
+            if target == "." or not 1 <= record.port <= 65535:
+                continue  # "." says: no service here
+            if target in targets or len(targets) < MAX_SRV_TARGETS:
+                targets.setdefault(target, set()).add(record.port)
+        glued = self._glue(answer, targets)
+        unglued = [target for target in targets if target not in glued]
+        for target, addresses in zip(
+                unglued, await asyncio.gather(*(self._addresses(t) for t in unglued)),
+                strict=True):
+            glued[target] = addresses
+        return {(address, port) for target, ports in targets.items()
+                for address in glued.get(target, ()) for port in ports}
+
+    @staticmethod
+    def _glue(answer: dns.resolver.Answer, targets: Iterable[str]) -> dict[str, set[str]]:
+        """The addresses the SRV answer's additional section gives for ``targets``."""
+        wanted = set(targets)
+        glued: dict[str, set[str]] = {}
+        for rrset in answer.response.additional:
+            owner = rrset.name.to_text()
+            if owner not in wanted or rrset.rdtype not in (dns.rdatatype.A,
+                                                           dns.rdatatype.AAAA):
+                continue
+            for record in rrset:
+                address = usable_address(record.to_text())
+                if address is not None:
+                    glued.setdefault(owner, set()).add(address)
+        return glued
+
+
+class Discovery:
+    """Keeps one gateway's upstreams in step with one DNS name: :meth:`run` asks every
+    ``interval_s`` until cancelled; :meth:`round` is one lookup and what it changes."""
+
+    def __init__(self, config: DiscoveryConfig, gateway: Gateway) -> None:
+        self.config = config
+        self.gateway = gateway
+        self.lookup = DnsLookup(config)
+        self.sightings = Sightings(config.remove_after)
+        self.owned: set[str] = set()  # upstream names this discovery added
+        self._conflicts: set[str] = set()
+        self._removals: set[asyncio.Task[object]] = set()
+        self._throttled = ThrottledLog(log, burst=2, interval_s=60.0)
+
+    async def run(self) -> None:
+        try:
+            while True:
+                try:
+                    await self.round()
+                except Exception:  # a bug must not stop the gateway following DNS
+                    self.gateway.metrics.discovery_lookups.labels(self.config.source,
+                                                                  "failed").inc()
+                    log.exception("discovery %s: round failed", self.config.source)
+                await asyncio.sleep(self.config.interval_s)
+        finally:
+            for task in self._removals:
+                task.cancel()
+
+    async def round(self) -> Change | None:
+        """Ask once and apply the answer; None when the lookup failed (nothing changed)."""
+        source = self.config.source
+        metrics = self.gateway.metrics
+        try:
+            replicas = await self.lookup.replicas()
+        except LookupFailed as exc:
+            metrics.discovery_lookups.labels(source, "failed").inc()
+            self._throttled.warning("discovery %s: lookup failed, upstreams unchanged: %s",
+                                    source, exc)
+            return None
+        metrics.discovery_lookups.labels(source, "answered").inc()
+        if self.lookup.dropped:
+            self._throttled.warning("discovery %s: the answer lists %d replicas more than the "
+                                    "%d taken", source, self.lookup.dropped, MAX_FOUND)
+        wanted: dict[str, UpstreamConfig] = {}
+        for address, port in replicas:
+            try:
+                upstream = self.config.upstream_at(address, port)
+            except ConfigError as exc:
+                self._throttled.warning("discovery %s: %s:%d skipped: %s", source, address,
+                                        port, exc)
+                continue
+            wanted[upstream.name] = upstream
+        current = self.gateway.router.upstreams
+        self.owned &= set(current)  # an admin DELETE took it out: the next answer decides
+        # The same replica twice (another name for its URL) would split its traffic and index.
+        others = {u.config.url.rstrip("/") for name, u in current.items()
+                  if name not in self.owned}
+        change = self.sightings.answer(wanted, self.owned)
+        for name in change.remove:
+            self.owned.discard(name)
+            task = asyncio.get_running_loop().create_task(
+                self.gateway.remove_upstream(name, DRAIN_S))
+            self._removals.add(task)
+            task.add_done_callback(self._removals.discard)
+            log.warning("discovery %s: %s missing from %d answers in a row, removed", source,
+                        name, self.config.remove_after)
+        for name in change.add:
+            if name in current or name in others:
+                if name not in self._conflicts:
+                    self._conflicts.add(name)
+                    log.warning("discovery %s: %s is already an upstream (by that name or "
+                                "URL) this discovery did not add; left as it is", source, name)
+                continue
+            try:
+                await self.gateway.add_upstream(wanted[name])
+            except ConfigError as exc:  # MembershipConflict too: still draining, or full
+                self._throttled.warning("discovery %s: %s not added (next answer retries): "
+                                        "%s", source, name, exc)
+                continue
+            self.owned.add(name)
+            log.warning("discovery %s: %s found, added", source, name)
+        metrics.discovered.labels(source).set(len(self.owned))
+        return change
+
+    async def aclose(self) -> None:
+        """Wait for the removals this discovery started (drains) to end or be cancelled."""
+        for task in list(self._removals):
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(*self._removals, return_exceptions=True)

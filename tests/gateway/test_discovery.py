@@ -1,0 +1,466 @@
+"""Upstreams found in DNS (``--discover``): real gateways in front of real ``kvreuse engine``
+replicas, asking a real DNS server on 127.0.0.1 (UDP, and TCP for large answers) whose
+records each test changes as an autoscaler or a rolling deploy would."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvreuse.errors import ConfigError
+from kvreuse.gateway.config import (
+    DiscoveryConfig,
+    GatewayConfig,
+    UpstreamConfig,
+    parse_discover_flag,
+)
+from kvreuse.gateway.discovery import MAX_FOUND, DnsLookup, LookupFailed, Sightings
+from kvreuse.testing.dns import DnsServer
+
+from .fleet import Engine, RunningGateway, start_engine
+
+Factory = Callable[..., RunningGateway]
+BODY = {"model": "sim", "prompt": "hello there", "max_tokens": 2}
+NAME = "fleet.test."
+
+
+@pytest.fixture
+def dns_server() -> Iterator[DnsServer]:
+    with DnsServer() as server:
+        yield server
+
+
+@pytest.fixture
+def twin_engines() -> Iterator[list[Engine]]:
+    """Two replicas on one port, at 127.0.0.1 and 127.0.0.2: what A records describe."""
+    first = start_engine("a", events=False)
+    second = start_engine("b", events=False, host="127.0.0.2", port=first.server.port)
+    yield [first, second]
+    for engine in (first, second):
+        engine.server.stop()
+
+
+def discovering(server: DnsServer, **options: Any) -> DiscoveryConfig:
+    settings: dict[str, Any] = {"dns": NAME, "port": 1, "nameserver": server.nameserver,
+                                "interval_s": 0.1, "timeout_s": 0.5, "remove_after": 2}
+    settings.update(options)
+    return DiscoveryConfig(**settings)
+
+
+def served_by(gateway: RunningGateway, count: int) -> set[str]:
+    names = set()
+    for index in range(count):
+        response = httpx.post(gateway.url + "/v1/completions",
+                              json={**BODY, "prompt": f"request {index}"}, timeout=30)
+        assert response.status_code == 200, response.text
+        names.add(response.headers["x-kvreuse-upstream"])
+    return names
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def admitted(gateway: RunningGateway) -> set[str]:
+    return {u.name for u in gateway.gateway.upstreams if u.healthy}
+
+
+# ---------------------------------------------------------------------------------- pure part
+
+
+def test_a_name_is_removed_only_after_remove_after_answers_without_it() -> None:
+    """Missing from one answer of three keeps an upstream; from three in a row removes it."""
+    sightings = Sightings(remove_after=3)
+    assert sightings.answer({"a", "b"}, set()).add == ("a", "b")
+    assert sightings.answer({"a"}, {"a", "b"}).remove == ()
+    assert sightings.answer({"a"}, {"a", "b"}).remove == ()
+    assert sightings.answer({"a"}, {"a", "b"}).remove == ("b",)
+
+
+def test_a_name_seen_again_starts_its_count_over() -> None:
+    """Two misses, a sighting, two more misses: still kept at remove_after 3."""
+    sightings = Sightings(remove_after=3)
+    for found in ({"a"}, {"a"}, {"a", "b"}, {"a"}, {"a"}):
+        assert sightings.answer(found, {"a", "b"}).remove == ()
+    assert sightings.missed("b") == 2
+
+
+@given(st.integers(1, 4), st.lists(st.sets(st.sampled_from("abcdef")), max_size=30))
+def test_the_kept_names_are_those_of_the_last_answers(remove_after: int,
+                                                      answers: list[set[str]]) -> None:
+    """Applying each change, the members are exactly the names found in at least one of the
+    last remove_after answers (since first found)."""
+    sightings = Sightings(remove_after)
+    present: set[str] = set()
+    for index, found in enumerate(answers):
+        change = sightings.answer(found, present)
+        assert not set(change.add) & present and set(change.remove) <= present
+        present = (present | set(change.add)) - set(change.remove)
+        recent = set().union(*answers[max(0, index - remove_after + 1):index + 1])
+        assert present == recent
+
+
+# ---------------------------------------------------------------------------------- lookups
+
+
+def test_a_records_aaaa_and_srv_targets_are_read_with_and_without_glue(
+        dns_server: DnsServer) -> None:
+    """A and AAAA give addresses on the configured port; SRV gives each target's port, its
+    address from the additional records or, without them, from asking the target."""
+    import asyncio
+
+    dns_server.set(NAME, [("A", "127.0.0.2"), ("A", "127.0.0.1"), ("AAAA", "::1"),
+                          ("A", "0.0.0.0"), ("A", "224.0.0.1")])
+    dns_server.set("_http._tcp." + NAME, [("SRV", f"0 0 {8000 + i} r{i}.{NAME}")
+                                          for i in range(3)] + [("SRV", "0 0 9000 .")])
+    for i in range(3):
+        dns_server.set(f"r{i}.{NAME}", [("A", f"127.0.0.{i + 1}")])
+    by_a = asyncio.run(DnsLookup(discovering(dns_server, port=8000)).replicas())
+    assert by_a == [("127.0.0.1", 8000), ("127.0.0.2", 8000), ("::1", 8000)]
+    srv = discovering(dns_server, dns=None, port=None, srv="_http._tcp." + NAME)
+    expected = [("127.0.0.1", 8000), ("127.0.0.2", 8001), ("127.0.0.3", 8002)]
+    assert asyncio.run(DnsLookup(srv).replicas()) == expected
+    dns_server.glue = False
+    assert asyncio.run(DnsLookup(srv).replicas()) == expected
+
+
+def test_a_name_without_records_is_an_answer_with_no_replica(dns_server: DnsServer) -> None:
+    """NXDOMAIN and a name without A records both answer 'no replica' (scaled to zero)."""
+    import asyncio
+
+    assert asyncio.run(DnsLookup(discovering(dns_server)).replicas()) == []
+    dns_server.set(NAME, [("TXT", '"hello"')])
+    assert asyncio.run(DnsLookup(discovering(dns_server)).replicas()) == []
+
+
+@pytest.mark.parametrize("mode", ["silent", "servfail", "refused", "garbage"])
+def test_a_server_that_gives_no_usable_answer_is_a_failed_lookup(dns_server: DnsServer,
+                                                                  mode: str) -> None:
+    """Timeouts, SERVFAIL, REFUSED and bytes that are not DNS raise LookupFailed, within
+    the timeout."""
+    import asyncio
+
+    dns_server.set(NAME, [("A", "127.0.0.1")])
+    dns_server.mode = mode
+    started = time.monotonic()
+    with pytest.raises(LookupFailed):
+        asyncio.run(DnsLookup(discovering(dns_server, timeout_s=0.3)).replicas())
+    assert time.monotonic() - started < 2.0
+
+
+def test_an_answer_of_thousands_of_records_is_read_over_tcp_and_bounded(
+        dns_server: DnsServer) -> None:
+    """1,500 A records (too large for UDP: the resolver asks again over TCP) give MAX_FOUND
+    replicas and count the rest as dropped."""
+    import asyncio
+
+    dns_server.set(NAME, [("A", f"10.0.{i // 250}.{i % 250 + 1}") for i in range(1500)])
+    lookup = DnsLookup(discovering(dns_server))
+    found = asyncio.run(lookup.replicas())
+    assert len(found) == MAX_FOUND and lookup.dropped == 1500 - MAX_FOUND
+    assert found[:2] == [("10.0.0.1", 1), ("10.0.0.2", 1)]
+
+
+# ---------------------------------------------------------------------------------- the gateway
+
+
+def test_replicas_in_dns_become_upstreams_and_take_traffic(
+        dns_server: DnsServer, twin_engines: list[Engine], gateway_factory: Factory) -> None:
+    """A gateway with no configured upstream finds two replicas in A records, admits both
+    after their probes and routes to both; the admin list and /metrics say where they came
+    from."""
+    port = twin_engines[0].server.port
+    dns_server.set(NAME, [("A", "127.0.0.1"), ("A", "127.0.0.2")])
+    gateway = gateway_factory([], policy="round_robin",
+                              discovery=(discovering(dns_server, port=port),))
+    names = {f"http://127.0.0.1:{port}", f"http://127.0.0.2:{port}"}
+    wait_for(lambda: admitted(gateway) == names, "both replicas admitted")
+    assert served_by(gateway, 6) == names
+    listed = gateway.gateway.describe_upstreams()
+    assert {u["discovered_by"] for u in listed} == {NAME}
+    metrics = httpx.get(gateway.url + "/metrics").text
+    assert f'kvreuse_gateway_discovered_upstreams{{source="{NAME}"}} 2.0' in metrics
+    assert f'kvreuse_gateway_discovery_lookups_total{{outcome="answered",source="{NAME}"}}' \
+        in metrics
+
+
+def test_a_replica_that_leaves_dns_is_removed_and_finishes_its_streams(
+        dns_server: DnsServer, gateway_factory: Factory) -> None:
+    """A stream running on a replica when its record goes away ends whole; then the replica
+    is removed, its metric series go, and the other replica takes every request."""
+    slow = [start_engine(n, events=False, time_per_output_token_s=0.05) for n in "ab"]
+    try:
+        dns_server.set("_s._tcp." + NAME, [("SRV", f"0 0 {e.server.port} r.{NAME}")
+                                           for e in slow])
+        dns_server.set("r." + NAME, [("A", "127.0.0.1")])
+        gateway = gateway_factory([], policy="round_robin", discovery=(discovering(
+            dns_server, dns=None, port=None, srv="_s._tcp." + NAME, remove_after=3),))
+        leaving = slow[0].server.url
+        wait_for(lambda: len(admitted(gateway)) == 2, "both replicas admitted")
+        outcome: dict[str, Any] = {}
+
+        def stream() -> None:
+            with httpx.stream("POST", gateway.url + "/v1/completions", timeout=30,
+                              json={**BODY, "max_tokens": 40, "stream": True}) as response:
+                outcome["upstream"] = response.headers["x-kvreuse-upstream"]
+                outcome["body"] = response.read().decode()
+
+        # round robin: send until a stream lands on the replica that will leave
+        while outcome.get("upstream") != leaving:
+            outcome.clear()
+            thread = threading.Thread(target=stream)
+            thread.start()
+            wait_for(lambda t=thread: "upstream" in outcome or not t.is_alive(),  # type: ignore[misc]
+                     "stream start")
+            if outcome.get("upstream") != leaving:
+                thread.join()
+        dns_server.set("_s._tcp." + NAME, [("SRV", f"0 0 {slow[1].server.port} r.{NAME}")])
+        wait_for(lambda: leaving not in gateway.gateway.router.upstreams, "removal")
+        thread.join(timeout=30)
+        assert outcome["body"].count("data: ") == 40 + 1 and outcome["body"].endswith(
+            "data: [DONE]\n\n"), outcome["body"][-300:]
+        assert "error" not in outcome["body"]
+        assert served_by(gateway, 4) == {slow[1].server.url}
+        wait_for(lambda: leaving not in gateway.gateway.describe_upstreams().__repr__(),
+                 "the admin list to forget it")
+        metrics = httpx.get(gateway.url + "/metrics").text
+        assert f'upstream="{leaving}"' not in metrics
+        assert f'upstream="{slow[1].server.url}"' in metrics
+    finally:
+        for engine in slow:
+            engine.server.stop()
+
+
+def test_a_failing_nameserver_changes_nothing_and_is_counted(
+        dns_server: DnsServer, twin_engines: list[Engine], gateway_factory: Factory) -> None:
+    """While the DNS server times out, fails or sends garbage, the upstreams stay and
+    serve; the failures are counted; once it answers again a new replica is found."""
+    port = twin_engines[0].server.port
+    dns_server.set(NAME, [("A", "127.0.0.1")])
+    gateway = gateway_factory([], policy="round_robin",
+                              discovery=(discovering(dns_server, port=port, timeout_s=0.2),))
+    wait_for(lambda: len(admitted(gateway)) == 1, "the first replica admitted")
+    for mode in ("silent", "servfail", "garbage"):
+        dns_server.mode = mode
+        time.sleep(1.0)  # several intervals, several failed lookups, past remove_after
+        assert served_by(gateway, 3) == {f"http://127.0.0.1:{port}"}
+    failed = gateway.gateway.metrics.discovery_lookups.labels(NAME, "failed")._value.get()
+    assert failed >= 6
+    dns_server.mode = "answer"
+    dns_server.set(NAME, [("A", "127.0.0.1"), ("A", "127.0.0.2")])
+    wait_for(lambda: len(admitted(gateway)) == 2, "the second replica admitted")
+
+
+def test_a_fleet_scaled_to_zero_is_not_ready_and_refuses_readably(
+        dns_server: DnsServer, twin_engines: list[Engine], gateway_factory: Factory) -> None:
+    """When the name goes (NXDOMAIN), every discovered upstream is removed: /ready is 503,
+    a request gets an OpenAI error it can read; the name's return brings the fleet back."""
+    port = twin_engines[0].server.port
+    dns_server.set(NAME, [("A", "127.0.0.1"), ("A", "127.0.0.2")])
+    gateway = gateway_factory([], discovery=(discovering(dns_server, port=port),))
+    wait_for(lambda: len(admitted(gateway)) == 2, "both replicas admitted")
+    dns_server.delete(NAME)
+    wait_for(lambda: not gateway.gateway.router.upstreams, "every upstream removed")
+    ready = httpx.get(gateway.url + "/ready")
+    assert ready.status_code == 503 and "DNS discovery has found none" in ready.json()["reason"]
+    refused = httpx.post(gateway.url + "/v1/completions", json=BODY, timeout=10)
+    assert refused.status_code == 503, refused.text
+    assert "has no upstream now" in refused.json()["error"]["message"]
+    dns_server.set(NAME, [("A", "127.0.0.2")])
+    wait_for(lambda: len(admitted(gateway)) == 1, "the fleet back")
+    assert served_by(gateway, 2) == {f"http://127.0.0.2:{port}"}
+    assert httpx.get(gateway.url + "/ready").status_code == 200
+
+
+def test_unreachable_replicas_in_dns_take_no_request(
+        dns_server: DnsServer, twin_engines: list[Engine], gateway_factory: Factory) -> None:
+    """Forty records of addresses where nothing listens are listed but never admitted; the
+    one real replica serves every request."""
+    port = twin_engines[0].server.port
+    dns_server.set(NAME, [("A", "127.0.0.1")] + [("A", f"127.0.1.{i}") for i in range(1, 41)])
+    gateway = gateway_factory([], policy="round_robin",
+                              discovery=(discovering(dns_server, port=port),))
+    wait_for(lambda: len(gateway.gateway.router.upstreams) == 41, "every record added")
+    wait_for(lambda: len(admitted(gateway)) == 1, "the real replica admitted")
+    assert served_by(gateway, 8) == {f"http://127.0.0.1:{port}"}
+
+
+def test_a_configured_upstream_of_the_same_url_is_left_alone(
+        dns_server: DnsServer, twin_engines: list[Engine], gateway_factory: Factory,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A replica DNS lists that is also a configured upstream (by URL, under another name)
+    is not added twice, and is not removed when it leaves DNS."""
+    port = twin_engines[0].server.port
+    dns_server.set(NAME, [("A", "127.0.0.1"), ("A", "127.0.0.2")])
+    static = UpstreamConfig(f"http://127.0.0.1:{port}/", name="pinned")
+    gateway = gateway_factory([static], policy="round_robin",
+                              discovery=(discovering(dns_server, port=port),))
+    wait_for(lambda: len(admitted(gateway)) == 2, "both admitted")
+    assert sorted(gateway.gateway.router.upstreams) == ["http://127.0.0.2:" + str(port),
+                                                        "pinned"]
+    assert "is already an upstream" in caplog.text
+    dns_server.set(NAME, [("A", "127.0.0.2")])
+    time.sleep(0.8)
+    assert "pinned" in gateway.gateway.router.upstreams
+
+
+def test_a_reload_of_the_configured_upstreams_keeps_the_discovered_ones(
+        dns_server: DnsServer, twin_engines: list[Engine], gateway_factory: Factory) -> None:
+    """apply_upstreams (SIGHUP) matches only configured names: discovered upstreams stay."""
+    port = twin_engines[0].server.port
+    dns_server.set(NAME, [("A", "127.0.0.2")])
+    gateway = gateway_factory([twin_engines[0]], policy="round_robin",
+                              discovery=(discovering(dns_server, port=port),))
+    wait_for(lambda: len(admitted(gateway)) == 2, "both admitted")
+    done = gateway.server.call(gateway.gateway.apply_upstreams((), drain_s=1), 30)
+    assert done["removed"] == ["a"]
+    assert list(gateway.gateway.router.upstreams) == [f"http://127.0.0.2:{port}"]
+
+
+def test_an_admin_removal_of_a_discovered_upstream_lasts_until_the_next_answer(
+        dns_server: DnsServer, twin_engines: list[Engine], gateway_factory: Factory) -> None:
+    """DNS is the source of truth: an upstream removed by hand comes back while DNS lists
+    it."""
+    port = twin_engines[0].server.port
+    dns_server.set(NAME, [("A", "127.0.0.1")])
+    gateway = gateway_factory([], discovery=(discovering(dns_server, port=port),))
+    name = f"http://127.0.0.1:{port}"
+    wait_for(lambda: name in admitted(gateway), "admitted")
+    gateway.server.call(gateway.gateway.remove_upstream(name, 1), 30)
+    wait_for(lambda: name in admitted(gateway), "re-added from DNS")
+
+
+# ---------------------------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    ("dns:fleet.test", "expected dns:NAME:PORT"),
+    ("dns:fleet.test:0", "port must be a TCP port"),
+    ("dns:fleet.test:x", "port must be an integer"),
+    ("srv:_h._tcp.fleet.test,port=80", "port comes from the SRV records"),
+    ("mdns:fleet.test", "expected dns:NAME:PORT or srv:NAME"),
+    ("dns:fleet..test:80", "labels must be 1 to 63"),
+    ("dns:fl\u00e9et.test:80", "ASCII"),
+    ("dns:" + "a" * 300 + ":80", "ASCII"),
+    ("dns:fleet.test:80,nameserver=dns.google", "nameserver must be an IP address"),
+    ("dns:fleet.test:80,nameserver=127.0.0.1:99999", "nameserver port"),
+    ("dns:fleet.test:80,interval_s=0", "interval_s must be a number > 0"),
+    ("dns:fleet.test:80,interval_s=nan", "interval_s must be a number > 0"),
+    ("dns:fleet.test:80,remove_after=0", "remove_after must be an integer >= 1"),
+    ("dns:fleet.test:80,scheme=ftp", "scheme must be http or https"),
+    ("dns:fleet.test:80,weight=-1", "weight must be a finite number > 0"),
+    ("dns:fleet.test:80,events_port=70000", "events_port must be a TCP port"),
+    ("dns:fleet.test:80,colour=red", "unknown key(s) colour"),
+    ("dns:fleet.test:80,models", "expected key=value"),
+])
+def test_a_bad_discover_flag_is_refused_naming_what_to_change(text: str, says: str) -> None:
+    """Every malformed --discover is a ConfigError quoting the flag and the problem."""
+    with pytest.raises(ConfigError, match=None) as raised:
+        parse_discover_flag(text)
+    assert says in str(raised.value) and "--discover" in str(raised.value)
+
+
+def test_a_discover_flag_sets_the_upstreams_template() -> None:
+    """Keys of the flag reach each found replica's upstream: models, weight, events
+    connected to the replica's own address."""
+    config = parse_discover_flag("dns:vllm.default.svc.cluster.local:8000,models=a|b,"
+                                 "weight=2,events_port=5557,nameserver=[::1]:5353")
+    upstream = config.upstream_at("::1", 8000)
+    assert upstream.url == "http://[::1]:8000" and upstream.models == ("a", "b")
+    assert upstream.events == "tcp://[::1]:5557" and upstream.bind is False
+    assert upstream.weight == 2.0 and config.nameserver == "[::1]:5353"
+
+
+def test_a_gateway_needs_upstreams_or_discovery() -> None:
+    """Neither is a ConfigError naming both flags; the same name twice is refused."""
+    with pytest.raises(ConfigError, match="--discover"):
+        GatewayConfig(upstreams=())
+    twice = (DiscoveryConfig(dns="a.test", port=1), DiscoveryConfig(dns="a.test", port=2))
+    with pytest.raises(ConfigError, match="discovered once"):
+        GatewayConfig(upstreams=(), discovery=twice)
+
+
+# ---------------------------------------------------------------------------------- kvreuse route
+
+
+def test_kvreuse_route_follows_srv_records(dns_server: DnsServer, tmp_path: Path) -> None:
+    """`kvreuse route --discover srv:NAME,...` with no --upstream: serves from the two
+    engines the records name, then from the one left when a record goes, and logs both."""
+    from kvreuse.testing.processes import EngineSpec, Fleet
+
+    with Fleet(tmp_path) as fleet:
+        engines = fleet.start_engines(2, EngineSpec(events=False))
+        srv = "_http._tcp." + NAME
+
+        def publish(*procs: Any) -> None:
+            dns_server.set(srv, [("SRV", f"0 0 {p.port} r.{NAME}") for p in procs])
+
+        dns_server.set("r." + NAME, [("A", "127.0.0.1")])
+        publish(*engines)
+        flag = f"srv:{srv},nameserver={dns_server.nameserver},interval_s=0.2,remove_after=2"
+        gateway = fleet.start_gateway("discovering", [], policy="round_robin",
+                                      extra_args=["--discover", flag,
+                                                  "--health-interval", "0.2"])
+
+        def upstreams_seen(count: int) -> set[str]:
+            return {httpx.post(gateway.url + "/v1/completions", timeout=30, json={
+                **BODY, "prompt": f"q{i}"}).headers.get("x-kvreuse-upstream", "none")
+                for i in range(count)}
+
+        urls = {e.url for e in engines}
+        wait_for(lambda: upstreams_seen(4) == urls, "both engines serving", 30)
+        publish(engines[1])
+        wait_for(lambda: upstreams_seen(4) == {engines[1].url}, "one engine serving", 30)
+        log = gateway.log_path.read_text(errors="replace")
+        assert f"{engines[0].url} found, added" in log
+        assert f"{engines[0].url} missing from 2 answers in a row, removed" in log
+
+
+def test_kvreuse_route_refuses_discovery_with_a_shared_index(tmp_path: Path) -> None:
+    """--discover with --shared-index stops at start with one line saying why (a shared
+    index's membership is fixed), before any Redis is asked."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "kvreuse.cli.main", "route", "--port", "0",
+         "--discover", "dns:fleet.test:8000,nameserver=127.0.0.1:9",
+         "--shared-index", "redis://127.0.0.1:9/0"],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode != 0
+    assert "--discover cannot be used with --shared-index" in done.stderr + done.stdout
+    assert "Traceback" not in done.stderr
+
+
+def test_many_srv_targets_without_glue_are_asked_a_few_at_a_time(
+        dns_server: DnsServer) -> None:
+    """300 SRV targets whose addresses must each be asked (no additional records) are all
+    found; with the server then silent, the whole lookup fails within its time budget."""
+    import asyncio
+
+    from kvreuse.gateway.discovery import LOOKUP_TIMEOUTS
+
+    srv = "_http._tcp." + NAME
+    dns_server.set(srv, [("SRV", f"0 0 {8000 + i} t{i}.{NAME}") for i in range(300)])
+    for i in range(300):
+        dns_server.set(f"t{i}.{NAME}", [("A", "127.0.0.1")])
+    dns_server.glue = False
+    config = discovering(dns_server, dns=None, port=None, srv=srv, timeout_s=0.3)
+    found = asyncio.run(DnsLookup(config).replicas())
+    assert found == [("127.0.0.1", 8000 + i) for i in range(300)]
+    dns_server.mode = "silent"
+    started = time.monotonic()
+    with pytest.raises(LookupFailed):
+        asyncio.run(DnsLookup(config).replicas())
+    assert time.monotonic() - started < LOOKUP_TIMEOUTS * 0.3 + 1.0
