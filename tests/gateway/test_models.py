@@ -96,7 +96,7 @@ def start_route(fleet: Fleet, name: str, upstreams: list[str], *extra: str) -> P
     """A `kvreuse route` process with the given --upstream flags."""
     port = free_port()
     argv = [fleet.python, "-m", "kvreuse.cli.main", "route", "--host", "127.0.0.1",
-            "--port", str(port), *extra]
+            "--port", str(port), "--drain-delay", "0", *extra]
     for flag in upstreams:
         argv += ["--upstream", flag]
     proc = fleet.spawn(name, argv, url=f"http://127.0.0.1:{port}", port=port)

@@ -225,6 +225,7 @@ def test_kvreuse_route_cli_in_front_of_vllm(replicas: list[Replica], model_dir: 
         flags += ["--upstream", f"{r.url},name={r.name},events={r.events},replay={r.replay},"
                                 f"topic=kv-events"]
     command = [sys.executable, "-m", "kvreuse.cli.main", "route", "--port", str(port),
+               "--drain-delay", "0",
                "--policy", "exact", "--policy-option", "block_size=32",
                "--tokenizer", str(model_dir), *flags]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -51,6 +51,10 @@ there and tried on the next candidate), --idle-timeout (idle client keep-alive c
 row are ejected even while their /health answers. Every failure reaches the client as an
 OpenAI error body (or, inside a stream, an SSE error event) and is logged with the request id
 (x-request-id, taken from the caller or made, returned on every answer).
+
+Stopping: SIGTERM drains for --drain-delay (new requests still served, /ready 503, every answer
+closes its connection), then the listener closes and requests in flight get --shutdown-grace;
+those still running end with an SSE error event or a 503. Ctrl-C skips the drain.
 """
 
 
@@ -103,6 +107,14 @@ def register(subparsers: Any) -> None:
                         action="store_false", default=None,
                         help="end a stream whose upstream fails mid-answer with an SSE error "
                         "event instead of continuing it on another upstream")
+    parser.add_argument("--drain-delay", type=float, metavar="S",
+                        help="on SIGTERM, keep serving S seconds (5) with /ready answering 503 "
+                             "and every answer closing its connection, before the listener "
+                             "closes (0: close at once, as on Ctrl-C)")
+    parser.add_argument("--shutdown-grace", type=float, metavar="S",
+                        help="then wait up to S seconds (20) for requests in flight; streams "
+                             "still running end with an SSE error event, unanswered requests "
+                             "with a 503")
     parser.add_argument("--upstream-timeout", type=float, metavar="S",
                         help="seconds to an upstream's first byte before the request is "
                         "cancelled there and retried on the next candidate (default 60)")
@@ -197,6 +209,8 @@ def build_config(args: argparse.Namespace) -> Any:
         kv_events_max_frame_bytes=args.kv_events_max_frame_bytes,
         kv_events_seq_window=args.kv_events_seq_window,
         upstream_timeout_s=args.upstream_timeout,
+        drain_delay_s=args.drain_delay,
+        shutdown_grace_s=args.shutdown_grace,
         idle_timeout_s=args.idle_timeout,
         head_timeout_s=args.head_timeout,
         max_connections=args.max_connections,
@@ -220,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
     from kvreuse.gateway.app import Gateway
     from kvreuse.gateway.asgi import server_stack
     from kvreuse.gateway.config import UpstreamConfig, load_config_file, parse_upstream_flag
-    from kvreuse.gateway.serve import raise_open_file_limit, uvicorn_options
+    from kvreuse.gateway.serve import GatewayServer, raise_open_file_limit, uvicorn_options
     from kvreuse.gateway.telemetry import configure_logging
 
     configure_logging(args.log_level)
@@ -261,8 +275,9 @@ def run(args: argparse.Namespace) -> int:
     server_config = uvicorn.Config(
         by_listener(gateway.app, gateway.metrics_app, config.metrics_port), host=args.host,
         port=args.port, log_level=args.log_level, access_log=False, loop=stack.loop,
-        **uvicorn_options(config, open_files))
-    uvicorn.Server(server_config).run(sockets=sockets)
+        **uvicorn_options(config, open_files, gateway.drain))
+    GatewayServer(server_config, gateway.drain, drain_delay_s=config.drain_delay_s,
+                  shutdown_grace_s=config.shutdown_grace_s).run(sockets=sockets)
     return 0
 
 

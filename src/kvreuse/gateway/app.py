@@ -77,6 +77,7 @@ from kvreuse.gateway.recorder import (
     load_secret,
 )
 from kvreuse.gateway.router import Router
+from kvreuse.gateway.serve import Drain
 from kvreuse.gateway.subscriber import EventSubscriber
 from kvreuse.gateway.telemetry import AccessLog, RequestRecord, ThrottledLog, trace_headers
 from kvreuse.gateway.tenants import Tenant, Tenants, load_tenants
@@ -262,6 +263,9 @@ class Gateway:
             for name in upstream.models or ():
                 self.metrics.models.served_by_upstream(name)
         self.discoveries = [Discovery(d, self) for d in config.discovery]
+        # Stopping: the server begins it on SIGTERM (gateway/serve.py); /ready and the
+        # forwarder read it.
+        self.drain = Drain()
         # The generate endpoints are served by __call__ itself; Starlette serves the rest.
         self._starlette = Starlette(
             routes=[
@@ -291,7 +295,7 @@ class Gateway:
             self._pools, self.router, self.metrics, self.tallies, policy_name=self.policy.name,
             retries=config.retries, upstream_timeout_s=config.upstream_timeout_s,
             max_response_bytes=config.max_response_bytes, migrate=config.stream_migration,
-            max_continuation_bytes=config.max_body_bytes,
+            max_continuation_bytes=config.max_body_bytes, drain=self.drain,
         )
         if self.recorder is not None:
             self.recorder.start()
@@ -699,9 +703,12 @@ class Gateway:
         ejected = [u.name for u in self.upstreams if not u.healthy]
         # Ready once an admitted upstream has passed a probe: not before the first one.
         probed = [name for name in admitted if self.router.upstreams[name].probed_ok]
-        body: dict[str, Any] = {"ready": bool(probed), "admitted": admitted,
-                                "ejected": ejected}
-        if not probed:
+        body: dict[str, Any] = {"ready": bool(probed) and not self.drain.draining,
+                                "admitted": admitted, "ejected": ejected}
+        if self.drain.draining:
+            body["reason"] = ("shutting down: serving what still arrives until the listener "
+                              "closes; send new requests elsewhere")
+        elif not probed:
             body["reason"] = ("no upstream (none configured, and DNS discovery has found "
                               "none)" if not self.upstreams else
                               "every upstream is ejected" if not admitted else
@@ -718,7 +725,7 @@ class Gateway:
         body["index_suspect"] = self.router.suspects()
         if silent or stopped or body["index_suspect"]:
             body["degraded"] = True
-        return JSONResponse(body, status_code=200 if probed else 503)
+        return JSONResponse(body, status_code=200 if body["ready"] else 503)
 
     # ------------------------------------------------------------------ the admin API
 

@@ -318,6 +318,11 @@ class GatewayConfig:
     max_connections: int | None = None  # None: derived from the open-file limit at start
     max_response_bytes: int = 64 * 1024 * 1024
     ejection_s: float = 10.0
+    # Stopping (gateway/serve.py): on SIGTERM, serve this long with /ready failing and every
+    # answer closing its connection, then close the listeners and give requests in flight
+    # the grace period; 5 + 20 s fits Kubernetes' default 30 s before SIGKILL.
+    drain_delay_s: float = 5.0
+    shutdown_grace_s: float = 20.0
     upstream_api_key: str | None = None
     seed: int = 0
     # A file holding the key of the admin API (/admin/upstreams: add and remove upstreams at
@@ -378,6 +383,11 @@ class GatewayConfig:
                               f"{self.metrics_port!r}")
         if self.max_connections is not None and self.max_connections < 1:
             raise ConfigError(f"max_connections must be >= 1, got {self.max_connections}")
+        for name in ("drain_delay_s", "shutdown_grace_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not (
+                    0 <= value < math.inf):
+                raise ConfigError(f"{name} must be a number of seconds >= 0, got {value!r}")
         for name in ("health_interval_s", "connect_timeout_s", "read_timeout_s",
                      "index_budget_factor", "events_silence_s", "upstream_timeout_s",
                      "idle_timeout_s", "head_timeout_s", "ejection_s"):

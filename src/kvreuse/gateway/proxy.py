@@ -43,6 +43,7 @@ from kvreuse.gateway.migration import (
     excerpt,
 )
 from kvreuse.gateway.router import Candidate, Plan, Router
+from kvreuse.gateway.serve import SHUTDOWN_MESSAGE, Drain
 from kvreuse.gateway.telemetry import RequestRecord
 from kvreuse.gateway.upstream_client import (
     UpstreamError,
@@ -121,10 +122,13 @@ class Forwarder:
         max_response_bytes: int = 64 << 20,
         migrate: bool = True,
         max_continuation_bytes: int = 8 << 20,
+        drain: Drain | None = None,
     ) -> None:
         """``max_continuation_bytes`` bounds the answer kept to continue a stream (a longer
         one is not continued): the gateway's ``max_body_bytes``, as a continuation is a
-        request the gateway sends."""
+        request the gateway sends. ``drain`` says when the server's grace period for
+        requests in flight is over (their cancellation is then an ending to send)."""
+        self.drain = drain if drain is not None else Drain()
         self.pools = pools
         self.router = router
         self.metrics = metrics
@@ -143,8 +147,17 @@ class Forwarder:
         ``record`` learns which upstream, the decision, the tokens and the status; ``trace``
         (validated trace-context headers) goes upstream with the request id; ``hook`` tells of
         the client leaving (else ``receive`` is watched)."""
-        await until_disconnect(receive, self._forward(reply, path, body, parsed, plan, record,
-                                                      trace), hook)
+        try:
+            await until_disconnect(receive, self._forward(reply, path, body, parsed, plan,
+                                                          record, trace), hook)
+        except asyncio.CancelledError:
+            if not self.drain.expired:
+                raise
+            task = asyncio.current_task()
+            assert task is not None, "forward runs inside a task"
+            task.uncancel()  # the server's grace period ended: end the request readably
+            await self._shut_down(reply, record)
+            return
         if record.status == 0:  # the client left before anything was sent upstream
             record.status, record.error = CLIENT_LEFT, "client left before the request was sent"
 
@@ -249,6 +262,17 @@ class Forwarder:
                                    f"stream: {causes}")
             return
         await self._all_failed(reply, attempts, record)
+
+    async def _shut_down(self, reply: ClientReply, record: RequestRecord) -> None:
+        """The gateway's grace period for requests in flight is over and this one still
+        runs: a stream ends with an SSE error event, an unanswered request gets a 503 (a
+        whole answer already under way can only be cut)."""
+        message = (f"{SHUTDOWN_MESSAGE} and its grace period for requests in flight is over; "
+                   "retry on another gateway")
+        record.status, record.error = 503, message
+        log.warning("request %s: %s", reply.request_id, message)
+        await reply.fail(503, f"{message} (request id {reply.request_id})",
+                         "ServiceUnavailableError")
 
     # ------------------------------------------------------------------ outcomes
 

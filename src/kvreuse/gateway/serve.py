@@ -57,6 +57,18 @@ traffic needs and uvicorn does not have.
 
 Every refusal here (400, 408, 431, 503) has an OpenAI error body and ``connection: close``, and
 is logged at most once per 10 s per kind, with the count of those held back.
+* **Stopping without losing a request** (:class:`GatewayServer`, :class:`Drain`). On SIGTERM
+  (what Kubernetes, Docker and systemd send) the gateway first *drains*: for
+  ``drain_delay_s`` it keeps accepting and serving, ``/ready`` answers 503 ("shutting down")
+  and every answer carries ``connection: close``, so that load balancers and kube-proxy stop
+  sending it new work and keep-alive clients reconnect elsewhere, while requests that still
+  arrive (endpoint updates take seconds to propagate) are served instead of refused. Then the
+  listeners close and the requests in flight get up to ``shutdown_grace_s`` to finish.
+  Whatever still runs after that is ended readably: a stream with an SSE error event saying
+  the gateway is shutting down, a request not yet answered with a 503; never a connection
+  cut mid-answer. SIGINT (Ctrl-C) skips the drain; a second signal ends the drain at once,
+  a third stops waiting for requests in flight. uvicorn alone closed the listener at the
+  first signal (a request a moment later was refused) and waited for requests without bound.
 
 :class:`GuardedHttpProtocol` extends uvicorn's httptools protocol (the gateway needs httptools
 anyway: its upstream client parses with it); :func:`uvicorn_options` gives the keyword options
@@ -70,10 +82,14 @@ import contextlib
 import json
 import logging
 import resource
+import signal
+import time
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any, ClassVar
 
 import httptools
+import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from kvreuse.gateway.asgi import DISCONNECT_HOOK, DisconnectHook
@@ -92,6 +108,30 @@ MIN_BODY_BYTES_PER_S = 1 << 20  # each MiB of a body received adds 1 s to its de
 _HEAD_END = b"\r\n\r\n"
 _HEAD = "its request head"  # (the phases a client can be late with, as the log names them)
 _BODY = "its request body"
+
+
+class Drain:
+    """Where a gateway is in stopping: serving (``started_at`` None), draining (since
+    ``started_at``, monotonic seconds), or past its grace period (``expired``: requests still
+    in flight are being ended). Shared by the server, the connections' protocol and the
+    gateway's ``/ready`` and forwarder."""
+
+    __slots__ = ("expired", "started_at")
+
+    def __init__(self) -> None:
+        self.started_at: float | None = None
+        self.expired = False
+
+    @property
+    def draining(self) -> bool:
+        return self.started_at is not None
+
+    def begin(self, now: float) -> None:
+        if self.started_at is None:
+            self.started_at = now
+
+
+SHUTDOWN_MESSAGE = "the gateway is shutting down"
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +165,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     :func:`protocol_class` to carry its limits."""
 
     limits: ClassVar[ConnectionLimits] = ConnectionLimits(MAX_DEFAULT_CONNECTIONS, 10.0)
+    drain: ClassVar[Drain] = Drain()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -340,6 +381,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                                       "and malformed absolute URLs are refused)")
             raise
         self._head_bytes, self._head_tail, self._body_bytes = 0, b"", 0
+        if self.drain.draining:  # the answer says connection: close; the client goes elsewhere
+            self.cycle.keep_alive = False
         if self.parser.should_upgrade() and self._should_upgrade():
             self._reading, self._phase = "upgrade", None
             return
@@ -506,9 +549,71 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self.loop.call_later(LINGER_S, transport.close)
 
 
-def protocol_class(limits: ConnectionLimits) -> type[GuardedHttpProtocol]:
-    """A :class:`GuardedHttpProtocol` enforcing ``limits`` (uvicorn takes a class)."""
-    return type("GatewayHttpProtocol", (GuardedHttpProtocol,), {"limits": limits})
+def protocol_class(limits: ConnectionLimits, drain: Drain | None = None
+                   ) -> type[GuardedHttpProtocol]:
+    """A :class:`GuardedHttpProtocol` enforcing ``limits`` and closing each connection after
+    its answer once ``drain`` has begun (uvicorn takes a class)."""
+    return type("GatewayHttpProtocol", (GuardedHttpProtocol,),
+                {"limits": limits, "drain": drain if drain is not None else Drain()})
+
+
+class GatewayServer(uvicorn.Server):
+    """uvicorn's server with the gateway's way of stopping (the module docstring): a drain of
+    ``drain_delay_s`` on SIGTERM, then up to ``shutdown_grace_s`` for requests in flight,
+    then ``drain.expired`` and the requests still running cancelled, which the forwarder
+    turns into readable endings."""
+
+    def __init__(self, config: uvicorn.Config, drain: Drain, *, drain_delay_s: float,
+                 shutdown_grace_s: float) -> None:
+        super().__init__(config)
+        self.drain = drain
+        self.drain_delay_s = drain_delay_s
+        self.shutdown_grace_s = shutdown_grace_s
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit:  # a signal while requests in flight are waited for: stop waiting
+            self._captured_signals.append(sig)
+            self.force_exit = True
+            return
+        if self.drain.draining or sig != signal.SIGTERM or self.drain_delay_s <= 0:
+            super().handle_exit(sig, frame)  # closes the listeners at the next tick
+            self.drain.begin(time.monotonic())
+            return
+        self._captured_signals.append(sig)
+        self.drain.begin(time.monotonic())
+        log.warning("SIGTERM: draining for %g s (/ready answers 503, every answer closes its "
+                    "connection), then the listeners close and requests in flight get %g s",
+                    self.drain_delay_s, self.shutdown_grace_s)
+
+    async def on_tick(self, counter: int) -> bool:
+        started = self.drain.started_at
+        if (started is not None and not self.should_exit
+                and time.monotonic() - started >= self.drain_delay_s):
+            self.should_exit = True
+        return await super().on_tick(counter)
+
+    async def _wait_tasks_to_complete(self) -> None:
+        in_flight = len(self.server_state.tasks)
+        if in_flight:
+            log.warning("listeners closed: waiting up to %g s for %d requests in flight",
+                        self.shutdown_grace_s, in_flight)
+        try:
+            async with asyncio.timeout(self.shutdown_grace_s):
+                await super()._wait_tasks_to_complete()
+            return
+        except TimeoutError:
+            pass
+        tasks = list(self.server_state.tasks)
+        log.warning("grace period of %g s over: ending %d requests still in flight (streams "
+                    "get an SSE error event, requests not yet answered a 503)",
+                    self.shutdown_grace_s, len(tasks))
+        self.drain.expired = True
+        for task in tasks:
+            task.cancel(msg=SHUTDOWN_MESSAGE)
+        if tasks:
+            await asyncio.wait(tasks, timeout=2.0)
+        for connection in list(self.server_state.connections):
+            connection.shutdown()
 
 
 def raise_open_file_limit() -> int:
@@ -538,10 +643,12 @@ def connection_limit(config: GatewayConfig, open_files: int) -> int:
     return max(16, min(MAX_DEFAULT_CONNECTIONS, (open_files - RESERVED_FILES) // 2))
 
 
-def uvicorn_options(config: GatewayConfig, open_files: int | None = None) -> dict[str, Any]:
-    """``uvicorn.Config`` keyword options enforcing ``config``'s client-side limits."""
+def uvicorn_options(config: GatewayConfig, open_files: int | None = None,
+                    drain: Drain | None = None) -> dict[str, Any]:
+    """``uvicorn.Config`` keyword options enforcing ``config``'s client-side limits (and,
+    with the gateway's ``drain``, closing connections while it drains)."""
     files = open_files if open_files is not None else resource.getrlimit(
         resource.RLIMIT_NOFILE)[0]
     limits = ConnectionLimits(connection_limit(config, files), config.head_timeout_s)
-    return {"http": protocol_class(limits), "timeout_keep_alive": config.idle_timeout_s,
+    return {"http": protocol_class(limits, drain), "timeout_keep_alive": config.idle_timeout_s,
             "backlog": max(2048, min(limits.max_connections, 65535))}

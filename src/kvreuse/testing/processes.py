@@ -210,8 +210,10 @@ class Fleet:
 
     def gateway_argv(self, engines: Sequence[Process], port: int, *, policy: str,
                      events: bool, extra_args: Sequence[str] = ()) -> list[str]:
+        # --drain-delay 0: stop() gives a process 5 s after SIGTERM, and a fleet stopping
+        # has no load balancer to drain from (a later --drain-delay in extra_args wins).
         argv = [self.python, "-m", "kvreuse.cli.main", "route", "--host", "127.0.0.1",
-                "--port", str(port), "--policy", policy]
+                "--port", str(port), "--policy", policy, "--drain-delay", "0"]
         for engine in engines:
             flag = f"{engine.url},name={engine.name}"
             if events and "events" in engine.extra:
