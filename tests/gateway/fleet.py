@@ -70,3 +70,17 @@ class RunningGateway:
         return subscriber.tracker.last_seq == next_seq() - 1
 
     _publishers: dict[str, tuple[Callable[[], int], int]] = field(default_factory=dict)
+
+
+def served_by(gateway: RunningGateway, count: int, model: str = "sim") -> set[str]:
+    """The upstreams that answered ``count`` small completions through ``gateway`` (each
+    must succeed)."""
+    import httpx
+
+    names = set()
+    for index in range(count):
+        response = httpx.post(gateway.url + "/v1/completions", timeout=30, json={
+            "model": model, "prompt": f"request {index}", "max_tokens": 2})
+        assert response.status_code == 200, response.text
+        names.add(response.headers["x-kvreuse-upstream"])
+    return names

@@ -25,7 +25,7 @@ from kvreuse.gateway.config import (
 from kvreuse.gateway.discovery import MAX_FOUND, DnsLookup, LookupFailed, Sightings
 from kvreuse.testing.dns import DnsServer
 
-from .fleet import Engine, RunningGateway, start_engine
+from .fleet import Engine, RunningGateway, served_by, start_engine
 
 Factory = Callable[..., RunningGateway]
 BODY = {"model": "sim", "prompt": "hello there", "max_tokens": 2}
@@ -53,16 +53,6 @@ def discovering(server: DnsServer, **options: Any) -> DiscoveryConfig:
                                 "interval_s": 0.1, "timeout_s": 0.5, "remove_after": 2}
     settings.update(options)
     return DiscoveryConfig(**settings)
-
-
-def served_by(gateway: RunningGateway, count: int) -> set[str]:
-    names = set()
-    for index in range(count):
-        response = httpx.post(gateway.url + "/v1/completions",
-                              json={**BODY, "prompt": f"request {index}"}, timeout=30)
-        assert response.status_code == 200, response.text
-        names.add(response.headers["x-kvreuse-upstream"])
-    return names
 
 
 def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:

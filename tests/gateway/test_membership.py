@@ -19,7 +19,7 @@ import pytest
 
 from kvreuse.errors import ConfigError
 
-from .fleet import Engine, RunningGateway, start_engine
+from .fleet import Engine, RunningGateway, served_by, start_engine
 
 Factory = Callable[..., RunningGateway]
 KEY = "admin-key-0123456789abcdef"
@@ -42,16 +42,6 @@ def admin(gateway: RunningGateway, method: str, path: str = "/admin/upstreams",
     return httpx.request(method, gateway.url + path, content=content,
                          headers=AUTH if headers is None else headers,
                          params={k: str(v) for k, v in params.items()}, timeout=30)
-
-
-def served_by(gateway: RunningGateway, count: int) -> set[str]:
-    names = set()
-    for index in range(count):
-        response = httpx.post(gateway.url + "/v1/completions",
-                              json={**BODY, "prompt": f"request {index}"}, timeout=30)
-        assert response.status_code == 200, response.text
-        names.add(response.headers["x-kvreuse-upstream"])
-    return names
 
 
 def test_the_admin_api_is_off_without_a_key_and_refuses_wrong_keys(

@@ -448,11 +448,7 @@ def parse_discover_flag(text: str) -> DiscoveryConfig:
         raw["srv"] = rest
     else:
         raise ConfigError(f"--discover {text!r}: expected dns:NAME:PORT or srv:NAME")
-    for option in options:
-        key, sep, value = option.partition("=")
-        if not sep:
-            raise ConfigError(f"--discover {text!r}: expected key=value, got {option!r}")
-        raw[key.strip()] = value.strip()
+    raw.update(flag_options(options, f"--discover {text!r}"))
     return discovery_from_table(raw, f"--discover {text!r}")
 
 
@@ -514,15 +510,21 @@ def _models(value: object, where: str) -> tuple[str, ...]:
     return tuple(names)
 
 
-def parse_upstream_flag(text: str) -> UpstreamConfig:
-    """``URL[,key=value...]`` from ``--upstream``."""
-    url, *options = [part.strip() for part in text.split(",")]
-    raw: dict[str, Any] = {"url": url}
+def flag_options(options: list[str], where: str) -> dict[str, str]:
+    """A flag's ``key=value`` parts (after its first, comma-separated) as a table."""
+    raw = {}
     for option in options:
         key, sep, value = option.partition("=")
         if not sep:
-            raise ConfigError(f"--upstream {text!r}: expected key=value, got {option!r}")
+            raise ConfigError(f"{where}: expected key=value, got {option!r}")
         raw[key.strip()] = value.strip()
+    return raw
+
+
+def parse_upstream_flag(text: str) -> UpstreamConfig:
+    """``URL[,key=value...]`` from ``--upstream``."""
+    url, *options = [part.strip() for part in text.split(",")]
+    raw: dict[str, Any] = {"url": url, **flag_options(options, f"--upstream {text!r}")}
     return upstream_from_table(raw, f"--upstream {text!r}")
 
 
