@@ -454,3 +454,35 @@ def test_many_srv_targets_without_glue_are_asked_a_few_at_a_time(
     with pytest.raises(LookupFailed):
         asyncio.run(DnsLookup(config).replicas())
     assert time.monotonic() - started < LOOKUP_TIMEOUTS * 0.3 + 1.0
+
+
+def test_replicas_that_hang_do_not_hold_up_the_others(
+        dns_server: DnsServer, gateway_factory: Factory) -> None:
+    """Ten listed replicas accept connections and never answer (a wedged pod); the one
+    healthy replica of the same answer is still admitted within seconds: additions run
+    concurrently, not one connect-and-read timeout after another."""
+    import socket
+
+    hung = []
+    for _ in range(10):
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(64)  # accepted by the kernel, never read: every request hangs
+        hung.append(sock)
+    healthy = start_engine("ok", events=False, host="127.0.0.2")
+    try:
+        srv = "_h._tcp." + NAME
+        records = [("SRV", f"0 0 {s.getsockname()[1]} hung.{NAME}") for s in hung]
+        dns_server.set(srv, records + [("SRV", f"0 0 {healthy.server.port} ok.{NAME}")])
+        dns_server.set("hung." + NAME, [("A", "127.0.0.1")])
+        dns_server.set("ok." + NAME, [("A", "127.0.0.2")])
+        started = time.monotonic()
+        gateway = gateway_factory([], connect_timeout_s=2.0, discovery=(discovering(
+            dns_server, dns=None, port=None, srv=srv),))
+        wait_for(lambda: healthy.server.url in admitted(gateway), "the healthy replica", 15)
+        assert time.monotonic() - started < 8.0
+        assert served_by(gateway, 3) == {healthy.server.url}
+    finally:
+        healthy.server.stop()
+        for sock in hung:
+            sock.close()

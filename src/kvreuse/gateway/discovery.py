@@ -315,6 +315,8 @@ class Discovery:
             task.add_done_callback(self._removals.discard)
             log.warning("discovery %s: %s missing from %d answers in a row, removed", source,
                         name, self.config.remove_after)
+        self._conflicts &= set(wanted)  # warned once per name while DNS lists it
+        adding = []
         for name in change.add:
             if name in current or name in others:
                 if name not in self._conflicts:
@@ -322,14 +324,22 @@ class Discovery:
                     log.warning("discovery %s: %s is already an upstream (by that name or "
                                 "URL) this discovery did not add; left as it is", source, name)
                 continue
-            try:
-                await self.gateway.add_upstream(wanted[name])
-            except ConfigError as exc:  # MembershipConflict too: still draining, or full
+            adding.append(name)
+        # Concurrently: each addition reads the replica's /v1/models, and a replica that
+        # does not answer must not hold up the others for its connect timeout.
+        added = await asyncio.gather(*(self.gateway.add_upstream(wanted[name])
+                                       for name in adding), return_exceptions=True)
+        for name, outcome in zip(adding, added, strict=True):
+            if isinstance(outcome, ConfigError):  # MembershipConflict too: draining, or full
                 self._throttled.warning("discovery %s: %s not added (next answer retries): "
-                                        "%s", source, name, exc)
-                continue
-            self.owned.add(name)
-            log.warning("discovery %s: %s found, added", source, name)
+                                        "%s", source, name, outcome)
+            elif isinstance(outcome, BaseException):
+                log.error("discovery %s: adding %s failed", source, name, exc_info=outcome)
+                if name in self.gateway.router.upstreams:  # it joined before the failure
+                    self.owned.add(name)
+            else:
+                log.warning("discovery %s: %s found, added", source, name)
+                self.owned.add(name)
         metrics.discovered.labels(source).set(len(self.owned))
         return change
 

@@ -57,18 +57,19 @@ traffic needs and uvicorn does not have.
 
 Every refusal here (400, 408, 431, 503) has an OpenAI error body and ``connection: close``, and
 is logged at most once per 10 s per kind, with the count of those held back.
-* **Stopping without losing a request** (:class:`GatewayServer`, :class:`Drain`). On SIGTERM
-  (what Kubernetes, Docker and systemd send) the gateway first *drains*: for
-  ``drain_delay_s`` it keeps accepting and serving, ``/ready`` answers 503 ("shutting down")
-  and every answer carries ``connection: close``, so that load balancers and kube-proxy stop
-  sending it new work and keep-alive clients reconnect elsewhere, while requests that still
-  arrive (endpoint updates take seconds to propagate) are served instead of refused. Then the
-  listeners close and the requests in flight get up to ``shutdown_grace_s`` to finish.
-  Whatever still runs after that is ended readably: a stream with an SSE error event saying
-  the gateway is shutting down, a request not yet answered with a 503; never a connection
-  cut mid-answer. SIGINT (Ctrl-C) skips the drain; a second signal ends the drain at once,
-  a third stops waiting for requests in flight. uvicorn alone closed the listener at the
-  first signal (a request a moment later was refused) and waited for requests without bound.
+
+**Stopping without losing a request** (:class:`GatewayServer`, :class:`Drain`). On SIGTERM
+(what Kubernetes, Docker and systemd send) the gateway first *drains*: for
+``drain_delay_s`` it keeps accepting and serving, ``/ready`` answers 503 ("shutting down")
+and every answer carries ``connection: close``, so that load balancers and kube-proxy stop
+sending it new work and keep-alive clients reconnect elsewhere, while requests that still
+arrive (endpoint updates take seconds to propagate) are served instead of refused. Then the
+listeners close and the requests in flight get up to ``shutdown_grace_s`` to finish.
+Whatever still runs after that is ended readably: a stream with an SSE error event saying
+the gateway is shutting down, a request not yet answered with a 503; never a connection
+cut mid-answer. SIGINT (Ctrl-C) skips the drain; a second signal ends the drain at once,
+a third stops waiting for requests in flight. uvicorn alone closed the listener at the
+first signal (a request a moment later was refused) and waited for requests without bound.
 
 :class:`GuardedHttpProtocol` extends uvicorn's httptools protocol (the gateway needs httptools
 anyway: its upstream client parses with it); :func:`uvicorn_options` gives the keyword options
