@@ -473,7 +473,7 @@ def test_replicas_that_hang_do_not_hold_up_the_others(
     try:
         srv = "_h._tcp." + NAME
         records = [("SRV", f"0 0 {s.getsockname()[1]} hung.{NAME}") for s in hung]
-        dns_server.set(srv, records + [("SRV", f"0 0 {healthy.server.port} ok.{NAME}")])
+        dns_server.set(srv, [*records, ("SRV", f"0 0 {healthy.server.port} ok.{NAME}")])
         dns_server.set("hung." + NAME, [("A", "127.0.0.1")])
         dns_server.set("ok." + NAME, [("A", "127.0.0.2")])
         started = time.monotonic()
@@ -486,3 +486,84 @@ def test_replicas_that_hang_do_not_hold_up_the_others(
         healthy.server.stop()
         for sock in hung:
             sock.close()
+
+
+def test_flapping_dns_never_breaks_a_request(dns_server: DnsServer,
+                                             gateway_factory: Factory) -> None:
+    """Seeded stress: every 50 ms the answer becomes a random subset of three replicas, no
+    records, NXDOMAIN or silence, with remove_after 1, while two clients send streams and
+    whole requests. Each gets a whole answer or a readable 503; nothing else, and the
+    membership then settles on what DNS lists, with nothing left behind."""
+    import random
+
+    engines = [start_engine(f"e{i}", events=False, time_per_output_token_s=0.005)
+               for i in range(3)]
+    rng = random.Random(7)
+    srv = "_h._tcp." + NAME
+
+    def publish(chosen: list[Engine]) -> None:
+        dns_server.set(srv, [("SRV", f"0 0 {e.server.port} t.{NAME}") for e in chosen])
+
+    try:
+        dns_server.set("t." + NAME, [("A", "127.0.0.1")])
+        publish(engines)
+        gateway = gateway_factory([], discovery=(discovering(
+            dns_server, dns=None, port=None, srv=srv, interval_s=0.05, timeout_s=0.3,
+            remove_after=1),), health_interval_s=0.1)
+        wait_for(lambda: len(admitted(gateway)) == 3, "the fleet admitted")
+        stop = threading.Event()
+
+        def flap() -> None:
+            while not stop.is_set():
+                draw = rng.random()
+                if draw < 0.1:
+                    dns_server.delete(srv)
+                elif draw < 0.15:
+                    dns_server.mode = "silent"
+                else:
+                    dns_server.mode = "answer"
+                    publish(rng.sample(engines, rng.randint(0, 3)))
+                time.sleep(0.05)
+
+        outcomes: list[str] = []
+
+        def client(seed: int) -> None:
+            with httpx.Client(timeout=30) as http:
+                for index in range(40):
+                    body = {**BODY, "prompt": f"client {seed} {index}", "max_tokens": 10}
+                    if index % 2:
+                        answer = http.post(gateway.url + "/v1/completions", json=body)
+                        text = answer.text
+                    else:
+                        with http.stream("POST", gateway.url + "/v1/completions",
+                                         json={**body, "stream": True}) as answer:
+                            text = answer.read().decode()
+                    if answer.status_code == 200:
+                        whole = index % 2 or (text.endswith("data: [DONE]\n\n")
+                                              and '"error"' not in text)
+                        outcomes.append("whole" if whole else f"broken: {text[-200:]}")
+                    else:
+                        message = answer.json()["error"]["message"]
+                        outcomes.append(f"{answer.status_code}" if "no upstream" in message
+                                        else f"{answer.status_code}: {message}")
+
+        flapper = threading.Thread(target=flap)
+        flapper.start()
+        clients = [threading.Thread(target=client, args=(seed,)) for seed in range(2)]
+        for thread in clients:
+            thread.start()
+        for thread in clients:
+            thread.join(120)
+        stop.set()
+        flapper.join()
+        assert len(outcomes) == 80 and set(outcomes) <= {"whole", "503"}, outcomes
+        assert outcomes.count("whole") >= 10
+        dns_server.mode = "answer"
+        publish(engines[:2])
+        wanted = {e.server.url for e in engines[:2]}
+        wait_for(lambda: admitted(gateway) == wanted
+                 and set(gateway.gateway.router.upstreams) == wanted, "settled")
+        wait_for(lambda: set(gateway.gateway._pools) == wanted, "pools of removed ones closed")
+    finally:
+        for engine in engines:
+            engine.server.stop()
