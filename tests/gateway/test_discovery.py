@@ -413,6 +413,7 @@ def test_kvreuse_route_follows_srv_records(dns_server: DnsServer, tmp_path: Path
         publish(engines[1])
         wait_for(lambda: upstreams_seen(4) == {engines[1].url}, "one engine serving", 30)
         log = gateway.log_path.read_text(errors="replace")
+        assert f"upstreams none configured; discovering {srv} every 0.2 s;" in log
         assert f"{engines[0].url} found, added" in log
         assert f"{engines[0].url} missing from 2 answers in a row, removed" in log
 

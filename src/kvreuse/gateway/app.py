@@ -626,8 +626,11 @@ class Gateway:
                    else "this port")
         tenants = (f"{len(self.tenants.keys)} keys" if self.tenants is not None else "off")
         admin = "on" if self._admin_key is not None else "off"
-        return (f"policy {self.policy.name}; upstreams {', '.join(parts)}; tenants {tenants}; "
-                f"/metrics on {metrics}; access log {config.access_log}; admin API {admin}")
+        found = "".join(f"; discovering {d.source} every {d.interval_s:g} s"
+                        for d in config.discovery)
+        return (f"policy {self.policy.name}; upstreams {', '.join(parts) or 'none configured'}"
+                f"{found}; tenants {tenants}; /metrics on {metrics}; access log "
+                f"{config.access_log}; admin API {admin}")
 
     async def _probe_loop(self, upstream: UpstreamState) -> None:
         while True:
