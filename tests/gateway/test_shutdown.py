@@ -75,6 +75,7 @@ def test_sigterm_drains_serving_new_requests_then_closes(fleet: Fleet) -> None:
     connection: close (a keep-alive client's too), /ready is 503; a stream under way ends
     whole; then new connections are refused and the process exits."""
     proc = gateway(fleet, slow_engine(fleet), "--drain-delay", "1.5", "--shutdown-grace", "10")
+    assert "\nkvreuse_gateway_draining 0.0\n" in httpx.get(proc.url + "/metrics").text
     with httpx.Client(base_url=proc.url, timeout=10) as keepalive:
         assert keepalive.post("/v1/completions", json=BODY).headers.get("connection") != "close"
         thread, outcome = in_thread(lambda: stream(proc.url, 60))
@@ -84,6 +85,8 @@ def test_sigterm_drains_serving_new_requests_then_closes(fleet: Fleet) -> None:
         time.sleep(0.1)
         ready = httpx.get(proc.url + "/ready", timeout=5)
         assert ready.status_code == 503 and "shutting down" in ready.json()["reason"]
+        metrics = httpx.get(proc.url + "/metrics", timeout=5).text
+        assert "\nkvreuse_gateway_draining 1.0\n" in metrics
         late = keepalive.post("/v1/completions", json=BODY)
         assert late.status_code == 200 and late.headers["connection"] == "close"
         while time.monotonic() - sent < 1.2:

@@ -263,9 +263,10 @@ class Gateway:
             for name in upstream.models or ():
                 self.metrics.models.served_by_upstream(name)
         self.discoveries = [Discovery(d, self) for d in config.discovery]
-        # Stopping: the server begins it on SIGTERM (gateway/serve.py); /ready and the
-        # forwarder read it.
+        # Stopping: the server begins it on SIGTERM (gateway/serve.py); /ready, /metrics
+        # and the forwarder read it.
         self.drain = Drain()
+        self.metrics.draining.set_function(lambda: 1.0 if self.drain.draining else 0.0)
         # The generate endpoints are served by __call__ itself; Starlette serves the rest.
         self._starlette = Starlette(
             routes=[

@@ -23,7 +23,9 @@ upstream has answered with 2xx (at most :data:`MAX_MODEL_LABELS` of them), else 
 ``status`` is a common HTTP status or its class (``4xx``).
 
 DNS discovery (``--discover``): ``kvreuse_gateway_discovery_lookups_total{source, outcome}``
-and ``kvreuse_gateway_discovered_upstreams{source}``.
+and ``kvreuse_gateway_discovered_upstreams{source}``. ``kvreuse_gateway_draining`` is 1 from
+SIGTERM on (gateway/serve.py). The series of an upstream removed at runtime are dropped
+(:meth:`GatewayMetrics.forget_upstream`).
 
 Also exported: ejections per upstream, the Redis sync counters of a shared index
 (:class:`~kvreuse.gateway.shared_index.SyncStats`) when one is attached, and
@@ -310,6 +312,11 @@ class GatewayMetrics:
             "what became of them: continued on this upstream, refused by it, or not "
             "continuable (the reason is logged)",
             ["upstream", "outcome"], registry=self.registry,
+        )
+        self.draining = Gauge(
+            "kvreuse_gateway_draining", "1 from SIGTERM until the process exits (/ready is "
+            "503, answers close their connections, then the listeners close)",
+            registry=self.registry,
         )
         self.discovery_lookups = Counter(
             "kvreuse_gateway_discovery_lookups", "DNS lookups of each --discover name, by "
