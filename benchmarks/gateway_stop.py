@@ -103,7 +103,7 @@ def main() -> int:
                   file=sys.stderr, flush=True)
             rows.append((delay, run(delay, args, Path(tmp))))
     print(f"one gateway of two stopped (SIGTERM) at {args.signal_at:g} s under "
-          f"{args.rate:g} streams/s; the balancer moves off it {args.propagation:g} s later")
+          f"{args.rate:g} streams/s;\nthe balancer moves off it {args.propagation:g} s later")
     print(f"{'--drain-delay':>13}  {'requests':>8}  {'whole':>6}  {'cut':>4}  {'refused':>7}")
     for delay, outcome in rows:
         print(f"{delay:>11g} s  {sum(outcome.values()):>8}  {outcome['whole']:>6}  "

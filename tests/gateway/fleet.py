@@ -84,3 +84,12 @@ def served_by(gateway: RunningGateway, count: int, model: str = "sim") -> set[st
         assert response.status_code == 200, response.text
         names.add(response.headers["x-kvreuse-upstream"])
     return names
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = 10.0,
+             what: str = "the condition") -> None:
+    """Poll ``condition`` every 50 ms until it holds; fail saying ``what`` did not happen."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout_s} s"
+        time.sleep(0.05)

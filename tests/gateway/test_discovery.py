@@ -25,7 +25,7 @@ from kvreuse.gateway.config import (
 from kvreuse.gateway.discovery import MAX_FOUND, DnsLookup, LookupFailed, Sightings
 from kvreuse.testing.dns import DnsServer
 
-from .fleet import Engine, RunningGateway, served_by, start_engine
+from .fleet import Engine, RunningGateway, served_by, start_engine, wait_for
 
 Factory = Callable[..., RunningGateway]
 BODY = {"model": "sim", "prompt": "hello there", "max_tokens": 2}
@@ -53,13 +53,6 @@ def discovering(server: DnsServer, **options: Any) -> DiscoveryConfig:
                                 "interval_s": 0.1, "timeout_s": 0.5, "remove_after": 2}
     settings.update(options)
     return DiscoveryConfig(**settings)
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def admitted(gateway: RunningGateway) -> set[str]:
@@ -175,7 +168,7 @@ def test_replicas_in_dns_become_upstreams_and_take_traffic(
     gateway = gateway_factory([], policy="round_robin",
                               discovery=(discovering(dns_server, port=port),))
     names = {f"http://127.0.0.1:{port}", f"http://127.0.0.2:{port}"}
-    wait_for(lambda: admitted(gateway) == names, "both replicas admitted")
+    wait_for(lambda: admitted(gateway) == names, what="both replicas admitted")
     assert served_by(gateway, 6) == names
     listed = gateway.gateway.describe_upstreams()
     assert {u["discovered_by"] for u in listed} == {NAME}
@@ -197,7 +190,7 @@ def test_a_replica_that_leaves_dns_is_removed_and_finishes_its_streams(
         gateway = gateway_factory([], policy="round_robin", discovery=(discovering(
             dns_server, dns=None, port=None, srv="_s._tcp." + NAME, remove_after=3),))
         leaving = slow[0].server.url
-        wait_for(lambda: len(admitted(gateway)) == 2, "both replicas admitted")
+        wait_for(lambda: len(admitted(gateway)) == 2, what="both replicas admitted")
         outcome: dict[str, Any] = {}
 
         def stream() -> None:
@@ -212,18 +205,18 @@ def test_a_replica_that_leaves_dns_is_removed_and_finishes_its_streams(
             thread = threading.Thread(target=stream)
             thread.start()
             wait_for(lambda t=thread: "upstream" in outcome or not t.is_alive(),  # type: ignore[misc]
-                     "stream start")
+                     what="stream start")
             if outcome.get("upstream") != leaving:
                 thread.join()
         dns_server.set("_s._tcp." + NAME, [("SRV", f"0 0 {slow[1].server.port} r.{NAME}")])
-        wait_for(lambda: leaving not in gateway.gateway.router.upstreams, "removal")
+        wait_for(lambda: leaving not in gateway.gateway.router.upstreams, what="removal")
         thread.join(timeout=30)
         assert outcome["body"].count("data: ") == 40 + 1 and outcome["body"].endswith(
             "data: [DONE]\n\n"), outcome["body"][-300:]
         assert "error" not in outcome["body"]
         assert served_by(gateway, 4) == {slow[1].server.url}
         wait_for(lambda: leaving not in gateway.gateway.describe_upstreams().__repr__(),
-                 "the admin list to forget it")
+                 what="the admin list to forget it")
         metrics = httpx.get(gateway.url + "/metrics").text
         assert f'upstream="{leaving}"' not in metrics
         assert f'upstream="{slow[1].server.url}"' in metrics
@@ -240,7 +233,7 @@ def test_a_failing_nameserver_changes_nothing_and_is_counted(
     dns_server.set(NAME, [("A", "127.0.0.1")])
     gateway = gateway_factory([], policy="round_robin",
                               discovery=(discovering(dns_server, port=port, timeout_s=0.2),))
-    wait_for(lambda: len(admitted(gateway)) == 1, "the first replica admitted")
+    wait_for(lambda: len(admitted(gateway)) == 1, what="the first replica admitted")
     for mode in ("silent", "servfail", "garbage"):
         dns_server.mode = mode
         time.sleep(1.0)  # several intervals, several failed lookups, past remove_after
@@ -249,7 +242,7 @@ def test_a_failing_nameserver_changes_nothing_and_is_counted(
     assert failed >= 6
     dns_server.mode = "answer"
     dns_server.set(NAME, [("A", "127.0.0.1"), ("A", "127.0.0.2")])
-    wait_for(lambda: len(admitted(gateway)) == 2, "the second replica admitted")
+    wait_for(lambda: len(admitted(gateway)) == 2, what="the second replica admitted")
 
 
 def test_a_fleet_scaled_to_zero_is_not_ready_and_refuses_readably(
@@ -259,16 +252,16 @@ def test_a_fleet_scaled_to_zero_is_not_ready_and_refuses_readably(
     port = twin_engines[0].server.port
     dns_server.set(NAME, [("A", "127.0.0.1"), ("A", "127.0.0.2")])
     gateway = gateway_factory([], discovery=(discovering(dns_server, port=port),))
-    wait_for(lambda: len(admitted(gateway)) == 2, "both replicas admitted")
+    wait_for(lambda: len(admitted(gateway)) == 2, what="both replicas admitted")
     dns_server.delete(NAME)
-    wait_for(lambda: not gateway.gateway.router.upstreams, "every upstream removed")
+    wait_for(lambda: not gateway.gateway.router.upstreams, what="every upstream removed")
     ready = httpx.get(gateway.url + "/ready")
     assert ready.status_code == 503 and "DNS discovery has found none" in ready.json()["reason"]
     refused = httpx.post(gateway.url + "/v1/completions", json=BODY, timeout=10)
     assert refused.status_code == 503, refused.text
     assert "has no upstream now" in refused.json()["error"]["message"]
     dns_server.set(NAME, [("A", "127.0.0.2")])
-    wait_for(lambda: len(admitted(gateway)) == 1, "the fleet back")
+    wait_for(lambda: len(admitted(gateway)) == 1, what="the fleet back")
     assert served_by(gateway, 2) == {f"http://127.0.0.2:{port}"}
     assert httpx.get(gateway.url + "/ready").status_code == 200
 
@@ -281,8 +274,8 @@ def test_unreachable_replicas_in_dns_take_no_request(
     dns_server.set(NAME, [("A", "127.0.0.1")] + [("A", f"127.0.1.{i}") for i in range(1, 41)])
     gateway = gateway_factory([], policy="round_robin",
                               discovery=(discovering(dns_server, port=port),))
-    wait_for(lambda: len(gateway.gateway.router.upstreams) == 41, "every record added")
-    wait_for(lambda: len(admitted(gateway)) == 1, "the real replica admitted")
+    wait_for(lambda: len(gateway.gateway.router.upstreams) == 41, what="every record added")
+    wait_for(lambda: len(admitted(gateway)) == 1, what="the real replica admitted")
     assert served_by(gateway, 8) == {f"http://127.0.0.1:{port}"}
 
 
@@ -296,7 +289,7 @@ def test_a_configured_upstream_of_the_same_url_is_left_alone(
     static = UpstreamConfig(f"http://127.0.0.1:{port}/", name="pinned")
     gateway = gateway_factory([static], policy="round_robin",
                               discovery=(discovering(dns_server, port=port),))
-    wait_for(lambda: len(admitted(gateway)) == 2, "both admitted")
+    wait_for(lambda: len(admitted(gateway)) == 2, what="both admitted")
     assert sorted(gateway.gateway.router.upstreams) == ["http://127.0.0.2:" + str(port),
                                                         "pinned"]
     assert "is already an upstream" in caplog.text
@@ -312,7 +305,7 @@ def test_a_reload_of_the_configured_upstreams_keeps_the_discovered_ones(
     dns_server.set(NAME, [("A", "127.0.0.2")])
     gateway = gateway_factory([twin_engines[0]], policy="round_robin",
                               discovery=(discovering(dns_server, port=port),))
-    wait_for(lambda: len(admitted(gateway)) == 2, "both admitted")
+    wait_for(lambda: len(admitted(gateway)) == 2, what="both admitted")
     done = gateway.server.call(gateway.gateway.apply_upstreams((), drain_s=1), 30)
     assert done["removed"] == ["a"]
     assert list(gateway.gateway.router.upstreams) == [f"http://127.0.0.2:{port}"]
@@ -326,9 +319,9 @@ def test_an_admin_removal_of_a_discovered_upstream_lasts_until_the_next_answer(
     dns_server.set(NAME, [("A", "127.0.0.1")])
     gateway = gateway_factory([], discovery=(discovering(dns_server, port=port),))
     name = f"http://127.0.0.1:{port}"
-    wait_for(lambda: name in admitted(gateway), "admitted")
+    wait_for(lambda: name in admitted(gateway), what="admitted")
     gateway.server.call(gateway.gateway.remove_upstream(name, 1), 30)
-    wait_for(lambda: name in admitted(gateway), "re-added from DNS")
+    wait_for(lambda: name in admitted(gateway), what="re-added from DNS")
 
 
 # ---------------------------------------------------------------------------------- config
@@ -409,9 +402,10 @@ def test_kvreuse_route_follows_srv_records(dns_server: DnsServer, tmp_path: Path
                 for i in range(count)}
 
         urls = {e.url for e in engines}
-        wait_for(lambda: upstreams_seen(4) == urls, "both engines serving", 30)
+        wait_for(lambda: upstreams_seen(4) == urls, 30, what="both engines serving")
         publish(engines[1])
-        wait_for(lambda: upstreams_seen(4) == {engines[1].url}, "one engine serving", 30)
+        wait_for(lambda: upstreams_seen(4) == {engines[1].url}, 30,
+                 what="one engine serving")
         log = gateway.log_path.read_text(errors="replace")
         assert f"upstreams none configured; discovering {srv} every 0.2 s;" in log
         assert f"{engines[0].url} found, added" in log
@@ -480,7 +474,7 @@ def test_replicas_that_hang_do_not_hold_up_the_others(
         started = time.monotonic()
         gateway = gateway_factory([], connect_timeout_s=2.0, discovery=(discovering(
             dns_server, dns=None, port=None, srv=srv),))
-        wait_for(lambda: healthy.server.url in admitted(gateway), "the healthy replica", 15)
+        wait_for(lambda: healthy.server.url in admitted(gateway), 15, what="the healthy replica")
         assert time.monotonic() - started < 8.0
         assert served_by(gateway, 3) == {healthy.server.url}
     finally:
@@ -511,7 +505,7 @@ def test_flapping_dns_never_breaks_a_request(dns_server: DnsServer,
         gateway = gateway_factory([], discovery=(discovering(
             dns_server, dns=None, port=None, srv=srv, interval_s=0.05, timeout_s=0.3,
             remove_after=1),), health_interval_s=0.1)
-        wait_for(lambda: len(admitted(gateway)) == 3, "the fleet admitted")
+        wait_for(lambda: len(admitted(gateway)) == 3, what="the fleet admitted")
         stop = threading.Event()
 
         def flap() -> None:
@@ -563,8 +557,9 @@ def test_flapping_dns_never_breaks_a_request(dns_server: DnsServer,
         publish(engines[:2])
         wanted = {e.server.url for e in engines[:2]}
         wait_for(lambda: admitted(gateway) == wanted
-                 and set(gateway.gateway.router.upstreams) == wanted, "settled")
-        wait_for(lambda: set(gateway.gateway._pools) == wanted, "pools of removed ones closed")
+                 and set(gateway.gateway.router.upstreams) == wanted, what="settled")
+        wait_for(lambda: set(gateway.gateway._pools) == wanted,
+                 what="pools of removed ones closed")
     finally:
         for engine in engines:
             engine.server.stop()

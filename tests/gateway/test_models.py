@@ -33,7 +33,7 @@ from kvreuse.testing.processes import EngineSpec, Fleet, Process, wait_http
 from kvreuse.testing.servers import ServerThread, free_port
 from kvreuse.tokens import num_tokens, pack
 
-from .fleet import RunningGateway, start_engine
+from .fleet import RunningGateway, start_engine, wait_for
 
 Factory = Callable[..., RunningGateway]
 
@@ -235,13 +235,6 @@ def listing(*names: str) -> bytes:
 
     return json.dumps({"object": "list", "data": [{"id": n, "object": "model"}
                                                   for n in names]}).encode()
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
 
 
 def test_unreadable_model_lists_keep_routing_sane(gateway_factory: Factory,

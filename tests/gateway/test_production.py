@@ -29,7 +29,7 @@ from kvreuse.gateway.config import UpstreamConfig, load_config_file
 from kvreuse.routing import RoutingDecision
 from kvreuse.testing.processes import EngineSpec, Fleet, Process
 
-from .fleet import Engine, RunningGateway, start_engine
+from .fleet import Engine, RunningGateway, start_engine, wait_for
 
 Factory = Callable[..., RunningGateway]
 BODY = {"model": "sim", "prompt": "hello there", "max_tokens": 2}
@@ -60,13 +60,6 @@ def stats(proc: Process) -> dict[str, Any]:
 def post(url: str, body: dict[str, Any] | None = None, timeout: float = 30,
          **kwargs: Any) -> httpx.Response:
     return httpx.post(url + "/v1/completions", json=body or BODY, timeout=timeout, **kwargs)
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} did not happen within {timeout_s} s"
-        time.sleep(0.05)
 
 
 def raw_exchange(port: int, data: bytes, timeout_s: float = 10.0) -> bytes:

@@ -127,9 +127,9 @@ class MembershipConflict(ConfigError):
 VIA_HEADER = b"x-kvreuse-via"
 MAX_VIA_BYTES = 1024
 """More gateways than fit here (about 75) in one request's path is a loop in all but name."""
-RELOAD_DRAIN_S = 30.0
-"""How long a reload waits for a removed upstream's requests in flight (the admin API's
-DELETE takes ``?drain=``)."""
+REMOVAL_DRAIN_S = 30.0
+"""How long a removed upstream's requests in flight are waited for, unless the caller says
+(the admin API's DELETE takes ``?drain=``): reloads and DNS discovery use this."""
 MAX_ADMIN_BODY_BYTES = 64 * 1024
 MAX_ADMIN_WAIT_S = 3600.0
 
@@ -207,11 +207,7 @@ class Gateway:
         self.policy = policy or build_policy(
             config.policy, rng=random.Random(config.seed), **config.policy_options
         )
-        self.upstreams = [
-            UpstreamState(u, eject_after=config.eject_after, readmit_after=config.readmit_after,
-                          ejection_s=config.ejection_s)
-            for u in config.upstreams
-        ]
+        self.upstreams = [self._state_of(u) for u in config.upstreams]
         if self.tenants is not None:
             known = {u.name for u in self.upstreams}
             for tenant, allowed in self.tenants.upstreams.items():
@@ -382,9 +378,7 @@ class Gateway:
             raise MembershipConflict(f"an upstream named {name!r} is already here (or still "
                                      "draining): remove it first, or give this one another "
                                      "name")
-        upstream = UpstreamState(config, eject_after=self.config.eject_after,
-                                 readmit_after=self.config.readmit_after,
-                                 ejection_s=self.config.ejection_s, admitted=False)
+        upstream = self._state_of(config, admitted=False)
         self.router.add_upstream(upstream, self.index_budget(upstream))
         subscriber = None
         if config.events:
@@ -410,7 +404,16 @@ class Gateway:
                     "probe", name, config.url)
         return upstream
 
-    async def remove_upstream(self, name: str, drain_s: float) -> dict[str, Any]:
+    def _state_of(self, config: UpstreamConfig, *, admitted: bool = True) -> UpstreamState:
+        """A new upstream's state, with this gateway's ejection settings (``admitted``
+        False: no request until its first probe passes)."""
+        settings = self.config
+        return UpstreamState(config, eject_after=settings.eject_after,
+                             readmit_after=settings.readmit_after,
+                             ejection_s=settings.ejection_s, admitted=admitted)
+
+    async def remove_upstream(self, name: str, drain_s: float = REMOVAL_DRAIN_S
+                              ) -> dict[str, Any]:
         """Stop routing to ``name`` now and wait up to ``drain_s`` for its requests in flight
         to finish (the admin API's DELETE). Those still running after that run on: the
         engine's own shutdown ends them, and a broken stream is continued elsewhere (stream
@@ -463,7 +466,7 @@ class Gateway:
         await self.apply_upstreams(wanted)
 
     async def apply_upstreams(self, wanted: tuple[UpstreamConfig, ...],
-                              drain_s: float = RELOAD_DRAIN_S) -> dict[str, list[str]]:
+                              drain_s: float = REMOVAL_DRAIN_S) -> dict[str, list[str]]:
         """Make the upstreams ``wanted``, by name: new names are added, missing ones removed
         (draining up to ``drain_s``), changed ones removed then added with their new settings,
         concurrently. One reload at a time; what each step did is logged."""
@@ -785,7 +788,8 @@ class Gateway:
             return refusal
         name = request.path_params["name"]
         try:
-            drain_s = _seconds(request.query_params.get("drain", "30"), "drain")
+            drain_s = _seconds(request.query_params.get("drain", f"{REMOVAL_DRAIN_S:g}"),
+                               "drain")
         except ConfigError as exc:
             return self._admin_error(400, str(exc), "BadRequestError", request)
         if name not in self.router.upstreams:

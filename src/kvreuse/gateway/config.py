@@ -51,6 +51,7 @@ production")::
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import tomllib
 from dataclasses import dataclass, field, fields, replace
@@ -169,6 +170,16 @@ def is_zmq_endpoint(text: str) -> bool:
             and 1 <= int(port) <= 65535)
 
 
+def _is_real(value: object) -> bool:
+    """An int or a float, not a bool (TOML's ``true`` is no number)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _is_port(value: object) -> bool:
+    """A TCP port number, 1-65535."""
+    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 65535
+
+
 DISCOVERY_SCHEMES = ("http", "https")
 MAX_DNS_NAME_CHARS = 253
 
@@ -215,8 +226,7 @@ class DiscoveryConfig:
             raise ConfigError(f"{where}: port comes from the SRV records; remove port")
         for key in ("port", "events_port"):
             value = getattr(self, key)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or not 1 <= value <= 65535):
+            if value is not None and not _is_port(value):
                 raise ConfigError(f"{where}: {key} must be a TCP port (1-65535), got {value!r}")
         if self.scheme not in DISCOVERY_SCHEMES:
             raise ConfigError(f"{where}: scheme must be http or https, got {self.scheme!r}")
@@ -224,8 +234,7 @@ class DiscoveryConfig:
             nameserver_address(self.nameserver, where)
         for key in ("interval_s", "timeout_s"):
             value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not (
-                    0 < value < math.inf):
+            if not _is_real(value) or not 0 < value < math.inf:
                 raise ConfigError(f"{where}: {key} must be a number > 0, got {value!r}")
         if isinstance(self.remove_after, bool) or not isinstance(self.remove_after, int) or (
                 self.remove_after < 1):
@@ -268,8 +277,6 @@ def dns_name_problem(name: object) -> str | None:
 def nameserver_address(text: str, where: str) -> tuple[str, int]:
     """``ADDRESS[:PORT]`` (``[V6]:PORT`` for IPv6 with a port) as (address, port 53 by
     default); :class:`ConfigError` naming ``where`` otherwise."""
-    import ipaddress
-
     host, port = text, "53"
     if text.startswith("["):
         host, _, rest = text[1:].partition("]")
@@ -376,31 +383,57 @@ class GatewayConfig:
         if self.access_log not in ACCESS_LOG_MODES:
             raise ConfigError(f"access_log must be one of {', '.join(ACCESS_LOG_MODES)}, got "
                               f"{self.access_log!r}")
-        if self.metrics_port is not None and (
-                isinstance(self.metrics_port, bool) or not isinstance(self.metrics_port, int)
-                or not 1 <= self.metrics_port <= 65535):
+        if self.metrics_port is not None and not _is_port(self.metrics_port):
             raise ConfigError(f"metrics_port must be a TCP port (1-65535), got "
                               f"{self.metrics_port!r}")
         if self.max_connections is not None and self.max_connections < 1:
             raise ConfigError(f"max_connections must be >= 1, got {self.max_connections}")
         for name in ("drain_delay_s", "shutdown_grace_s"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not (
-                    0 <= value < math.inf):
+            if not _is_real(value) or not 0 <= value < math.inf:
                 raise ConfigError(f"{name} must be a number of seconds >= 0, got {value!r}")
         for name in ("health_interval_s", "connect_timeout_s", "read_timeout_s",
                      "index_budget_factor", "events_silence_s", "upstream_timeout_s",
                      "idle_timeout_s", "head_timeout_s", "ejection_s"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            if not _is_real(value) or not value > 0:
                 raise ConfigError(f"{name} must be a number > 0, got {value!r}")
 
 
 _UPSTREAM_KEYS = {f.name: f.type for f in fields(UpstreamConfig)}
 _GATEWAY_KEYS = {f.name for f in fields(GatewayConfig)} - {"upstreams", "discovery"}
 _DISCOVERY_KEYS = {f.name for f in fields(DiscoveryConfig)}
-_DISCOVERY_INTS = ("port", "events_port", "remove_after", "capacity_tokens")
-_DISCOVERY_NUMBERS = ("interval_s", "timeout_s", "weight")
+# How a table's values are read (anything not named: a string); one reading for every table.
+_VALUE_KINDS = {"capacity_tokens": "integer", "port": "integer", "events_port": "integer",
+                "remove_after": "integer", "weight": "number", "interval_s": "number",
+                "timeout_s": "number", "models": "models", "bind": "boolean"}
+
+
+def _table_value(key: str, value: Any, where: str) -> Any:
+    """``value`` of ``key`` in a table (TOML, a flag's options, an admin body), read as
+    :data:`_VALUE_KINDS` says; :class:`ConfigError` naming ``where`` and the key."""
+    kind = _VALUE_KINDS.get(key, "string")
+    if kind == "models":
+        return _models(value, where)
+    if kind == "boolean":
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+            return value.lower() in ("true", "1")
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: {key} must be true or false, got {value!r}")
+        return value
+    if kind == "string":
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: {key} must be a string, got {value!r}")
+        return value
+    wrong = f"{where}: {key} must be {'an integer' if kind == 'integer' else 'a number'}, " \
+            f"got {value!r}"
+    if isinstance(value, bool) or (kind == "integer" and isinstance(value, float)
+                                   and not value.is_integer()):
+        raise ConfigError(wrong)
+    try:
+        return int(value) if kind == "integer" else float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(wrong) from None
 
 
 def discovery_from_table(raw: dict[str, Any], where: str) -> DiscoveryConfig:
@@ -410,24 +443,7 @@ def discovery_from_table(raw: dict[str, Any], where: str) -> DiscoveryConfig:
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; "
                           f"known: {', '.join(sorted(_DISCOVERY_KEYS))}")
-    values: dict[str, Any] = {}
-    for key, value in raw.items():
-        if key in _DISCOVERY_INTS or key in _DISCOVERY_NUMBERS:
-            kind: type[int] | type[float] = int if key in _DISCOVERY_INTS else float
-            wrong = f"{where}: {key} must be {'an integer' if kind is int else 'a number'}, " \
-                    f"got {value!r}"
-            if isinstance(value, bool) or (kind is int and isinstance(value, float)):
-                raise ConfigError(wrong)
-            try:
-                values[key] = kind(value)
-            except (TypeError, ValueError):
-                raise ConfigError(wrong) from None
-        elif key == "models":
-            values[key] = _models(value, where)
-        else:
-            if not isinstance(value, str):
-                raise ConfigError(f"{where}: {key} must be a string, got {value!r}")
-            values[key] = value
+    values = {key: _table_value(key, value, where) for key, value in raw.items()}
     try:
         return DiscoveryConfig(**values)
     except ConfigError as exc:
@@ -461,37 +477,7 @@ def upstream_from_table(raw: dict[str, Any], where: str) -> UpstreamConfig:
                           f"known: {', '.join(_UPSTREAM_KEYS)}")
     if "url" not in raw:
         raise ConfigError(f"{where}: 'url' is required")
-    values: dict[str, Any] = {}
-    for key, value in raw.items():
-        if key == "capacity_tokens":
-            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-                raise ConfigError(f"{where}: capacity_tokens must be an integer, got {value!r}")
-            try:
-                values[key] = int(value)
-            except (TypeError, ValueError):
-                raise ConfigError(f"{where}: capacity_tokens must be an integer, got "
-                                  f"{value!r}") from None
-        elif key == "weight":
-            if isinstance(value, bool):
-                raise ConfigError(f"{where}: weight must be a number, got {value!r}")
-            try:
-                values[key] = float(value)
-            except (TypeError, ValueError):
-                raise ConfigError(f"{where}: weight must be a number, got {value!r}") from None
-        elif key == "models":
-            values[key] = _models(value, where)
-        elif key == "bind":
-            if isinstance(value, str):
-                if value.lower() not in ("true", "false", "1", "0"):
-                    raise ConfigError(f"{where}: bind must be true or false, got {value!r}")
-                value = value.lower() in ("true", "1")
-            elif not isinstance(value, bool):
-                raise ConfigError(f"{where}: bind must be true or false, got {value!r}")
-            values[key] = value
-        else:
-            if not isinstance(value, str):
-                raise ConfigError(f"{where}: {key} must be a string, got {value!r}")
-            values[key] = value
+    values = {key: _table_value(key, value, where) for key, value in raw.items()}
     return UpstreamConfig(**values)
 
 

@@ -19,9 +19,9 @@ What an answer changes (:class:`Sightings`, pure): a replica in it that is not a
 added through :meth:`Gateway.add_upstream` (the admin API's path: it takes requests once its
 first health probe passes); an upstream this discovery added that is missing from
 ``remove_after`` answers in a row is removed through :meth:`Gateway.remove_upstream`,
-draining its requests in flight for up to ``DRAIN_S``. One answer without a replica is not
-enough, because a rolling deploy or a DNS server's partial view can drop a record for one
-answer. A lookup that fails (timeout, SERVFAIL, refused, a malformed reply) is not an
+draining its requests in flight for up to 30 s (``REMOVAL_DRAIN_S``). One answer without a
+replica is not enough, because a rolling deploy or a DNS server's partial view can drop a
+record for one answer. A lookup that fails (timeout, SERVFAIL, refused, a malformed reply) is not an
 answer: it changes nothing, is counted in ``kvreuse_gateway_discovery_lookups_total{source,
 outcome="failed"}`` and logged (throttled). A name that does not exist (NXDOMAIN) or has no
 records is an answer with no replica: scaling to zero is legitimate, and ``/ready`` then says
@@ -70,9 +70,6 @@ MAX_FOUND = 1024
 
 MAX_SRV_TARGETS = 1024
 """SRV targets whose addresses are asked for, per answer."""
-
-DRAIN_S = 30.0
-"""How long a removed replica's requests in flight are waited for."""
 
 CONCURRENT_QUERIES = 16
 """SRV targets asked at once (each query holds a socket)."""
@@ -310,7 +307,7 @@ class Discovery:
         for name in change.remove:
             self.owned.discard(name)
             task = asyncio.get_running_loop().create_task(
-                self.gateway.remove_upstream(name, DRAIN_S))
+                self.gateway.remove_upstream(name))
             self._removals.add(task)
             task.add_done_callback(self._removals.discard)
             log.warning("discovery %s: %s missing from %d answers in a row, removed", source,
