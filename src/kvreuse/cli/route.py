@@ -133,6 +133,10 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--ejection-time", type=float, metavar="S",
                         help="first ejection of an upstream failing requests in a row; "
                         "doubles while it goes on (default 10)")
+    parser.add_argument("--quarantine-time", type=float, metavar="S",
+                        help="a request upstreams answered 5xx twice is not sent to another "
+                        "and charges none; the gateway answers its repeats itself for S "
+                        "(default 30)")
     parser.add_argument("--index-budget-factor", type=float, metavar="F",
                         help="bound every index kept per upstream to its KV capacity (vLLM's "
                         "vllm:cache_config_info, else capacity_tokens=) times F (default 2)")
@@ -216,6 +220,7 @@ def build_config(args: argparse.Namespace) -> Any:
         max_connections=args.max_connections,
         max_response_bytes=args.max_response_bytes,
         ejection_s=args.ejection_time,
+        quarantine_s=args.quarantine_time,
         upstream_api_key=args.upstream_api_key,
         seed=args.seed,
         access_log=args.access_log,

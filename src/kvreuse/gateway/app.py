@@ -69,6 +69,7 @@ from kvreuse.gateway.lanes import WorkerLanes, lane_full
 from kvreuse.gateway.metrics import GatewayMetrics, GatewayState, TokenTally
 from kvreuse.gateway.prompts import PromptTokenizer, load_prompt_tokenizer
 from kvreuse.gateway.proxy import CLIENT_LEFT, Forwarder
+from kvreuse.gateway.quarantine import Quarantine
 from kvreuse.gateway.recorder import (
     SECRET_ENV,
     RecorderCollector,
@@ -293,6 +294,7 @@ class Gateway:
             retries=config.retries, upstream_timeout_s=config.upstream_timeout_s,
             max_response_bytes=config.max_response_bytes, migrate=config.stream_migration,
             max_continuation_bytes=config.max_body_bytes, drain=self.drain,
+            quarantine=Quarantine(config.quarantine_s),
         )
         if self.recorder is not None:
             self.recorder.start()

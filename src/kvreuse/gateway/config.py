@@ -47,6 +47,7 @@ production")::
                                     # the open-file limit)
     max_response_bytes = 67108864   # a larger whole response is a 502 naming the limit
     ejection_s = 10.0               # first passive ejection; doubles while failures go on
+    quarantine_s = 30.0             # a request answered 5xx twice is answered here this long
 """
 
 from __future__ import annotations
@@ -325,6 +326,9 @@ class GatewayConfig:
     max_connections: int | None = None  # None: derived from the open-file limit at start
     max_response_bytes: int = 64 * 1024 * 1024
     ejection_s: float = 10.0
+    # A request upstreams answered 5xx twice is not sent further and, for this long after,
+    # answered by the gateway itself (gateway/quarantine.py).
+    quarantine_s: float = 30.0
     # Stopping (gateway/serve.py): on SIGTERM, serve this long with /ready failing and every
     # answer closing its connection, then close the listeners and give requests in flight
     # the grace period; 5 + 20 s fits Kubernetes' default 30 s before SIGKILL.
@@ -398,6 +402,9 @@ class GatewayConfig:
             value = getattr(self, name)
             if not _is_real(value) or not value > 0:
                 raise ConfigError(f"{name} must be a number > 0, got {value!r}")
+        if not _is_real(self.quarantine_s) or not 0 < self.quarantine_s < math.inf:
+            raise ConfigError(f"quarantine_s must be a number of seconds > 0, got "
+                              f"{self.quarantine_s!r}")
 
 
 _UPSTREAM_KEYS = {f.name: f.type for f in fields(UpstreamConfig)}

@@ -24,7 +24,10 @@ upstream has answered with 2xx (at most :data:`MAX_MODEL_LABELS` of them), else 
 
 DNS discovery (``--discover``): ``kvreuse_gateway_discovery_lookups_total{source, outcome}``
 and ``kvreuse_gateway_discovered_upstreams{source}``. ``kvreuse_gateway_draining`` is 1 from
-SIGTERM on (gateway/serve.py). The series of an upstream removed at runtime are dropped
+SIGTERM on (gateway/serve.py). ``kvreuse_gateway_requests_of_death_total{outcome}`` counts
+requests answered 5xx twice and served nowhere (``detected``; ``unavailable`` when the answers
+were 502-504, which are not held) and their repeats the gateway answered itself (``held``;
+gateway/quarantine.py). The series of an upstream removed at runtime are dropped
 (:meth:`GatewayMetrics.forget_upstream`).
 
 Also exported: ejections per upstream, the Redis sync counters of a shared index
@@ -331,6 +334,14 @@ class GatewayMetrics:
             "kvreuse_gateway_upstream_errors", "upstream failures by kind",
             ["upstream", "kind"], registry=self.registry,
         )
+        self.requests_of_death = Counter(
+            "kvreuse_gateway_requests_of_death", "requests answered 5xx twice and served by "
+            "no upstream, charging none: detected (then held), unavailable (502-504: not "
+            "held), and the repeats the gateway answered itself (held)", ["outcome"],
+            registry=self.registry,
+        )
+        for outcome in ("detected", "unavailable", "held"):
+            self.requests_of_death.labels(outcome)
         self.rejected = Counter(
             "kvreuse_gateway_rejected", "requests refused before routing, by HTTP status and model",
             ["status", "model"], registry=self.registry,

@@ -4,9 +4,13 @@
   byte within ``upstream_timeout_s``, 5xx, a stream that breaks before its first chunk) is
   retried on the next candidate, up to ``retries`` times; the failure counts against the
   upstream's health (:meth:`UpstreamState.record_failure`), and a timed-out request is
-  cancelled upstream by closing its connection.
+  cancelled upstream by closing its connection. A 5xx *answer* counts only on a second
+  opinion (:mod:`kvreuse.gateway.quarantine`): once another upstream served the request, or
+  when no other answered it 5xx too.
 * When every candidate failed, the client gets an OpenAI error body: 504 when they all timed
-  out, the last upstream's 5xx status otherwise, 502 when none could be reached.
+  out, the last upstream's 5xx status otherwise, 502 when none could be reached. A request
+  answered 5xx twice and served nowhere is a request of death: no upstream is charged, and
+  its repeats within the quarantine time are answered here, sent nowhere.
 * After the first byte, a stream whose upstream fails is continued on the next candidate
   (stream migration, :mod:`kvreuse.gateway.migration`; the same ``retries`` bound the
   upstreams one request may use); one that cannot be continued, or that no candidate could
@@ -28,8 +32,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvreuse.gateway.asgi import DisconnectHook, RawHeaders, Receive, until_disconnect
@@ -42,6 +47,7 @@ from kvreuse.gateway.migration import (
     decode_usage,
     excerpt,
 )
+from kvreuse.gateway.quarantine import Quarantine
 from kvreuse.gateway.router import Candidate, Plan, Router
 from kvreuse.gateway.serve import SHUTDOWN_MESSAGE, Drain
 from kvreuse.gateway.telemetry import RequestRecord
@@ -104,6 +110,8 @@ class _Attempts:
     causes: list[str]
     timeouts: int = 0
     last_5xx: int = 0
+    # Upstreams that answered 5xx, not yet charged: a second opinion decides (quarantine.py).
+    uncharged_5xx: list[Candidate] = field(default_factory=list)
 
 
 class Forwarder:
@@ -123,12 +131,15 @@ class Forwarder:
         migrate: bool = True,
         max_continuation_bytes: int = 8 << 20,
         drain: Drain | None = None,
+        quarantine: Quarantine | None = None,
     ) -> None:
-        """``max_continuation_bytes`` bounds the answer kept to continue a stream (a longer
+        """``quarantine`` remembers requests upstreams answered 5xx (its defaults when None).
+        ``max_continuation_bytes`` bounds the answer kept to continue a stream (a longer
         one is not continued): the gateway's ``max_body_bytes``, as a continuation is a
         request the gateway sends. ``drain`` says when the server's grace period for
         requests in flight is over (their cancellation is then an ending to send)."""
         self.drain = drain if drain is not None else Drain()
+        self.quarantine = quarantine if quarantine is not None else Quarantine()
         self.pools = pools
         self.router = router
         self.metrics = metrics
@@ -164,7 +175,29 @@ class Forwarder:
     async def _forward(self, reply: ClientReply, path: str, body: bytes,
                        parsed: ParsedRequest, plan: Plan, record: RequestRecord,
                        trace: Mapping[str, str]) -> None:
+        if len(self.quarantine):  # hashed only while some request is remembered
+            now = time.monotonic()
+            verdict = self.quarantine.held(self._key(path, plan, body), now)
+            if verdict is not None:
+                self.metrics.requests_of_death.labels("held").inc()
+                await self._answer_failure(reply, record, verdict.status, verdict.message(now),
+                                           "-")
+                return
         attempts = _Attempts([])
+        try:
+            await self._attempt(reply, path, body, parsed, plan, record, trace, attempts)
+        finally:
+            # Nothing said the request was at fault (no other upstream served it or also
+            # answered 5xx): its 5xx answers count against their upstreams, as any failure.
+            for candidate in attempts.uncharged_5xx:
+                self._charge_health(candidate, "HTTP")
+
+    def _key(self, path: str, plan: Plan, body: bytes) -> int:
+        return Quarantine.key(path, plan.request.identity, body)
+
+    async def _attempt(self, reply: ClientReply, path: str, body: bytes,
+                       parsed: ParsedRequest, plan: Plan, record: RequestRecord,
+                       trace: Mapping[str, str], attempts: _Attempts) -> None:
         headers = {"x-request-id": reply.request_id, **trace}
         # Set once the client's stream has started: from then on an attempt continues it.
         progress: StreamProgress | None = None
@@ -198,9 +231,22 @@ class Forwarder:
                     content = await self._read_quietly(response)
                     settled = True
                     attempts.last_5xx = response.status
-                    self._failed(reply, plan, candidate, attempts, "HTTP",
-                                 f"{response.status} {excerpt(content, 200)}")
+                    detail = f"{response.status} {excerpt(content, 200)}"
+                    if progress is not None:
+                        self._failed(reply, plan, candidate, attempts, "HTTP", detail)
+                        continue
+                    self._failed(reply, plan, candidate, attempts, "HTTP", detail, health=False)
+                    attempts.uncharged_5xx.append(candidate)
+                    self.quarantine.answered_5xx(self._key(path, plan, body), upstream.name,
+                                                 response.status, detail, time.monotonic())
                     continue
+                if progress is None:
+                    # Another upstream served what these answered 5xx: theirs was the fault.
+                    for failed in attempts.uncharged_5xx:
+                        self._charge_health(failed, "HTTP")
+                    attempts.uncharged_5xx.clear()
+                    if len(self.quarantine):
+                        self.quarantine.served(self._key(path, plan, body))
                 if progress is not None and response.status != 200:
                     content = await self._read_quietly(response)
                     settled = True
@@ -261,6 +307,18 @@ class Forwarder:
                                    f"{record.error}, and no upstream could continue the "
                                    f"stream: {causes}")
             return
+        if attempts.uncharged_5xx:
+            now = time.monotonic()
+            verdict = self.quarantine.failed(self._key(path, plan, body),
+                                             "; ".join(attempts.causes), now,
+                                             len(attempts.uncharged_5xx))
+            if verdict is not None:
+                attempts.uncharged_5xx.clear()  # the request's fault: charge no upstream
+                self.metrics.requests_of_death.labels(
+                    "detected" if verdict.held else "unavailable").inc()
+                await self._answer_failure(reply, record, verdict.status,
+                                           verdict.message(now), "-")
+                return
         await self._all_failed(reply, attempts, record)
 
     async def _shut_down(self, reply: ClientReply, record: RequestRecord) -> None:
@@ -277,8 +335,10 @@ class Forwarder:
     # ------------------------------------------------------------------ outcomes
 
     def _failed(self, reply: ClientReply, plan: Plan, candidate: Candidate,
-                attempts: _Attempts, kind: str, detail: str, *, timeout: bool = False) -> None:
-        """An attempt failed before any byte reached the client: charge the upstream, log."""
+                attempts: _Attempts, kind: str, detail: str, *, timeout: bool = False,
+                health: bool = True) -> None:
+        """An attempt failed before any byte reached the client: count and log it, and charge
+        the upstream's health unless ``health`` is False (a second opinion decides)."""
         upstream = candidate.upstream
         self.router.first_byte(plan, candidate)
         self.router.finished(plan, candidate)
@@ -287,17 +347,18 @@ class Forwarder:
             attempts.timeouts += 1
         log.warning("request %s: upstream %s failed before the first byte (%s): %s",
                     reply.request_id, upstream.name, kind, detail)
-        self._charge(candidate, kind)
+        self.metrics.upstream_errors.labels(upstream.name, kind).inc()
+        if health:
+            self._charge_health(candidate, kind)
         self.metrics.count_request(upstream.name, self.policy_name, candidate.branch,
                                    "upstream_error", plan.request.identity.model)
 
-    def _charge(self, candidate: Candidate, kind: str) -> None:
+    def _charge_health(self, candidate: Candidate, kind: str) -> None:
         """A failed request counts against its upstream's health (passive ejection)."""
         upstream = candidate.upstream
         if upstream.record_failure(probe=False):
             log.warning("upstream %s ejected after %d consecutive failed requests (last: %s)",
                         upstream.name, upstream.request_failures, kind)
-        self.metrics.upstream_errors.labels(upstream.name, kind).inc()
 
     def _too_large(self, plan: Plan, candidate: Candidate) -> None:
         upstream = candidate.upstream
@@ -412,7 +473,8 @@ class Forwarder:
                     raise UpstreamErrorEvent(progress.failure)
             except UpstreamError as exc:
                 status = 502
-                self._charge(candidate, "midstream")
+                self.metrics.upstream_errors.labels(upstream.name, "midstream").inc()
+                self._charge_health(candidate, "midstream")
                 continuation = progress.continuation()
                 if isinstance(continuation, Complete):
                     log.warning("request %s: upstream %s failed after the whole answer was "

@@ -18,7 +18,9 @@
 * ``usage``: a small JSON completion whose ``usage`` object is ``--usage``'s text as given
   (``{"prompt_tokens": 10, "prompt_tokens_details": {"cached_tokens": 1e400}}`` is not
   expressible as a Python value, so the text is sent raw);
-* ``twice``: two complete responses in answer to one request.
+* ``twice``: two complete responses in answer to one request;
+* ``poison``: a ``500`` for a request whose body contains ``--marker``'s bytes (a query of
+  death: vLLM has had inputs that raise inside the server), a small completion for any other.
 
 Plain asyncio streams (no framework), so each misbehaviour is exactly what it says. Every
 generate request is counted; ``GET /stats`` answers ``{"requests": N, "open": M, "request_ids":
@@ -36,7 +38,7 @@ import signal
 from collections.abc import Sequence
 
 MODES = ("hang", "huge", "slow", "error", "close", "midstream", "silent-stream", "status",
-         "usage", "twice")
+         "usage", "twice", "poison")
 GENERATE = (b"/v1/completions", b"/v1/chat/completions")
 
 
@@ -45,7 +47,7 @@ class Misbehaving:
 
     def __init__(self, mode: str, *, size: int = 2 << 20, delay_s: float = 5.0,
                  chunked: bool = False, model: str = "sim", status: int = 999,
-                 usage: str = "{}") -> None:
+                 usage: str = "{}", marker: str = "POISON") -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.mode = mode
@@ -55,6 +57,7 @@ class Misbehaving:
         self.model = model
         self.status = status
         self.usage = usage
+        self.marker = marker.encode()
         self.requests = 0
         self.open = 0
         self.request_ids: list[str] = []
@@ -117,7 +120,7 @@ class Misbehaving:
                 return False
             if self.mode == "close":
                 return False
-            if self.mode == "error":
+            if self.mode == "error" or (self.mode == "poison" and self.marker in body):
                 self._answer(writer, 500, json.dumps({"error": {
                     "message": "misbehaving upstream: deliberate 500", "type": "InternalError",
                     "param": None, "code": 500}}).encode())
@@ -129,7 +132,7 @@ class Misbehaving:
                 writer.write(b"%x\r\n%s\r\n" % (len(event), event))
                 await writer.drain()
                 return False
-            if self.mode in ("status", "usage", "twice"):
+            if self.mode in ("status", "usage", "twice", "poison"):
                 answer = (b'{"id": "cmpl-x", "object": "text_completion", "choices": [{"index": 0,'
                           b' "text": "ok", "finish_reason": "length"}], "usage": %s}'
                           % self.usage.encode())
@@ -188,10 +191,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", default="sim")
     parser.add_argument("--status", type=int, default=999, help="the status of 'status' mode")
     parser.add_argument("--usage", default="{}", help="the raw usage JSON of 'usage' mode")
+    parser.add_argument("--marker", default="POISON",
+                        help="bytes that make 'poison' mode answer a 500")
     args = parser.parse_args(argv)
     asyncio.run(serve(Misbehaving(args.mode, size=args.bytes, delay_s=args.delay,
                                   chunked=args.chunked, model=args.model, status=args.status,
-                                  usage=args.usage), args.port))
+                                  usage=args.usage, marker=args.marker), args.port))
     return 0
 
 

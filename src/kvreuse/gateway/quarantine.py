@@ -1,0 +1,185 @@
+"""Requests of death: a request that upstreams answer with a 5xx is not allowed to eject the fleet.
+
+vLLM has had inputs that raise inside the server (a 500 for that request alone, or a dead
+engine). Charged to the upstreams like any failed request, one such request, retried by the
+gateway on ``retries + 1`` upstreams and by the OpenAI SDK twice more, was ``eject_after`` (3)
+failures on each of three upstreams: the whole fleet ejected for ``ejection_s``, every other
+client answered 503 (tests/gateway/test_quarantine.py). Two rules stop that:
+
+* **A second opinion.** An upstream's 5xx *answer* (it spoke HTTP: the request may be at fault)
+  is charged to its health only once another upstream served the same request, or when the
+  request failed without a second 5xx answer (nothing says it is at fault). Connection
+  failures and timeouts are the upstream's and are charged at once, as before. The request
+  still goes on to the next candidate: with two broken upstreams of three, the third serves it
+  and both are charged.
+* **Every try answered 5xx, twice or more, makes a request of death.** When a request failed
+  on every upstream tried and has been answered 5xx at least twice within ``hold_s`` (by two
+  upstreams in one attempt, or across the caller's retries), no upstream is charged, and for
+  ``hold_s`` after its last 5xx the gateway answers the same request (same path, body and
+  cache identity) itself, with the upstreams' status and a message saying why, so that its
+  repeats reach no engine. A request served since is forgotten. When the last answer was
+  502, 503 or 504 (``UNAVAILABLE``: the upstreams say they cannot serve now, not that the
+  request broke them), no upstream is charged either, but nothing is held: the caller's
+  retry goes upstream.
+
+A fleet whose every upstream answers 5xx to everything (a bad deploy) is therefore not ejected
+by requests: its clients get the upstreams' 5xx, not 503s, and its health probes still eject
+what they find down. Only identical requests are held, for ``hold_s`` at most.
+
+Pure: the caller passes the time. Keys are Python's keyed hash of (path, identity, body): a
+client cannot forge another's key without the process's hash key. At most ``max_entries``
+requests are remembered (a flood of distinct failing requests drops the least recently failed);
+O(1) per call besides the hash, which the caller computes only on a 5xx or while the table is
+not empty.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from kvreuse.errors import ConfigError
+from kvreuse.identity import CacheIdentity
+
+HOLD_S = 30.0
+"""How long a request of death is answered by the gateway after its last 5xx."""
+MAX_ENTRIES = 4096
+"""Requests remembered at once; past it the least recently failed is forgotten."""
+ANSWERS_OF_DEATH = 2
+"""5xx answers within ``hold_s``, with no upstream serving the request, that make it one of
+death."""
+NAMED_UPSTREAMS = 4
+"""The last upstreams that answered a request 5xx, named in the message."""
+UNAVAILABLE = frozenset({502, 503, 504})
+"""Statuses that say an upstream cannot serve now, whatever the request: never held."""
+MAX_DETAIL_CHARS = 2000
+"""What the upstreams said, as kept per request (``retries`` causes of 200 bytes or so)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """A request of death: its 5xx answers, the last status, the upstreams that answered
+    (the last few, oldest first), what the last attempt's upstreams said, and until when the
+    gateway answers it itself."""
+
+    answers: int
+    status: int
+    upstreams: tuple[str, ...]
+    detail: str
+    until: float
+
+    @property
+    def held(self) -> bool:
+        """Whether the gateway answers the request's repeats itself (not for ``UNAVAILABLE``)."""
+        return self.status not in UNAVAILABLE
+
+    def message(self, now: float) -> str:
+        """What the client is told."""
+        names = ", ".join(dict.fromkeys(self.upstreams))
+        answered = f"this request was answered {self.status} {self.answers} times (by {names})"
+        if not self.held:
+            return (f"{answered} and served by no upstream; none is charged for it, as they "
+                    f"say they cannot serve now: retry later ({self.detail})")
+        return (f"{answered} and served by no upstream: the request itself is the likely "
+                f"cause, so the gateway answers it for {max(math.ceil(self.until - now), 1)} s "
+                f"more without sending it again; change the request, or retry after that "
+                f"({self.detail})")
+
+
+@dataclass(slots=True)
+class _Entry:
+    answers: int
+    upstreams: tuple[str, ...]
+    status: int
+    detail: str
+    last_at: float
+    condemned: bool = False
+
+
+class Quarantine:
+    """The failing requests of the module docstring, each remembered for ``hold_s`` after
+    its last 5xx answer."""
+
+    def __init__(self, hold_s: float = HOLD_S, max_entries: int = MAX_ENTRIES) -> None:
+        if not 0 < hold_s < math.inf:
+            raise ConfigError(f"the quarantine time must be a number of seconds > 0, got {hold_s}")
+        if max_entries < 1:
+            raise ConfigError(f"max_entries must be >= 1, got {max_entries}")
+        self.hold_s = hold_s
+        self.max_entries = max_entries
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently failed first
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @staticmethod
+    def key(path: str, identity: CacheIdentity, body: bytes) -> int:
+        """The key of a request. O(body)."""
+        return hash((path, identity, body))
+
+    def held(self, key: int, now: float) -> Verdict | None:
+        """The verdict on ``key`` while it is condemned, else None; called before a request is
+        sent anywhere (an expired entry is dropped)."""
+        entry = self._live(key, now)
+        return self._verdict(entry) if entry is not None and entry.condemned else None
+
+    def answered_5xx(self, key: int, upstream: str, status: int, detail: str,
+                     now: float) -> None:
+        """``upstream`` answered the request ``status`` (``detail``: an excerpt)."""
+        entry = self._live(key, now)
+        if entry is None:
+            entry = _Entry(0, (), status, detail, now)
+        else:
+            del self._entries[key]  # re-inserted last: the dict is in recency order
+        entry.answers += 1
+        entry.upstreams = (*entry.upstreams, upstream)[-NAMED_UPSTREAMS:]
+        entry.status, entry.detail, entry.last_at = status, detail[:MAX_DETAIL_CHARS], now
+        self._entries[key] = entry
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+    def failed(self, key: int, detail: str, now: float, in_this_attempt: int) -> Verdict | None:
+        """The request failed on every upstream tried, ``in_this_attempt`` of which answered
+        5xx (``detail``: what each said): the verdict when that makes it a request of death
+        (then held unless its status is ``UNAVAILABLE``), else None (its upstreams are to be
+        charged). ``in_this_attempt`` counts
+        even when a short ``hold_s`` has expired the first of them."""
+        entry = self._live(key, now)
+        answers = max(entry.answers if entry is not None else 0, in_this_attempt)
+        if entry is None or answers < ANSWERS_OF_DEATH:
+            return None
+        entry.answers, entry.detail = answers, detail[:MAX_DETAIL_CHARS]
+        verdict = self._verdict(entry)
+        entry.condemned = verdict.held
+        return verdict
+
+    def served(self, key: int) -> None:
+        """An upstream answered the request below 500: it is not one of death."""
+        self._entries.pop(key, None)
+
+    def _live(self, key: int, now: float) -> _Entry | None:
+        entry = self._entries.get(key)
+        if entry is not None and now - entry.last_at >= self.hold_s:
+            del self._entries[key]
+            return None
+        return entry
+
+    def _verdict(self, entry: _Entry) -> Verdict:
+        return Verdict(entry.answers, entry.status, entry.upstreams, entry.detail,
+                       entry.last_at + self.hold_s)
+
+    def check_invariants(self) -> None:
+        """O(n): bounded, in recency order, every entry with an answer and its upstreams, and
+        condemned only with enough answers."""
+        assert len(self._entries) <= self.max_entries, "more entries than the bound"
+        stamps = [entry.last_at for entry in self._entries.values()]
+        assert stamps == sorted(stamps), "entries out of recency order"
+        for entry in self._entries.values():
+            assert entry.answers >= 1 and 1 <= len(entry.upstreams) <= NAMED_UPSTREAMS, \
+                "an entry without an answer, or naming more upstreams than it keeps"
+            assert 500 <= entry.status <= 599, f"an entry of status {entry.status}"
+            assert not entry.condemned or (entry.answers >= ANSWERS_OF_DEATH
+                                           and entry.status not in UNAVAILABLE), \
+                "condemned on fewer answers than it takes, or on an unavailable upstream's"
+            assert len(entry.detail) <= MAX_DETAIL_CHARS, "an unbounded detail kept"
