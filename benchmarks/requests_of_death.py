@@ -12,6 +12,9 @@ a completion for any other) stand behind each router in turn:
   ``--attack-every`` seconds with the same request of death; the SDK tries a 5xx answer
   three times (``max_retries=2``), as it does by default.
 
+With ``--modes killer`` the request of death also kills each engine that serves it (from then
+on ``/health`` fails and every request gets a 500, as vLLM after an ``EngineDeadError``).
+
 Per router, the table counts the ordinary requests served and failed (failed: any answer but
 200, or no answer), the attacker's calls, and how many times the request of death reached an
 upstream (each time, on a real engine, a traceback or a dead engine)::
@@ -43,6 +46,7 @@ SDK_TRIES = 3
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
+    mode: str
     rate: float
     router: str
     ordinary: int
@@ -50,6 +54,7 @@ class Outcome:
     failed: int
     attacker_calls: int
     reached_upstreams: int
+    dead_engines: int
 
 
 def post(url: str, prompt: str) -> int:
@@ -67,9 +72,10 @@ def start_router(router: str, fleet: Fleet, upstreams: list[Process]) -> Process
     return fleet.start_peer(router, upstreams)
 
 
-def run(router: str, rate: float, args: argparse.Namespace, workdir: Path) -> Outcome:
-    with Fleet(workdir / f"{router}-{rate:g}") as fleet:
-        upstreams = [fleet.start_misbehaving(f"{router}-up{i}", "poison") for i in range(3)]
+def run(router: str, rate: float, args: argparse.Namespace, workdir: Path,
+        mode: str = "poison") -> Outcome:
+    with Fleet(workdir / f"{router}-{rate:g}-{mode}") as fleet:
+        upstreams = [fleet.start_misbehaving(f"{router}-up{i}", mode) for i in range(3)]
         front = start_router(router, fleet, upstreams)
         statuses: list[int] = []
         calls = [0]
@@ -105,12 +111,13 @@ def run(router: str, rate: float, args: argparse.Namespace, workdir: Path) -> Ou
             thread.join(60)
         stop.set()
         attack.join(60)
-        reached = sum(httpx.get(u.url + "/stats", timeout=5).json()["requests"]
+        reached = sum(httpx.get(u.url + "/stats", timeout=5).json()["marked"]
                       for u in upstreams)
         served = statuses.count(200)
-        # Each ordinary request reached an upstream once when served (they never fail there).
-        return Outcome(rate, router, len(statuses), served, len(statuses) - served, calls[0],
-                       reached - served)
+        dead = sum(httpx.get(u.url + "/health", timeout=5).status_code != 200
+                   for u in upstreams)
+        return Outcome(mode, rate, router, len(statuses), served, len(statuses) - served, calls[0],
+                       reached, dead)
 
 
 def main() -> int:
@@ -121,6 +128,8 @@ def main() -> int:
     parser.add_argument("--rates", default="20,0.5",
                         help="comma-separated ordinary requests started per second")
     parser.add_argument("--seconds", type=float, default=15.0)
+    parser.add_argument("--modes", default="poison,killer",
+                        help="poison: the request is answered 500; killer: it kills the engine")
     parser.add_argument("--attack-at", type=float, default=2.0)
     parser.add_argument("--attack-every", type=float, default=1.0,
                         help="seconds between the attacker's SDK calls")
@@ -128,22 +137,25 @@ def main() -> int:
     rows = []
     rates = [float(text) for text in args.rates.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
-        for rate in rates:
-            for router in args.routers.split(","):
-                if router != "kvreuse" and not (PEERS_VENV / "bin").is_dir():
-                    print(f"{router}: skipped, no {PEERS_VENV} (make peers)", file=sys.stderr)
-                    continue
-                print(f"{router}: {rate * args.seconds:.0f} ordinary requests over "
-                      f"{args.seconds:g} s ...", file=sys.stderr, flush=True)
-                rows.append(run(router, rate, args, Path(tmp)))
+        for mode in args.modes.split(","):
+            for rate in rates:
+                for router in args.routers.split(","):
+                    if router != "kvreuse" and not (PEERS_VENV / "bin").is_dir():
+                        print(f"{router}: skipped, no {PEERS_VENV} (make peers)",
+                              file=sys.stderr)
+                        continue
+                    print(f"{mode}, {router}: {rate * args.seconds:.0f} ordinary requests over "
+                          f"{args.seconds:g} s ...", file=sys.stderr, flush=True)
+                    rows.append(run(router, rate, args, Path(tmp), mode))
     print(f"three upstreams; ordinary requests for {args.seconds:g} s; from {args.attack_at:g} s "
           f"one SDK call with\na request of death every {args.attack_every:g} s ({SDK_TRIES} "
-          f"tries each while it is answered 5xx)")
-    print(f"{'ordinary/s':>10}  {'router':>13}  {'ordinary':>8}  {'served':>6}  {'failed':>6}  "
-          f"{'attacker calls':>14}  {'death reached upstreams':>23}")
+          f"tries each while it is answered 5xx);\n'reached': the times it reached an upstream")
+    print(f"{'mode':>6}  {'ordinary/s':>10}  {'router':>13}  {'ordinary':>8}  {'served':>6}  "
+          f"{'failed':>6}  {'attacker calls':>14}  {'reached':>7}  {'dead engines':>12}")
     for row in rows:
-        print(f"{row.rate:>10g}  {row.router:>13}  {row.ordinary:>8}  {row.served:>6}  "
-              f"{row.failed:>6}  {row.attacker_calls:>14}  {row.reached_upstreams:>23}")
+        print(f"{row.mode:>6}  {row.rate:>10g}  {row.router:>13}  {row.ordinary:>8}  "
+              f"{row.served:>6}  {row.failed:>6}  {row.attacker_calls:>14}  "
+              f"{row.reached_upstreams:>7}  {row.dead_engines:>12}")
     return 0
 
 

@@ -21,7 +21,11 @@ from kvreuse.cli.main import build_parser
 from kvreuse.cli.route import build_config
 from kvreuse.errors import ConfigError
 from kvreuse.gateway.config import UpstreamConfig, load_config_file
-from kvreuse.gateway.quarantine import ANSWERS_OF_DEATH, MAX_DETAIL_CHARS, Quarantine
+from kvreuse.gateway.quarantine import (
+    ANSWERS_OF_DEATH,
+    MAX_DETAIL_CHARS,
+    Quarantine,
+)
 from kvreuse.identity import CacheIdentity
 from kvreuse.testing.processes import Fleet, Process
 
@@ -143,6 +147,19 @@ def test_what_upstreams_said_is_kept_bounded() -> None:
     table.answered_5xx(10, "b", 500, "y" * 10_000, 0.0)
     verdict = table.failed(10, "z" * 100_000, 0.0, 2)
     assert verdict is not None and len(verdict.detail) == MAX_DETAIL_CHARS
+    table.check_invariants()
+
+
+def test_a_request_that_brought_two_upstreams_down_is_held_whatever_the_status() -> None:
+    """Two deaths condemn a request even on 502 (a connection closed), naming both."""
+    table = Quarantine(30.0)
+    table.answered_5xx(11, "a", 500, "x", 0.0)
+    verdict = table.brought_down(11, ("a", "b"), 502, "a: 500; b: closed", 0.5)
+    assert verdict.held and verdict.brought_down == ("a", "b")
+    assert "went down while serving this request" in verdict.message(0.5)
+    assert "a and b" in verdict.message(0.5)
+    held = table.held(11, 10.0)
+    assert held is not None and held.brought_down == ("a", "b")
     table.check_invariants()
 
 
@@ -319,6 +336,59 @@ def test_a_fleet_answering_503_is_charged_nothing_and_holds_nothing(
     assert metric(gateway,
                   'kvreuse_gateway_requests_of_death_total{outcome="unavailable"}') == 2
     assert metric(gateway, 'kvreuse_gateway_requests_of_death_total{outcome="held"}') == 0
+
+
+def test_a_request_that_kills_engines_stops_after_two(fleet: Fleet,
+                                                      gateway_factory: Factory) -> None:
+    """A request that kills the engine serving it (/health fails right after its 500): the
+    gateway stops after the second dead upstream, so the third never sees it and serves the
+    others; its repeat is held."""
+    killers = [fleet.start_misbehaving(f"kill-{i}", "killer") for i in range(3)]
+    gateway = gateway_factory(configs(killers), health_interval_s=0.2)
+    answer = post(gateway, DEATH)
+    message = answer.json()["error"]["message"]
+    assert answer.status_code == 500 and "went down while serving this request" in message
+    reached = [generate_requests(p) for p in killers]
+    assert sorted(reached) == [0, 1, 1], reached
+    survivor = killers[reached.index(0)].name
+    assert post(gateway, DEATH).status_code == 500  # held: reaches nobody
+    assert [generate_requests(p) for p in killers] == reached
+    wait_for(lambda: sorted(httpx.get(gateway.url + "/ready").json()["ejected"]) == sorted(
+        p.name for p in killers if p.name != survivor), 5, "the dead upstreams ejected")
+    served = post(gateway, GOOD)
+    assert served.status_code == 200 and served.headers["x-kvreuse-upstream"] == survivor
+    assert metric(gateway,
+                  'kvreuse_gateway_requests_of_death_total{outcome="brought_down"}') == 1
+
+
+def test_draining_upstreams_are_not_taken_for_killed_ones(fleet: Fleet,
+                                                          gateway_factory: Factory) -> None:
+    """Upstreams that answer 503 while their /health fails (vLLM draining) were not brought
+    down by the request: it is tried on each, answered 503, and nothing is held."""
+    draining = [fleet.start_misbehaving(f"drain-{i}", "draining") for i in range(3)]
+    gateway = gateway_factory(configs(draining), policy="round_robin")
+    for upstream in draining:  # each one's first request starts its drain
+        assert httpx.post(upstream.url + "/v1/completions", json=GOOD, timeout=5).is_success
+    answer = post(gateway, GOOD)
+    assert answer.status_code == 503 and "retry later" in answer.json()["error"]["message"]
+    assert [generate_requests(p) for p in draining] == [2, 2, 2]
+    assert metric(gateway,
+                  'kvreuse_gateway_requests_of_death_total{outcome="brought_down"}') == 0
+    assert metric(gateway,
+                  'kvreuse_gateway_requests_of_death_total{outcome="unavailable"}') == 1
+
+
+def test_one_dead_upstream_does_not_stop_a_request(fleet: Fleet, engine: Engine,
+                                                   gateway_factory: Factory) -> None:
+    """One upstream going down while serving a request may be chance: the next one serves
+    it."""
+    killer = fleet.start_misbehaving("kill-once", "killer")
+    gateway = gateway_factory([UpstreamConfig(killer.url, name="kill-once"), engine.upstream],
+                              policy="round_robin")
+    answers = [post(gateway, {**DEATH, "prompt": f"POISON {i}"}) for i in range(2)]
+    assert all(a.status_code == 200 and a.headers["x-kvreuse-upstream"] == "q-engine"
+               for a in answers), [a.text for a in answers]
+    assert generate_requests(killer) == 1
 
 
 def test_a_lone_upstream_is_charged_for_a_5xx_no_one_else_could_judge(

@@ -294,7 +294,7 @@ class Gateway:
             retries=config.retries, upstream_timeout_s=config.upstream_timeout_s,
             max_response_bytes=config.max_response_bytes, migrate=config.stream_migration,
             max_continuation_bytes=config.max_body_bytes, drain=self.drain,
-            quarantine=Quarantine(config.quarantine_s),
+            quarantine=Quarantine(config.quarantine_s), probe=self.probe,
         )
         if self.recorder is not None:
             self.recorder.start()
@@ -640,20 +640,27 @@ class Gateway:
 
     async def _probe_loop(self, upstream: UpstreamState) -> None:
         while True:
-            try:
-                status, _ = await self._get(upstream, "/health")
-                ok = status == 200
-            except UpstreamError:
-                ok = False
-            first = upstream.awaiting_first_probe
-            if ok and upstream.record_success(probe=True):
-                log.warning("upstream %s %s", upstream.name,
-                            "admitted: its first health probe passed" if first else "re-admitted")
-            elif not ok and upstream.record_failure(probe=True):
-                log.warning("upstream %s ejected (health probes failing)", upstream.name)
+            ok = await self.probe(upstream)
             if ok and not upstream.declared:
                 await self.learn_models(upstream)
             await asyncio.sleep(self.config.health_interval_s)
+
+    async def probe(self, upstream: UpstreamState) -> bool:
+        """Probe ``upstream``'s ``GET /health`` now and count the result towards its health;
+        whether it passed. The probe loop calls it every ``health_interval_s``, the forwarder
+        after an upstream failed a request it had received (did the request bring it down?)."""
+        try:
+            status, _ = await self._get(upstream, "/health")
+            ok = status == 200
+        except UpstreamError:
+            ok = False
+        first = upstream.awaiting_first_probe
+        if ok and upstream.record_success(probe=True):
+            log.warning("upstream %s %s", upstream.name,
+                        "admitted: its first health probe passed" if first else "re-admitted")
+        elif not ok and upstream.record_failure(probe=True):
+            log.warning("upstream %s ejected (health probes failing)", upstream.name)
+        return ok
 
     async def learn_models(self, upstream: UpstreamState) -> None:
         """Read ``upstream``'s /v1/models now and route on what it says from then on; an

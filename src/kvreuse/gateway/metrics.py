@@ -26,9 +26,9 @@ DNS discovery (``--discover``): ``kvreuse_gateway_discovery_lookups_total{source
 and ``kvreuse_gateway_discovered_upstreams{source}``. ``kvreuse_gateway_draining`` is 1 from
 SIGTERM on (gateway/serve.py). ``kvreuse_gateway_requests_of_death_total{outcome}`` counts
 requests answered 5xx twice and served nowhere (``detected``; ``unavailable`` when the answers
-were 502-504, which are not held) and their repeats the gateway answered itself (``held``;
-gateway/quarantine.py). The series of an upstream removed at runtime are dropped
-(:meth:`GatewayMetrics.forget_upstream`).
+were 502-504, which are not held; ``brought_down`` when two upstreams went down serving it)
+and their repeats the gateway answered itself (``held``; gateway/quarantine.py). The series
+of an upstream removed at runtime are dropped (:meth:`GatewayMetrics.forget_upstream`).
 
 Also exported: ejections per upstream, the Redis sync counters of a shared index
 (:class:`~kvreuse.gateway.shared_index.SyncStats`) when one is attached, and
@@ -337,10 +337,11 @@ class GatewayMetrics:
         self.requests_of_death = Counter(
             "kvreuse_gateway_requests_of_death", "requests answered 5xx twice and served by "
             "no upstream, charging none: detected (then held), unavailable (502-504: not "
-            "held), and the repeats the gateway answered itself (held)", ["outcome"],
+            "held); brought_down: stopped after two upstreams went down serving it (then "
+            "held); and the repeats the gateway answered itself (held)", ["outcome"],
             registry=self.registry,
         )
-        for outcome in ("detected", "unavailable", "held"):
+        for outcome in ("detected", "unavailable", "brought_down", "held"):
             self.requests_of_death.labels(outcome)
         self.rejected = Counter(
             "kvreuse_gateway_rejected", "requests refused before routing, by HTTP status and model",

@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,17 +47,19 @@ from kvreuse.gateway.migration import (
     decode_usage,
     excerpt,
 )
-from kvreuse.gateway.quarantine import Quarantine
+from kvreuse.gateway.quarantine import DEATHS_TO_STOP, UNAVAILABLE, Quarantine
 from kvreuse.gateway.router import Candidate, Plan, Router
 from kvreuse.gateway.serve import SHUTDOWN_MESSAGE, Drain
 from kvreuse.gateway.telemetry import RequestRecord
 from kvreuse.gateway.upstream_client import (
     UpstreamError,
     UpstreamPool,
+    UpstreamProtocolError,
     UpstreamResponse,
     UpstreamTimeout,
     UpstreamTooLarge,
 )
+from kvreuse.gateway.upstreams import UpstreamState
 from kvreuse.gateway.validation import ParsedRequest, error_body
 
 log = logging.getLogger("kvreuse.gateway.proxy")
@@ -112,6 +114,8 @@ class _Attempts:
     last_5xx: int = 0
     # Upstreams that answered 5xx, not yet charged: a second opinion decides (quarantine.py).
     uncharged_5xx: list[Candidate] = field(default_factory=list)
+    # Upstreams whose /health failed right after they failed this request.
+    brought_down: list[str] = field(default_factory=list)
 
 
 class Forwarder:
@@ -132,14 +136,18 @@ class Forwarder:
         max_continuation_bytes: int = 8 << 20,
         drain: Drain | None = None,
         quarantine: Quarantine | None = None,
+        probe: Callable[[UpstreamState], Awaitable[bool]] | None = None,
     ) -> None:
-        """``quarantine`` remembers requests upstreams answered 5xx (its defaults when None).
+        """``quarantine`` remembers requests upstreams answered 5xx (its defaults when None);
+        ``probe`` checks an upstream's health now (None: never checked here), after it failed
+        a request it had received.
         ``max_continuation_bytes`` bounds the answer kept to continue a stream (a longer
         one is not continued): the gateway's ``max_body_bytes``, as a continuation is a
         request the gateway sends. ``drain`` says when the server's grace period for
         requests in flight is over (their cancellation is then an ending to send)."""
         self.drain = drain if drain is not None else Drain()
         self.quarantine = quarantine if quarantine is not None else Quarantine()
+        self.probe = probe
         self.pools = pools
         self.router = router
         self.metrics = metrics
@@ -195,6 +203,31 @@ class Forwarder:
     def _key(self, path: str, plan: Plan, body: bytes) -> int:
         return Quarantine.key(path, plan.request.identity, body)
 
+    async def _stop_after_deaths(self, reply: ClientReply, path: str, body: bytes, plan: Plan,
+                                 record: RequestRecord, attempts: _Attempts,
+                                 upstream: UpstreamState, status: int) -> bool:
+        """``upstream`` failed the request after receiving it: when it was passing its probes,
+        probe it, and when it is the ``DEATHS_TO_STOP``-th upstream found down, answer the
+        client (the request goes no further: quarantine.py) and say True."""
+        if self.probe is None or upstream.probe_failures or not upstream.healthy:
+            return False  # down before this request, if down: not its doing
+        if await self.probe(upstream):
+            return False
+        attempts.brought_down.append(upstream.name)
+        log.warning("request %s: upstream %s failed it and its /health failed right after",
+                    reply.request_id, upstream.name)
+        if len(attempts.brought_down) < DEATHS_TO_STOP:
+            return False
+        now = time.monotonic()
+        verdict = self.quarantine.brought_down(
+            self._key(path, plan, body), tuple(attempts.brought_down), status,
+            "; ".join(attempts.causes), now)
+        # They are down: their probes eject them; a request that killed them charges none.
+        attempts.uncharged_5xx.clear()
+        self.metrics.requests_of_death.labels("brought_down").inc()
+        await self._answer_failure(reply, record, status, verdict.message(now), "-")
+        return True
+
     async def _attempt(self, reply: ClientReply, path: str, body: bytes,
                        parsed: ParsedRequest, plan: Plan, record: RequestRecord,
                        trace: Mapping[str, str], attempts: _Attempts) -> None:
@@ -226,6 +259,10 @@ class Forwarder:
                     settled = True
                     self._failed(reply, plan, candidate, attempts, exc.kind, str(exc),
                                  timeout=isinstance(exc, UpstreamTimeout))
+                    if (progress is None and isinstance(exc, UpstreamProtocolError)
+                            and await self._stop_after_deaths(reply, path, body, plan, record,
+                                                              attempts, upstream, 502)):
+                        return
                     continue
                 if response.status >= 500:
                     content = await self._read_quietly(response)
@@ -239,6 +276,12 @@ class Forwarder:
                     attempts.uncharged_5xx.append(candidate)
                     self.quarantine.answered_5xx(self._key(path, plan, body), upstream.name,
                                                  response.status, detail, time.monotonic())
+                    # 502-504 say "cannot serve now" (a draining vLLM's /health fails too).
+                    if (response.status not in UNAVAILABLE
+                            and await self._stop_after_deaths(reply, path, body, plan, record,
+                                                              attempts, upstream,
+                                                              response.status)):
+                        return
                     continue
                 if progress is None:
                     # Another upstream served what these answered 5xx: theirs was the fault.
@@ -268,6 +311,10 @@ class Forwarder:
                         self._failed(reply, plan, candidate, attempts, exc.kind,
                                      f"stream broke before its first chunk: {exc}",
                                      timeout=isinstance(exc, UpstreamTimeout))
+                        if (progress is None and isinstance(exc, UpstreamProtocolError)
+                                and await self._stop_after_deaths(
+                                    reply, path, body, plan, record, attempts, upstream, 502)):
+                            return
                         continue
                     settled = True
                     if progress is None:

@@ -22,6 +22,16 @@ client answered 503 (tests/gateway/test_quarantine.py). Two rules stop that:
   request broke them), no upstream is charged either, but nothing is held: the caller's
   retry goes upstream.
 
+* **Two upstreams brought down stop it at once.** After an upstream failed a request it had
+  received (a 5xx answer other than ``UNAVAILABLE``, which a draining vLLM gives while its
+  ``/health`` fails too, or a connection closed before the answer), the gateway probes its
+  ``/health`` right away. When that fails, the upstream went down while serving the request
+  (vLLM after an ``EngineDeadError``). An upstream already failing its probes is not asked:
+  it was down before this request. One such death may be chance (an engine killed by
+  something else); at ``DEATHS_TO_STOP`` (2) the request is what kills engines: it goes to no
+  further upstream and is held as above, whatever the status. Without this, a request that
+  kills its engine killed ``retries + 1`` of them.
+
 A fleet whose every upstream answers 5xx to everything (a bad deploy) is therefore not ejected
 by requests: its clients get the upstreams' 5xx, not 503s, and its health probes still eject
 what they find down. Only identical requests are held, for ``hold_s`` at most.
@@ -53,6 +63,8 @@ NAMED_UPSTREAMS = 4
 """The last upstreams that answered a request 5xx, named in the message."""
 UNAVAILABLE = frozenset({502, 503, 504})
 """Statuses that say an upstream cannot serve now, whatever the request: never held."""
+DEATHS_TO_STOP = 2
+"""Upstreams a request may bring down before it is sent to no other."""
 MAX_DETAIL_CHARS = 2000
 """What the upstreams said, as kept per request (``retries`` causes of 200 bytes or so)."""
 
@@ -68,14 +80,22 @@ class Verdict:
     upstreams: tuple[str, ...]
     detail: str
     until: float
+    brought_down: tuple[str, ...] = ()
 
     @property
     def held(self) -> bool:
-        """Whether the gateway answers the request's repeats itself (not for ``UNAVAILABLE``)."""
-        return self.status not in UNAVAILABLE
+        """Whether the gateway answers the request's repeats itself (not for ``UNAVAILABLE``
+        answers, unless the request brought upstreams down)."""
+        return bool(self.brought_down) or self.status not in UNAVAILABLE
 
     def message(self, now: float) -> str:
         """What the client is told."""
+        if self.brought_down:
+            return (f"upstreams {' and '.join(self.brought_down)} went down while serving this "
+                    f"request (their /health failed right after it): the request may be what "
+                    f"brings engines down, so it is sent to no other upstream, and the gateway "
+                    f"answers it for {max(math.ceil(self.until - now), 1)} s more without "
+                    f"sending it again ({self.detail})")
         names = ", ".join(dict.fromkeys(self.upstreams))
         answered = f"this request was answered {self.status} {self.answers} times (by {names})"
         if not self.held:
@@ -95,6 +115,7 @@ class _Entry:
     detail: str
     last_at: float
     condemned: bool = False
+    brought_down: tuple[str, ...] = ()
 
 
 class Quarantine:
@@ -154,6 +175,26 @@ class Quarantine:
         entry.condemned = verdict.held
         return verdict
 
+    def brought_down(self, key: int, upstreams: tuple[str, ...], status: int, detail: str,
+                     now: float) -> Verdict:
+        """``upstreams`` (at least ``DEATHS_TO_STOP``) went down serving the request, the last
+        failure ``status`` (the 5xx answered, else 502) with what each said in ``detail``: the
+        verdict, held whatever the status."""
+        assert len(upstreams) >= DEATHS_TO_STOP, "condemned for fewer deaths than it takes"
+        entry = self._live(key, now)
+        if entry is None:
+            entry = _Entry(0, (), status, detail, now)
+        else:
+            del self._entries[key]
+        entry.answers = max(entry.answers, len(upstreams))
+        entry.upstreams = upstreams[-NAMED_UPSTREAMS:]
+        entry.status, entry.detail, entry.last_at = status, detail[:MAX_DETAIL_CHARS], now
+        entry.condemned, entry.brought_down = True, upstreams[-NAMED_UPSTREAMS:]
+        self._entries[key] = entry
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+        return self._verdict(entry)
+
     def served(self, key: int) -> None:
         """An upstream answered the request below 500: it is not one of death."""
         self._entries.pop(key, None)
@@ -167,7 +208,7 @@ class Quarantine:
 
     def _verdict(self, entry: _Entry) -> Verdict:
         return Verdict(entry.answers, entry.status, entry.upstreams, entry.detail,
-                       entry.last_at + self.hold_s)
+                       entry.last_at + self.hold_s, entry.brought_down)
 
     def check_invariants(self) -> None:
         """O(n): bounded, in recency order, every entry with an answer and its upstreams, and
@@ -179,7 +220,8 @@ class Quarantine:
             assert entry.answers >= 1 and 1 <= len(entry.upstreams) <= NAMED_UPSTREAMS, \
                 "an entry without an answer, or naming more upstreams than it keeps"
             assert 500 <= entry.status <= 599, f"an entry of status {entry.status}"
-            assert not entry.condemned or (entry.answers >= ANSWERS_OF_DEATH
-                                           and entry.status not in UNAVAILABLE), \
+            assert not entry.condemned or len(entry.brought_down) >= DEATHS_TO_STOP or (
+                entry.answers >= ANSWERS_OF_DEATH and entry.status not in UNAVAILABLE), \
                 "condemned on fewer answers than it takes, or on an unavailable upstream's"
+            assert not entry.brought_down or entry.condemned, "a death not held"
             assert len(entry.detail) <= MAX_DETAIL_CHARS, "an unbounded detail kept"

@@ -20,13 +20,18 @@
   expressible as a Python value, so the text is sent raw);
 * ``twice``: two complete responses in answer to one request;
 * ``poison``: a ``500`` for a request whose body contains ``--marker``'s bytes (a query of
-  death: vLLM has had inputs that raise inside the server), a small completion for any other.
+  death: vLLM has had inputs that raise inside the server), a small completion for any other;
+* ``killer``: as ``poison``, but the marked request also kills the server's engine: from then
+  on ``/health`` answers ``503`` and every generate request ``500`` (vLLM after an
+  ``EngineDeadError``);
+* ``draining``: a completion for the first generate request, which starts a drain: from then on
+  ``/health`` and every generate request answer ``503`` (vLLM draining before it stops).
 
 Plain asyncio streams (no framework), so each misbehaviour is exactly what it says. Every
 generate request is counted; ``GET /stats`` answers ``{"requests": N, "open": M, "request_ids":
-[...]}`` (M: requests whose connection is still open; the ``x-request-id`` headers received,
-the last 100), so a test can see what reached it and what it was told to abort. Binds
-127.0.0.1 only.
+[...], "marked": K}`` (M: requests whose connection is still open; the ``x-request-id``
+headers received, the last 100; K: requests holding the marker), so a test can see what
+reached it and what it was told to abort. Binds 127.0.0.1 only.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ import signal
 from collections.abc import Sequence
 
 MODES = ("hang", "huge", "slow", "error", "close", "midstream", "silent-stream", "status",
-         "usage", "twice", "poison")
+         "usage", "twice", "poison", "killer", "draining")
 GENERATE = (b"/v1/completions", b"/v1/chat/completions")
 
 
@@ -58,6 +63,8 @@ class Misbehaving:
         self.status = status
         self.usage = usage
         self.marker = marker.encode()
+        self.dead = False
+        self.marked = 0  # generate requests holding the marker (poison and killer modes)
         self.requests = 0
         self.open = 0
         self.request_ids: list[str] = []
@@ -81,6 +88,9 @@ class Misbehaving:
                 if method == b"POST" and path in GENERATE:
                     if not await self._generate(reader, writer, body):
                         return
+                elif path == b"/health" and (self.dead or (self.mode == "draining"
+                                                           and self.requests > 0)):
+                    self._answer(writer, 503, b'{"error": "engine dead"}')
                 else:
                     self._answer(writer, 200, self._control(path))
                 await writer.drain()
@@ -95,7 +105,8 @@ class Misbehaving:
                 {"id": self.model, "object": "model", "owned_by": "misbehaving"}]}).encode()
         if path == b"/stats":
             return json.dumps({"requests": self.requests, "open": self.open,
-                               "request_ids": self.request_ids}).encode()
+                               "request_ids": self.request_ids,
+                               "marked": self.marked}).encode()
         if path == b"/metrics":
             return b"# nothing to report\n"
         return b"{}"
@@ -120,7 +131,14 @@ class Misbehaving:
                 return False
             if self.mode == "close":
                 return False
-            if self.mode == "error" or (self.mode == "poison" and self.marker in body):
+            if self.mode == "draining" and self.requests > 1:
+                self._answer(writer, 503, b'{"error": "draining"}')
+                return True
+            if self.mode in ("poison", "killer") and self.marker in body:
+                self.marked += 1
+                self.dead = self.dead or self.mode == "killer"
+            if self.mode == "error" or self.dead or (self.mode == "poison"
+                                                     and self.marker in body):
                 self._answer(writer, 500, json.dumps({"error": {
                     "message": "misbehaving upstream: deliberate 500", "type": "InternalError",
                     "param": None, "code": 500}}).encode())
@@ -132,7 +150,7 @@ class Misbehaving:
                 writer.write(b"%x\r\n%s\r\n" % (len(event), event))
                 await writer.drain()
                 return False
-            if self.mode in ("status", "usage", "twice", "poison"):
+            if self.mode in ("status", "usage", "twice", "poison", "killer", "draining"):
                 answer = (b'{"id": "cmpl-x", "object": "text_completion", "choices": [{"index": 0,'
                           b' "text": "ok", "finish_reason": "length"}], "usage": %s}'
                           % self.usage.encode())
@@ -192,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--status", type=int, default=999, help="the status of 'status' mode")
     parser.add_argument("--usage", default="{}", help="the raw usage JSON of 'usage' mode")
     parser.add_argument("--marker", default="POISON",
-                        help="bytes that make 'poison' mode answer a 500")
+                        help="bytes that make 'poison' mode answer a 500 ('killer': and die)")
     args = parser.parse_args(argv)
     asyncio.run(serve(Misbehaving(args.mode, size=args.bytes, delay_s=args.delay,
                                   chunked=args.chunked, model=args.model, status=args.status,
