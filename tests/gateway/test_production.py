@@ -198,6 +198,8 @@ def test_every_candidate_timing_out_is_a_504(fleet: Fleet, gateway_factory: Fact
     assert response.status_code == 504, response.text
     message = response.json()["error"]["message"]
     assert "0.5 s" in message and "hung-504" in message and "silent" in message
+    # Too slow everywhere: a fleet too loaded for the request, not two broken upstreams.
+    assert [u.request_failures for u in gateway.gateway.upstreams] == [0, 0]
 
 
 def test_sigstopped_engine_fails_over_instead_of_hanging(fleet: Fleet,

@@ -1,5 +1,6 @@
-"""Requests of death (gateway/quarantine.py): a request upstreams answer 5xx cannot eject the
-fleet, a broken upstream still is ejected, and repeats are answered by the gateway.
+"""Requests of death (gateway/quarantine.py): a request upstreams answer 5xx, or do not answer
+in time, cannot eject the fleet; a broken or hung upstream still is ejected, and repeats of a
+request of death are answered by the gateway.
 
 The pure table is tested against a reference model; the gateway in front of real processes
 (:mod:`kvreuse.testing.misbehaving` in ``poison`` mode: a 500 for bodies holding a marker, a
@@ -7,6 +8,7 @@ completion for the rest; ``kvreuse engine`` replicas)."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -389,6 +391,60 @@ def test_one_dead_upstream_does_not_stop_a_request(fleet: Fleet, engine: Engine,
     assert all(a.status_code == 200 and a.headers["x-kvreuse-upstream"] == "q-engine"
                for a in answers), [a.text for a in answers]
     assert generate_requests(killer) == 1
+
+
+def test_a_burst_too_slow_for_the_timeout_ejects_nothing(gateway_factory: Factory) -> None:
+    """Long prompts that queue past --upstream-timeout on every replica: before, the burst's
+    timeouts ejected all three (503 for everyone for ejection_s after it); now the ones that
+    time out everywhere charge none, the fleet is not ejected, and the next request is served
+    at once. (A replica whose own requests time out three in a row and are then served by
+    another is still ejected: it is the slow one.)"""
+    engines = [start_engine(f"slow{i}", events=False, prefill_tokens_per_s=4000.0)
+               for i in range(3)]
+    try:
+        gateway = gateway_factory(engines, upstream_timeout_s=1.0, health_interval_s=0.5)
+
+        async def burst() -> list[int]:
+            async with httpx.AsyncClient(timeout=60) as client:
+                async def one(index: int) -> int:
+                    answer = await client.post(gateway.url + "/v1/completions", json={
+                        "model": "sim", "prompt": f"{index} " + "word " * 3000,
+                        "max_tokens": 2})
+                    return answer.status_code
+                return list(await asyncio.gather(*(one(i) for i in range(30))))
+
+        statuses = asyncio.run(burst())
+        assert set(statuses) == {200, 504} and statuses.count(504) >= 10, statuses
+        assert len(httpx.get(gateway.url + "/ready").json()["ejected"]) < len(engines)
+        assert post(gateway, GOOD).status_code == 200
+    finally:
+        for engine_ in engines:
+            engine_.server.stop()
+
+
+def test_two_hung_upstreams_of_three_lose_no_request(fleet: Fleet, engine: Engine,
+                                                     gateway_factory: Factory) -> None:
+    """Two upstreams that never answer: a request they both time out on is served by the
+    third, which charges both, and both are ejected."""
+    hung = [fleet.start_misbehaving(f"hung-q{i}", "hang") for i in range(2)]
+    gateway = gateway_factory([*configs(hung), engine.upstream], policy="round_robin",
+                              upstream_timeout_s=0.3, eject_after=2, health_interval_s=0.1)
+    for i in range(12):
+        answer = post(gateway, {**GOOD, "prompt": f"ordinary {i}"})
+        assert answer.status_code == 200, answer.text
+        if httpx.get(gateway.url + "/ready").json()["ejected"] == ["hung-q0", "hung-q1"]:
+            break
+    assert httpx.get(gateway.url + "/ready").json()["ejected"] == ["hung-q0", "hung-q1"]
+
+
+def test_a_lone_hung_upstream_is_charged(fleet: Fleet, gateway_factory: Factory) -> None:
+    """With no second upstream to ask, a timeout counts against its upstream, as before."""
+    hung = fleet.start_misbehaving("hung-lone", "hang")
+    gateway = gateway_factory([UpstreamConfig(hung.url, name="hung-lone")],
+                              upstream_timeout_s=0.3, eject_after=2, health_interval_s=0.1)
+    for i in range(2):
+        assert post(gateway, {**GOOD, "prompt": f"distinct {i}"}).status_code == 504
+    assert httpx.get(gateway.url + "/ready").json()["ejected"] == ["hung-lone"]
 
 
 def test_a_lone_upstream_is_charged_for_a_5xx_no_one_else_could_judge(

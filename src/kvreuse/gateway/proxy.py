@@ -112,8 +112,10 @@ class _Attempts:
     causes: list[str]
     timeouts: int = 0
     last_5xx: int = 0
-    # Upstreams that answered 5xx, not yet charged: a second opinion decides (quarantine.py).
-    uncharged_5xx: list[Candidate] = field(default_factory=list)
+    # Failures the request may have caused (a 5xx answer, no first byte in time), not yet
+    # charged to their upstreams: a second opinion decides (quarantine.py).
+    uncharged: list[tuple[Candidate, str]] = field(default_factory=list)
+    answered_5xx: int = 0
     # Upstreams whose /health failed right after they failed this request.
     brought_down: list[str] = field(default_factory=list)
 
@@ -195,10 +197,32 @@ class Forwarder:
         try:
             await self._attempt(reply, path, body, parsed, plan, record, trace, attempts)
         finally:
-            # Nothing said the request was at fault (no other upstream served it or also
-            # answered 5xx): its 5xx answers count against their upstreams, as any failure.
-            for candidate in attempts.uncharged_5xx:
-                self._charge_health(candidate, "HTTP")
+            # Nothing said the request was at fault (no other upstream served it, or failed
+            # it the same way): its failures count against their upstreams, as any failure.
+            for candidate, kind in attempts.uncharged:
+                self._charge_health(candidate, kind)
+
+    @staticmethod
+    def _second_opinion(attempts: _Attempts, candidate: Candidate, exc: UpstreamError,
+                        progress: StreamProgress | None) -> bool:
+        """Whether the failure waits for a second opinion before it is charged (then it is
+        kept in ``attempts.uncharged``): no first byte in time may be the request's doing (a
+        prompt too long, a fleet overloaded by it and its like), unlike a refused or broken
+        connection."""
+        if progress is not None or not isinstance(exc, UpstreamTimeout):
+            return False
+        attempts.uncharged.append((candidate, exc.kind))
+        return True
+
+    def _served_elsewhere(self, path: str, plan: Plan, body: bytes,
+                          attempts: _Attempts) -> None:
+        """An upstream answered the request (below 500; a stream's first chunk): the failures
+        before were their upstreams' fault, and the request is no request of death."""
+        for failed, kind in attempts.uncharged:
+            self._charge_health(failed, kind)
+        attempts.uncharged.clear()
+        if len(self.quarantine):
+            self.quarantine.served(self._key(path, plan, body))
 
     def _key(self, path: str, plan: Plan, body: bytes) -> int:
         return Quarantine.key(path, plan.request.identity, body)
@@ -223,7 +247,7 @@ class Forwarder:
             self._key(path, plan, body), tuple(attempts.brought_down), status,
             "; ".join(attempts.causes), now)
         # They are down: their probes eject them; a request that killed them charges none.
-        attempts.uncharged_5xx.clear()
+        attempts.uncharged.clear()
         self.metrics.requests_of_death.labels("brought_down").inc()
         await self._answer_failure(reply, record, status, verdict.message(now), "-")
         return True
@@ -258,7 +282,9 @@ class Forwarder:
                 except UpstreamError as exc:
                     settled = True
                     self._failed(reply, plan, candidate, attempts, exc.kind, str(exc),
-                                 timeout=isinstance(exc, UpstreamTimeout))
+                                 timeout=isinstance(exc, UpstreamTimeout),
+                                 health=not self._second_opinion(attempts, candidate, exc,
+                                                                 progress))
                     if (progress is None and isinstance(exc, UpstreamProtocolError)
                             and await self._stop_after_deaths(reply, path, body, plan, record,
                                                               attempts, upstream, 502)):
@@ -273,7 +299,8 @@ class Forwarder:
                         self._failed(reply, plan, candidate, attempts, "HTTP", detail)
                         continue
                     self._failed(reply, plan, candidate, attempts, "HTTP", detail, health=False)
-                    attempts.uncharged_5xx.append(candidate)
+                    attempts.uncharged.append((candidate, "HTTP"))
+                    attempts.answered_5xx += 1
                     self.quarantine.answered_5xx(self._key(path, plan, body), upstream.name,
                                                  response.status, detail, time.monotonic())
                     # 502-504 say "cannot serve now" (a draining vLLM's /health fails too).
@@ -283,13 +310,9 @@ class Forwarder:
                                                               response.status)):
                         return
                     continue
-                if progress is None:
-                    # Another upstream served what these answered 5xx: theirs was the fault.
-                    for failed in attempts.uncharged_5xx:
-                        self._charge_health(failed, "HTTP")
-                    attempts.uncharged_5xx.clear()
-                    if len(self.quarantine):
-                        self.quarantine.served(self._key(path, plan, body))
+                streamed = parsed.stream and response.status == 200
+                if progress is None and not streamed:
+                    self._served_elsewhere(path, plan, body, attempts)
                 if progress is not None and response.status != 200:
                     content = await self._read_quietly(response)
                     settled = True
@@ -299,7 +322,7 @@ class Forwarder:
                                            f"refused the continuation: {response.status} "
                                            f"{excerpt(content, 200)}")
                     return
-                if parsed.stream and response.status == 200:
+                if streamed:
                     stream = response.chunks()
                     try:
                         first = await stream.__anext__()
@@ -310,7 +333,9 @@ class Forwarder:
                         settled = True
                         self._failed(reply, plan, candidate, attempts, exc.kind,
                                      f"stream broke before its first chunk: {exc}",
-                                     timeout=isinstance(exc, UpstreamTimeout))
+                                     timeout=isinstance(exc, UpstreamTimeout),
+                                     health=not self._second_opinion(attempts, candidate, exc,
+                                                                     progress))
                         if (progress is None and isinstance(exc, UpstreamProtocolError)
                                 and await self._stop_after_deaths(
                                     reply, path, body, plan, record, attempts, upstream, 502)):
@@ -318,6 +343,7 @@ class Forwarder:
                         continue
                     settled = True
                     if progress is None:
+                        self._served_elsewhere(path, plan, body, attempts)
                         progress = StreamProgress(
                             parsed, migratable=self.migrate and self.retries > 0,
                             max_text_bytes=self.max_continuation_bytes)
@@ -354,13 +380,19 @@ class Forwarder:
                                    f"{record.error}, and no upstream could continue the "
                                    f"stream: {causes}")
             return
-        if attempts.uncharged_5xx:
+        if attempts.timeouts >= 2 and attempts.timeouts == len(attempts.causes):
+            # Too slow everywhere it was tried: an overloaded fleet (or a request too long for
+            # the timeout), which ejecting replicas would turn into an outage.
+            log.warning("request %s: no first byte from %d upstreams in time; none is charged "
+                        "for it", reply.request_id, attempts.timeouts)
+            attempts.uncharged.clear()
+        if attempts.answered_5xx:
             now = time.monotonic()
             verdict = self.quarantine.failed(self._key(path, plan, body),
                                              "; ".join(attempts.causes), now,
-                                             len(attempts.uncharged_5xx))
+                                             attempts.answered_5xx)
             if verdict is not None:
-                attempts.uncharged_5xx.clear()  # the request's fault: charge no upstream
+                attempts.uncharged.clear()  # the request's fault: charge no upstream
                 self.metrics.requests_of_death.labels(
                     "detected" if verdict.held else "unavailable").inc()
                 await self._answer_failure(reply, record, verdict.status,

@@ -8,8 +8,10 @@ client answered 503 (tests/gateway/test_quarantine.py). Two rules stop that:
 
 * **A second opinion.** An upstream's 5xx *answer* (it spoke HTTP: the request may be at fault)
   is charged to its health only once another upstream served the same request, or when the
-  request failed without a second 5xx answer (nothing says it is at fault). Connection
-  failures and timeouts are the upstream's and are charged at once, as before. The request
+  request failed without a second 5xx answer (nothing says it is at fault). Refused and
+  broken connections are the upstream's and are charged at once, as before; timeouts wait for
+  the same second opinion in the forwarder (a request no upstream answered in time charges
+  none: an overloaded fleet), but are never held. The request
   still goes on to the next candidate: with two broken upstreams of three, the third serves it
   and both are charged.
 * **Every try answered 5xx, twice or more, makes a request of death.** When a request failed
