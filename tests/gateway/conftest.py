@@ -12,6 +12,7 @@ from kvreuse.gateway.app import Gateway
 from kvreuse.gateway.config import GatewayConfig, UpstreamConfig
 from kvreuse.gateway.prompts import TextApproximation
 from kvreuse.gateway.serve import uvicorn_options
+from kvreuse.testing.processes import Fleet
 from kvreuse.testing.servers import ServerThread
 from kvreuse.testing.tiny_tokenizer import build_tokenizer_dir
 
@@ -32,6 +33,22 @@ def engines() -> Iterator[list[Engine]]:
     yield pair
     for engine in pair:
         engine.server.stop()
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[Engine]:
+    """One simulated replica without KV events, e0."""
+    one = start_engine("e0", events=False)
+    yield one
+    one.server.stop()
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """Processes (misbehaving upstreams, engines, gateways) the module's tests start; all are
+    stopped after its last test."""
+    with Fleet(tmp_path_factory.mktemp("fleet")) as processes:
+        yield processes
 
 
 @pytest.fixture(scope="module")

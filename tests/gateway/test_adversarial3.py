@@ -30,7 +30,7 @@ from kvreuse.testing.processes import Fleet
 from kvreuse.testing.servers import free_port
 from kvreuse.tokens import pack
 
-from .fleet import Engine, RunningGateway, start_engine
+from .fleet import Engine, RunningGateway
 from .test_serve_limits import Reader, connect, error_of
 
 Factory = Callable[..., RunningGateway]
@@ -38,13 +38,6 @@ BODY = json.dumps({"model": "sim", "prompt": "hello there", "max_tokens": 2}).en
 NEXT = b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n"  # what a smuggler hides behind a body
 H2C = (b"connection: Upgrade, HTTP2-Settings\r\nupgrade: h2c\r\n"
        b"http2-settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n")  # as curl --http2 sends on http://
-
-
-@pytest.fixture(scope="module")
-def engine() -> Iterator[Engine]:
-    one = start_engine("e0", events=False)
-    yield one
-    one.server.stop()
 
 
 @pytest.fixture(autouse=True)

@@ -8,24 +8,16 @@ import contextlib
 import json
 import socket
 import time
-from collections.abc import Iterator
 
 import pytest
 
 from kvreuse.gateway.serve import MAX_HEAD_BYTES
 from kvreuse.gateway.upstream_client import UpstreamPool
 
-from .fleet import Engine, start_engine
+from .fleet import Engine
 from .test_serve_limits import BODY, Factory, Reader, connect, request
 
 HEAD_TIMEOUT_S = 0.4
-
-
-@pytest.fixture(scope="module")
-def engine() -> Iterator[Engine]:
-    one = start_engine("e0", events=False)
-    yield one
-    one.server.stop()
 
 
 def chunked(body: bytes, size: int) -> bytes:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -69,12 +69,6 @@ def model_ids(url: str) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------- processes
-
-
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    with Fleet(tmp_path_factory.mktemp("models")) as started:
-        yield started
 
 
 def engine_spec(model: str) -> EngineSpec:

@@ -18,7 +18,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,19 +33,6 @@ from .fleet import Engine, RunningGateway, start_engine, wait_for
 
 Factory = Callable[..., RunningGateway]
 BODY = {"model": "sim", "prompt": "hello there", "max_tokens": 2}
-
-
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    with Fleet(tmp_path_factory.mktemp("fleet")) as processes:
-        yield processes
-
-
-@pytest.fixture(scope="module")
-def engine() -> Iterator[Engine]:
-    one = start_engine("e0", events=False)
-    yield one
-    one.server.stop()
 
 
 def upstream(proc: Process) -> UpstreamConfig:
