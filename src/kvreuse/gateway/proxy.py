@@ -203,12 +203,11 @@ class Forwarder:
                 self._charge_health(candidate, kind)
 
     @staticmethod
-    def _second_opinion(attempts: _Attempts, candidate: Candidate, exc: UpstreamError,
-                        progress: StreamProgress | None) -> bool:
-        """Whether the failure waits for a second opinion before it is charged (then it is
-        kept in ``attempts.uncharged``): no first byte in time may be the request's doing (a
-        prompt too long, a fleet overloaded by it and its like), unlike a refused or broken
-        connection."""
+    def _defer_charge(attempts: _Attempts, candidate: Candidate, exc: UpstreamError,
+                      progress: StreamProgress | None) -> bool:
+        """Keep the failure in ``attempts.uncharged`` for a second opinion, and say so, when it
+        may be the request's doing: no first byte in time (a prompt too long, a fleet
+        overloaded by it and its like), unlike a refused or broken connection."""
         if progress is not None or not isinstance(exc, UpstreamTimeout):
             return False
         attempts.uncharged.append((candidate, exc.kind))
@@ -281,10 +280,9 @@ class Forwarder:
                         first_byte_timeout_s=self.upstream_timeout_s)
                 except UpstreamError as exc:
                     settled = True
+                    deferred = self._defer_charge(attempts, candidate, exc, progress)
                     self._failed(reply, plan, candidate, attempts, exc.kind, str(exc),
-                                 timeout=isinstance(exc, UpstreamTimeout),
-                                 health=not self._second_opinion(attempts, candidate, exc,
-                                                                 progress))
+                                 timeout=isinstance(exc, UpstreamTimeout), health=not deferred)
                     if (progress is None and isinstance(exc, UpstreamProtocolError)
                             and await self._stop_after_deaths(reply, path, body, plan, record,
                                                               attempts, upstream, 502)):
@@ -331,11 +329,11 @@ class Forwarder:
                     except UpstreamError as exc:
                         await response.aclose()
                         settled = True
+                        deferred = self._defer_charge(attempts, candidate, exc, progress)
                         self._failed(reply, plan, candidate, attempts, exc.kind,
                                      f"stream broke before its first chunk: {exc}",
                                      timeout=isinstance(exc, UpstreamTimeout),
-                                     health=not self._second_opinion(attempts, candidate, exc,
-                                                                     progress))
+                                     health=not deferred)
                         if (progress is None and isinstance(exc, UpstreamProtocolError)
                                 and await self._stop_after_deaths(
                                     reply, path, body, plan, record, attempts, upstream, 502)):
