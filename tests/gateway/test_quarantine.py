@@ -424,6 +424,25 @@ def test_two_hung_upstreams_of_three_lose_no_request(fleet: Fleet, engine: Engin
     assert httpx.get(gateway.url + "/ready").json()["ejected"] == ["hung-q0", "hung-q1"]
 
 
+def test_a_saturated_upstream_answering_probes_late_is_not_ejected_while_it_serves(
+        fleet: Fleet, gateway_factory: Factory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Upstreams whose /health answers after the probe timeout (a saturated vLLM) stay
+    admitted while they serve requests; once nothing flows for SATURATED_GRACE_S, the same
+    probes count and eject them, as a frozen engine's would."""
+    monkeypatch.setattr("kvreuse.gateway.upstreams.SATURATED_GRACE_S", 1.0)
+    busy = [fleet.start_misbehaving(f"busy-health-{i}", "slow-health", "--delay", "1")
+            for i in range(2)]
+    gateway = gateway_factory(configs(busy), policy="round_robin", connect_timeout_s=0.3,
+                              health_interval_s=0.1, eject_after=2)
+    deadline = time.monotonic() + 2.5
+    while time.monotonic() < deadline:
+        assert post(gateway, GOOD).status_code == 200
+        assert httpx.get(gateway.url + "/ready").json()["ejected"] == []
+        time.sleep(0.1)
+    wait_for(lambda: httpx.get(gateway.url + "/ready").json()["ejected"] == [
+        "busy-health-0", "busy-health-1"], 10, "idle upstreams with failing probes ejected")
+
+
 def test_a_lone_hung_upstream_is_charged(fleet: Fleet, gateway_factory: Factory) -> None:
     """With no second upstream to ask, a timeout counts against its upstream, as before."""
     hung = fleet.start_misbehaving("hung-lone", "hang")

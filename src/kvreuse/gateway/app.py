@@ -82,7 +82,7 @@ from kvreuse.gateway.serve import Drain
 from kvreuse.gateway.subscriber import EventSubscriber
 from kvreuse.gateway.telemetry import AccessLog, RequestRecord, ThrottledLog, trace_headers
 from kvreuse.gateway.tenants import Tenant, Tenants, load_tenants
-from kvreuse.gateway.upstream_client import UpstreamError, UpstreamPool
+from kvreuse.gateway.upstream_client import UpstreamError, UpstreamPool, UpstreamTimeout
 from kvreuse.gateway.upstreams import (
     UpstreamState,
     parse_kv_capacity,
@@ -242,6 +242,7 @@ class Gateway:
                 log.warning("--record without --record-secret-file or $%s: a random secret, so "
                             "this trace's ids match no other gateway's or run's", SECRET_ENV)
         self._refusals = ThrottledLog(log)
+        self._slow_probes = ThrottledLog(log, burst=1, interval_s=30.0)
         # Names this gateway in x-kvreuse-via on every request it sends upstream (loops).
         self.gateway_id = os.urandom(6).hex()
         self._admin_key = (read_secret_file(config.admin_key_file, "--admin-key-file")
@@ -652,6 +653,14 @@ class Gateway:
         try:
             status, _ = await self._get(upstream, "/health")
             ok = status == 200
+        except UpstreamTimeout:
+            if upstream.serving():  # busy, not down: counts neither way
+                self._slow_probes.warning(
+                    "upstream %s: /health did not answer within %g s while it serves "
+                    "requests; taken for a saturated engine, not counted", upstream.name,
+                    self.config.connect_timeout_s)
+                return True
+            ok = False
         except UpstreamError:
             ok = False
         first = upstream.awaiting_first_probe

@@ -309,8 +309,10 @@ class Forwarder:
                         return
                     continue
                 streamed = parsed.stream and response.status == 200
-                if progress is None and not streamed:
-                    self._served_elsewhere(path, plan, body, attempts)
+                if not streamed:
+                    upstream.answered()
+                    if progress is None:
+                        self._served_elsewhere(path, plan, body, attempts)
                 if progress is not None and response.status != 200:
                     content = await self._read_quietly(response)
                     settled = True
@@ -340,6 +342,7 @@ class Forwarder:
                             return
                         continue
                     settled = True
+                    upstream.answered()
                     if progress is None:
                         self._served_elsewhere(path, plan, body, attempts)
                         progress = StreamProgress(
@@ -543,6 +546,7 @@ class Forwarder:
                 await self._send_part(reply, progress.relay(first))
                 if progress.failure is None:
                     async for chunk in rest:
+                        upstream.answered()  # a busy engine's late /health is not a death
                         await self._send_part(reply, progress.relay(chunk))
                         if progress.failure is not None:
                             break

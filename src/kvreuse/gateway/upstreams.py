@@ -1,7 +1,9 @@
 """Upstream state: health (ejection and re-admission), load, and what their /metrics say.
 
-Health, active and passive. Failed probes of ``GET /health`` and failed proxied requests (no
-first byte within the upstream timeout, 5xx, connection refused or broken) are counted in two
+Health, active and passive. Failed probes of ``GET /health`` (a probe that times out while the
+upstream is sending answers does not count: ``SATURATED_GRACE_S``) and failed proxied requests
+(no first byte within the upstream timeout, 5xx, connection refused or broken; those a request
+may have caused wait for a second opinion, :mod:`kvreuse.gateway.quarantine`) are counted in two
 streaks: a passing probe ends the probe streak, only a served request ends the request streak.
 When the two add up to ``eject_after`` the upstream is ejected (no new requests); after
 ``readmit_after`` consecutive passing probes it is re-admitted. When requests failed, the
@@ -56,6 +58,11 @@ ENGINE_METRICS = (
     "vllm:prefix_cache_hits_total",
 )
 MAX_EJECTION_S = 300.0
+SATURATED_GRACE_S = 10.0
+"""A health probe that times out does not count against an upstream that sent bytes of an
+answer this recently: a saturated vLLM answers ``/health`` late (its event loop is busy) while
+it serves, and counting those timeouts ejected whole fleets under load (docs/performance.md).
+A frozen engine sends nothing, and its probes count again this long after its last byte."""
 _CACHE_CONFIG = ("vllm:cache_config_info",)
 
 
@@ -148,6 +155,7 @@ class UpstreamState:
         self.passive_ejections = 0  # in a row, since the last served request
         self.ejected_until = 0.0  # clock time before which probes cannot re-admit
         self.probed_ok = False  # a probe has passed at least once
+        self.answered_at: float | None = None  # clock time of its last byte of an answer
         self.in_flight = 0
         self.queued_requests = 0
         self.queued_prefill_tokens = 0
@@ -183,6 +191,16 @@ class UpstreamState:
         return changed
 
     # ------------------------------------------------------------------ health
+
+    def answered(self) -> None:
+        """It sent bytes of an answer below 500 (a first byte, a stream's chunk) just now."""
+        self.answered_at = self.clock()
+
+    def serving(self) -> bool:
+        """Whether it sent bytes of an answer within ``SATURATED_GRACE_S``: a probe that
+        times out then is a busy upstream's, not a dead one's."""
+        return (self.answered_at is not None
+                and self.clock() - self.answered_at < SATURATED_GRACE_S)
 
     @property
     def failures(self) -> int:

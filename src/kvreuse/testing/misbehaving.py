@@ -24,6 +24,8 @@
 * ``killer``: as ``poison``, but the marked request also kills the server's engine: from then
   on ``/health`` answers ``503`` and every generate request ``500`` (vLLM after an
   ``EngineDeadError``);
+* ``slow-health``: a small completion for every generate request, and ``/health`` answered
+  after ``--delay`` seconds (a saturated vLLM, whose busy event loop answers probes late);
 * ``draining``: a completion for the first generate request, which starts a drain: from then on
   ``/health`` and every generate request answer ``503`` (vLLM draining before it stops).
 
@@ -43,7 +45,7 @@ import signal
 from collections.abc import Sequence
 
 MODES = ("hang", "huge", "slow", "error", "close", "midstream", "silent-stream", "status",
-         "usage", "twice", "poison", "killer", "draining")
+         "usage", "twice", "poison", "killer", "draining", "slow-health")
 GENERATE = (b"/v1/completions", b"/v1/chat/completions")
 
 
@@ -88,6 +90,9 @@ class Misbehaving:
                 if method == b"POST" and path in GENERATE:
                     if not await self._generate(reader, writer, body):
                         return
+                elif path == b"/health" and self.mode == "slow-health":
+                    await asyncio.sleep(self.delay_s)
+                    self._answer(writer, 200, b"{}")
                 elif path == b"/health" and (self.dead or (self.mode == "draining"
                                                            and self.requests > 0)):
                     self._answer(writer, 503, b'{"error": "engine dead"}')
@@ -150,7 +155,8 @@ class Misbehaving:
                 writer.write(b"%x\r\n%s\r\n" % (len(event), event))
                 await writer.drain()
                 return False
-            if self.mode in ("status", "usage", "twice", "poison", "killer", "draining"):
+            if self.mode in ("status", "usage", "twice", "poison", "killer", "draining",
+                             "slow-health"):
                 answer = (b'{"id": "cmpl-x", "object": "text_completion", "choices": [{"index": 0,'
                           b' "text": "ok", "finish_reason": "length"}], "usage": %s}'
                           % self.usage.encode())
