@@ -4,13 +4,15 @@
   byte within ``upstream_timeout_s``, 5xx, a stream that breaks before its first chunk) is
   retried on the next candidate, up to ``retries`` times; the failure counts against the
   upstream's health (:meth:`UpstreamState.record_failure`), and a timed-out request is
-  cancelled upstream by closing its connection. A 5xx *answer* counts only on a second
-  opinion (:mod:`kvreuse.gateway.quarantine`): once another upstream served the request, or
-  when no other answered it 5xx too.
+  cancelled upstream by closing its connection. A 5xx *answer* or a timeout, which the request
+  itself may have caused, counts only on a second opinion (:mod:`kvreuse.gateway.quarantine`):
+  once another upstream served the request, or when no other failed it the same way.
 * When every candidate failed, the client gets an OpenAI error body: 504 when they all timed
-  out, the last upstream's 5xx status otherwise, 502 when none could be reached. A request
-  answered 5xx twice and served nowhere is a request of death: no upstream is charged, and
-  its repeats within the quarantine time are answered here, sent nowhere.
+  out (then no upstream is charged: an overloaded fleet), the last upstream's 5xx status
+  otherwise, 502 when none could be reached. A request answered 5xx twice and served nowhere
+  is a request of death: no upstream is charged, and its repeats within the quarantine time
+  are answered here, sent nowhere. One that two upstreams went down serving (their
+  ``/health`` failing right after) is stopped there and held the same way.
 * After the first byte, a stream whose upstream fails is continued on the next candidate
   (stream migration, :mod:`kvreuse.gateway.migration`; the same ``retries`` bound the
   upstreams one request may use); one that cannot be continued, or that no candidate could
