@@ -1,33 +1,39 @@
 """What one client's request of death costs every other client, per router.
 
-A request of death is an input the engines answer with a 500 (vLLM has had several: inputs
-that raise inside the server). A router that counts those 500s against the replicas' health,
-as it counts a broken replica's, ejects replicas for one client's input. Here three upstreams
-(:mod:`kvreuse.testing.misbehaving` ``--mode poison``: a 500 for a prompt holding ``POISON``,
-a completion for any other) stand behind each router in turn:
+A request of death is an input the engines answer with a 500 (vLLM has had
+several: inputs that raise inside the server). A router that counts those
+500s against the replicas' health, as it counts a broken replica's, ejects
+replicas for one client's input. Here three upstreams
+(:mod:`kvreuse.testing.misbehaving` ``--mode poison``: a 500 for a prompt
+holding ``POISON``, a completion for any other) stand behind each router in
+turn:
 
-* ordinary clients start distinct completions at each of ``--rates`` a second (a busy fleet,
-  a quiet one) for ``--seconds``;
-* from ``--attack-at`` on, an attacker (or an unlucky user) makes one OpenAI SDK call every
-  ``--attack-every`` seconds with the same request of death; the SDK tries a 5xx answer
-  three times (``max_retries=2``), as it does by default.
+* ordinary clients start distinct completions at each of ``--rates`` a
+  second (a busy fleet, a quiet one) for ``--seconds``;
+* from ``--attack-at`` on, an attacker (or an unlucky user) makes one OpenAI
+  SDK call every ``--attack-every`` seconds with the same request of death;
+  the SDK tries a 5xx answer three times (``max_retries=2``), its default.
 
-With ``--modes killer`` the request of death also kills each engine that serves it (from then
-on ``/health`` fails and every request gets a 500, as vLLM after an ``EngineDeadError``).
+With ``--modes killer`` the request of death also kills each engine that
+serves it (from then on ``/health`` fails and every request gets a 500, as
+vLLM after an ``EngineDeadError``).
 
-Per router, the table counts the ordinary requests served and failed (failed: any answer but
-200, or no answer), the attacker's calls, and how many times the request of death reached an
-upstream (each time, on a real engine, a traceback or a dead engine)::
+Per router, the table counts the ordinary requests served and failed (failed:
+any answer but 200, or no answer), the attacker's calls, how many times the
+request of death reached an engine (each time, on a real engine, a traceback
+or a dead engine) and the engines dead at the end::
 
     PYTHONPATH=src .venv/bin/python benchmarks/requests_of_death.py
 
-The peers (``smg``, ``vllm-router``, ``sglang-router``, cache-aware) run from ``make peers``'
-virtual environment and are skipped, with a line saying so, when it is not there.
+The peers (``smg``, ``vllm-router``, ``sglang-router``, cache-aware) run from
+``make peers``' virtual environment and are skipped, with a line saying so,
+when it is not there.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import tempfile
 import threading
@@ -40,6 +46,7 @@ import httpx
 from kvreuse.testing.processes import PEERS_VENV, Fleet, Process
 
 PEERS = ("smg", "vllm-router", "sglang-router")
+MODES = ("poison", "killer")
 SDK_TRIES = 3
 """The OpenAI Python SDK's default: one try and ``max_retries=2`` on a 5xx."""
 
@@ -134,12 +141,22 @@ def main() -> int:
     parser.add_argument("--attack-every", type=float, default=1.0,
                         help="seconds between the attacker's SDK calls")
     args = parser.parse_args()
+    routers, modes = args.routers.split(","), args.modes.split(",")
+    if unknown := sorted(set(routers) - {"kvreuse", *PEERS}):
+        parser.error(f"--routers: unknown {', '.join(unknown)} (kvreuse, {', '.join(PEERS)})")
+    if unknown := sorted(set(modes) - set(MODES)):
+        parser.error(f"--modes: unknown {', '.join(unknown)} ({', '.join(MODES)})")
+    try:
+        rates = [float(text) for text in args.rates.split(",")]
+    except ValueError:
+        parser.error(f"--rates takes numbers separated by commas, got {args.rates!r}")
+    if not all(0 < rate < math.inf for rate in rates) or not 0 < args.seconds < math.inf:
+        parser.error("--rates and --seconds must be positive numbers")
     rows = []
-    rates = [float(text) for text in args.rates.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
-        for mode in args.modes.split(","):
+        for mode in modes:
             for rate in rates:
-                for router in args.routers.split(","):
+                for router in routers:
                     if router != "kvreuse" and not (PEERS_VENV / "bin").is_dir():
                         print(f"{router}: skipped, no {PEERS_VENV} (make peers)",
                               file=sys.stderr)
@@ -147,15 +164,17 @@ def main() -> int:
                     print(f"{mode}, {router}: {rate * args.seconds:.0f} ordinary requests over "
                           f"{args.seconds:g} s ...", file=sys.stderr, flush=True)
                     rows.append(run(router, rate, args, Path(tmp), mode))
-    print(f"three upstreams; ordinary requests for {args.seconds:g} s; from {args.attack_at:g} s "
-          f"one SDK call with\na request of death every {args.attack_every:g} s ({SDK_TRIES} "
-          f"tries each while it is answered 5xx);\n'reached': the times it reached an upstream")
-    print(f"{'mode':>6}  {'ordinary/s':>10}  {'router':>13}  {'ordinary':>8}  {'served':>6}  "
-          f"{'failed':>6}  {'attacker calls':>14}  {'reached':>7}  {'dead engines':>12}")
+    print(f"three upstreams; ordinary requests for {args.seconds:g} s; from "
+          f"{args.attack_at:g} s, one SDK call\nwith a request of death every "
+          f"{args.attack_every:g} s ({SDK_TRIES} tries each while it is answered 5xx)\n"
+          f"calls: the attacker's SDK calls; reached: times the request of death\n"
+          f"reached an engine; dead: engines dead at the end")
+    print(f"{'mode':>6}  {'ord/s':>5}  {'router':>13}  {'ordinary':>8}  {'served':>6}  "
+          f"{'failed':>6}  {'calls':>5}  {'reached':>7}  {'dead':>4}")
     for row in rows:
-        print(f"{row.mode:>6}  {row.rate:>10g}  {row.router:>13}  {row.ordinary:>8}  "
-              f"{row.served:>6}  {row.failed:>6}  {row.attacker_calls:>14}  "
-              f"{row.reached_upstreams:>7}  {row.dead_engines:>12}")
+        print(f"{row.mode:>6}  {row.rate:>5g}  {row.router:>13}  {row.ordinary:>8}  "
+              f"{row.served:>6}  {row.failed:>6}  {row.attacker_calls:>5}  "
+              f"{row.reached_upstreams:>7}  {row.dead_engines:>4}")
     return 0
 
 

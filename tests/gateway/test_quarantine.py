@@ -453,6 +453,29 @@ def test_a_lone_hung_upstream_is_charged(fleet: Fleet, gateway_factory: Factory)
     assert httpx.get(gateway.url + "/ready").json()["ejected"] == ["hung-lone"]
 
 
+def test_a_client_leaving_while_a_second_opinion_is_pending_charges_the_first(
+        fleet: Fleet, gateway_factory: Factory) -> None:
+    """A 500 on one upstream, then the client leaves while the next upstream has not answered:
+    the first is charged (nothing said the request was at fault), the second is not, and its
+    request is cancelled there."""
+    failing = fleet.start_misbehaving("leave-500", "error")
+    hung = fleet.start_misbehaving("leave-hang", "hang")
+    gateway = gateway_factory([UpstreamConfig(failing.url, name="leave-500"),
+                               UpstreamConfig(hung.url, name="leave-hang")],
+                              policy="round_robin", eject_after=10)
+    states = {u.name: u for u in gateway.gateway.upstreams}
+    for _ in range(4):  # round robin: at least one request meets the 500 first
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(gateway.url + "/v1/completions", json=GOOD, timeout=0.5)
+        if generate_requests(failing):
+            break
+    wait_for(lambda: httpx.get(hung.url + "/stats", timeout=5).json()["open"] == 0, 5,
+             "the hung upstream's request cancelled")
+    wait_for(lambda: states["leave-500"].request_failures == generate_requests(failing), 5,
+             "the 500 charged once the client left")
+    assert generate_requests(failing) >= 1 and states["leave-hang"].request_failures == 0
+
+
 def test_a_lone_upstream_is_charged_for_a_5xx_no_one_else_could_judge(
         fleet: Fleet, gateway_factory: Factory) -> None:
     """With no second upstream to ask, a distinct request's 500 counts against its upstream
