@@ -201,8 +201,7 @@ class Forwarder:
         finally:
             # Nothing said the request was at fault (no other upstream served it, or failed
             # it the same way): its failures count against their upstreams, as any failure.
-            for candidate, kind in attempts.uncharged:
-                self._charge_health(candidate, kind)
+            self._charge_deferred(attempts)
 
     @staticmethod
     def _defer_charge(attempts: _Attempts, candidate: Candidate, exc: UpstreamError,
@@ -219,11 +218,15 @@ class Forwarder:
                           attempts: _Attempts) -> None:
         """An upstream answered the request (below 500; a stream's first chunk): the failures
         before were their upstreams' fault, and the request is no request of death."""
-        for failed, kind in attempts.uncharged:
-            self._charge_health(failed, kind)
-        attempts.uncharged.clear()
+        self._charge_deferred(attempts)
         if len(self.quarantine):
             self.quarantine.served(self._key(path, plan, body))
+
+    def _charge_deferred(self, attempts: _Attempts) -> None:
+        """Charge the failures kept for a second opinion to their upstreams, once."""
+        for candidate, kind in attempts.uncharged:
+            self._charge_health(candidate, kind)
+        attempts.uncharged.clear()
 
     def _key(self, path: str, plan: Plan, body: bytes) -> int:
         return Quarantine.key(path, plan.request.identity, body)

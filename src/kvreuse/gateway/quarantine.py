@@ -150,24 +150,16 @@ class Quarantine:
     def answered_5xx(self, key: int, upstream: str, status: int, detail: str,
                      now: float) -> None:
         """``upstream`` answered the request ``status`` (``detail``: an excerpt)."""
-        entry = self._live(key, now)
-        if entry is None:
-            entry = _Entry(0, (), status, detail, now)
-        else:
-            del self._entries[key]  # re-inserted last: the dict is in recency order
+        entry = self._latest(key, status, detail, now)
         entry.answers += 1
         entry.upstreams = (*entry.upstreams, upstream)[-NAMED_UPSTREAMS:]
-        entry.status, entry.detail, entry.last_at = status, detail[:MAX_DETAIL_CHARS], now
-        self._entries[key] = entry
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
 
     def failed(self, key: int, detail: str, now: float, in_this_attempt: int) -> Verdict | None:
         """The request failed on every upstream tried, ``in_this_attempt`` of which answered
         5xx (``detail``: what each said): the verdict when that makes it a request of death
         (then held unless its status is ``UNAVAILABLE``), else None (its upstreams are to be
-        charged). ``in_this_attempt`` counts
-        even when a short ``hold_s`` has expired the first of them."""
+        charged). ``in_this_attempt`` counts even when a short ``hold_s`` has expired the
+        first of them."""
         entry = self._live(key, now)
         answers = max(entry.answers if entry is not None else 0, in_this_attempt)
         if entry is None or answers < ANSWERS_OF_DEATH:
@@ -183,23 +175,29 @@ class Quarantine:
         failure ``status`` (the 5xx answered, else 502) with what each said in ``detail``: the
         verdict, held whatever the status."""
         assert len(upstreams) >= DEATHS_TO_STOP, "condemned for fewer deaths than it takes"
-        entry = self._live(key, now)
-        if entry is None:
-            entry = _Entry(0, (), status, detail, now)
-        else:
-            del self._entries[key]
+        entry = self._latest(key, status, detail, now)
         entry.answers = max(entry.answers, len(upstreams))
-        entry.upstreams = upstreams[-NAMED_UPSTREAMS:]
-        entry.status, entry.detail, entry.last_at = status, detail[:MAX_DETAIL_CHARS], now
-        entry.condemned, entry.brought_down = True, upstreams[-NAMED_UPSTREAMS:]
-        self._entries[key] = entry
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+        entry.upstreams = entry.brought_down = upstreams[-NAMED_UPSTREAMS:]
+        entry.condemned = True
         return self._verdict(entry)
 
     def served(self, key: int) -> None:
         """An upstream answered the request below 500: it is not one of death."""
         self._entries.pop(key, None)
+
+    def _latest(self, key: int, status: int, detail: str, now: float) -> _Entry:
+        """``key``'s live entry (a new one if none), moved to the most recent end with this
+        failure's status, detail and time; the least recently failed dropped past the bound."""
+        entry = self._live(key, now)
+        if entry is None:
+            entry = _Entry(0, (), status, detail, now)
+        else:
+            del self._entries[key]  # re-inserted last: the dict is in recency order
+        entry.status, entry.detail, entry.last_at = status, detail[:MAX_DETAIL_CHARS], now
+        self._entries[key] = entry
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+        return entry
 
     def _live(self, key: int, now: float) -> _Entry | None:
         entry = self._entries.get(key)
