@@ -54,10 +54,16 @@ class CuttingProxy:
             assert self._server is not None
             self._server.close()
             current = asyncio.current_task()
-            pending = [task for task in asyncio.all_tasks() if task is not current]
-            for task in pending:  # connections still open: closed, not left pending
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
+            # Connections still open are closed, not left pending; a connection accepted just
+            # before the close starts its handler a loop turn later, so look again.
+            for _ in range(10):
+                await asyncio.sleep(0)
+                pending = [task for task in asyncio.all_tasks() if task is not current]
+                if not pending:
+                    break
+                for task in pending:
+                    task.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
 
         asyncio.run_coroutine_threadsafe(close(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
