@@ -33,7 +33,7 @@ def test_rules_pass_promtool_check() -> None:
     """promtool accepts the rules file and the example configuration."""
     checked = promtool("check", "rules", str(RULES))
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert "SUCCESS: 19 rules found" in checked.stdout
+    assert "SUCCESS: 20 rules found" in checked.stdout
     config = promtool("check", "config", "prometheus.example.yml")
     assert config.returncode == 0, config.stdout + config.stderr
 
@@ -200,7 +200,7 @@ def test_prometheus_records_the_rules_from_live_processes(tmp_path: Path) -> Non
 
         groups = httpx.get(prometheus + "/api/v1/rules", timeout=10).json()["data"]["groups"]
         rules = [rule for group in groups for rule in group["rules"]]
-        assert len(rules) == 19
+        assert len(rules) == 20
         assert [r["name"] for r in rules if r["health"] != "ok"] == []
         for expr in dashboard_queries():
             concrete = expr.replace("$model", ".*").replace("$upstream", ".*")

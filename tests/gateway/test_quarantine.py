@@ -262,6 +262,8 @@ def test_a_request_of_death_and_its_sdk_retries_eject_no_upstream(
     assert ready["ejected"] == [] and ready["ready"]
     assert metric(gateway, 'kvreuse_gateway_requests_of_death_total{outcome="detected"}') == 1
     assert metric(gateway, 'kvreuse_gateway_requests_of_death_total{outcome="held"}') == 2
+    assert metric(gateway,
+                  'kvreuse_gateway_failures_not_charged_total{reason="request_of_death"}') == 3
 
 
 def test_a_streamed_request_of_death_is_answered_before_any_event(
@@ -290,12 +292,12 @@ def test_a_broken_upstream_is_still_ejected_on_a_second_opinion(
 
 def test_two_broken_upstreams_of_three_lose_no_request(
         fleet: Fleet, engine: Engine, gateway_factory: Factory) -> None:
-    """Two upstreams answering 500 to everything (a bad deploy half rolled out): a request
-    they both answer still goes on to the third and is served, which charges both, and both
-    are ejected; nothing is held."""
+    """Two upstreams answering 500 to everything (a bad deploy half rolled out), with the
+    ejection cap lifted: a request they both answer still goes on to the third and is served,
+    which charges both, and both are ejected; nothing is held."""
     broken = [fleet.start_misbehaving(f"half-{i}", "error") for i in range(2)]
     gateway = gateway_factory([*configs(broken), engine.upstream], policy="round_robin",
-                              eject_after=2, health_interval_s=0.1)
+                              eject_after=2, health_interval_s=0.1, max_ejected_share=1.0)
 
     def ejected() -> list[str]:
         names: list[str] = httpx.get(gateway.url + "/ready").json()["ejected"]
@@ -308,6 +310,27 @@ def test_two_broken_upstreams_of_three_lose_no_request(
             break
     assert ejected() == ["half-0", "half-1"] and answer.headers["x-kvreuse-upstream"] == "e0"
     assert len(gateway.gateway.forwarder.quarantine) == 0
+
+
+def test_failed_requests_eject_at_most_half_of_a_models_upstreams(
+        fleet: Fleet, engine: Engine, gateway_factory: Factory) -> None:
+    """The same two broken upstreams of three under the default cap (0.5): one is ejected,
+    the other stays admitted however many requests it fails, every request is still served
+    (by a retry), and the metric counts the ejections withheld."""
+    broken = [fleet.start_misbehaving(f"capped-{i}", "error") for i in range(2)]
+    gateway = gateway_factory([*configs(broken), engine.upstream], policy="round_robin",
+                              eject_after=2, health_interval_s=0.1)
+    for i in range(12):
+        answer = post(gateway, {**GOOD, "prompt": f"ordinary {i}"})
+        assert answer.status_code == 200 and answer.headers["x-kvreuse-upstream"] == "e0"
+    ejected = httpx.get(gateway.url + "/ready").json()["ejected"]
+    assert len(ejected) == 1 and ejected[0] in ("capped-0", "capped-1"), ejected
+    kept = next(u for u in gateway.gateway.upstreams if u.name.startswith("capped")
+                and u.name not in ejected)
+    assert kept.healthy and kept.request_failures >= 2
+    withheld = metric(gateway,
+                      f'kvreuse_gateway_ejections_withheld_total{{upstream="{kept.name}"}}')
+    assert withheld == kept.request_failures - 1
 
 
 def test_a_fleet_answering_503_is_charged_nothing_and_holds_nothing(
@@ -325,6 +348,8 @@ def test_a_fleet_answering_503_is_charged_nothing_and_holds_nothing(
     assert metric(gateway,
                   'kvreuse_gateway_requests_of_death_total{outcome="unavailable"}') == 2
     assert metric(gateway, 'kvreuse_gateway_requests_of_death_total{outcome="held"}') == 0
+    assert metric(gateway,
+                  'kvreuse_gateway_failures_not_charged_total{reason="unavailable"}') == 4
 
 
 def test_a_request_that_kills_engines_stops_after_two(fleet: Fleet,
@@ -348,6 +373,9 @@ def test_a_request_that_kills_engines_stops_after_two(fleet: Fleet,
     assert served.status_code == 200 and served.headers["x-kvreuse-upstream"] == survivor
     assert metric(gateway,
                   'kvreuse_gateway_requests_of_death_total{outcome="brought_down"}') == 1
+    # Their 500s were the request's doing: neither dead upstream is charged for them.
+    assert metric(gateway,
+                  'kvreuse_gateway_failures_not_charged_total{reason="brought_down"}') == 2
 
 
 def test_draining_upstreams_are_not_taken_for_killed_ones(fleet: Fleet,
@@ -402,7 +430,10 @@ def test_a_burst_too_slow_for_the_timeout_ejects_nothing(gateway_factory: Factor
 
         statuses = asyncio.run(burst())
         assert set(statuses) == {200, 504} and statuses.count(504) >= 10, statuses
-        assert len(httpx.get(gateway.url + "/ready").json()["ejected"]) < len(engines)
+        assert len(httpx.get(gateway.url + "/ready").json()["ejected"]) <= 1  # the cap
+        not_charged = metric(
+            gateway, 'kvreuse_gateway_failures_not_charged_total{reason="timed_out_everywhere"}')
+        assert not_charged >= statuses.count(504)
         assert post(gateway, GOOD).status_code == 200
     finally:
         for engine_ in engines:
@@ -411,11 +442,12 @@ def test_a_burst_too_slow_for_the_timeout_ejects_nothing(gateway_factory: Factor
 
 def test_two_hung_upstreams_of_three_lose_no_request(fleet: Fleet, engine: Engine,
                                                      gateway_factory: Factory) -> None:
-    """Two upstreams that never answer: a request they both time out on is served by the
-    third, which charges both, and both are ejected."""
+    """Two upstreams that never answer, with the ejection cap lifted: a request they both
+    time out on is served by the third, which charges both, and both are ejected."""
     hung = [fleet.start_misbehaving(f"hung-q{i}", "hang") for i in range(2)]
     gateway = gateway_factory([*configs(hung), engine.upstream], policy="round_robin",
-                              upstream_timeout_s=0.3, eject_after=2, health_interval_s=0.1)
+                              upstream_timeout_s=0.3, eject_after=2, health_interval_s=0.1,
+                              max_ejected_share=1.0)
     for i in range(12):
         answer = post(gateway, {**GOOD, "prompt": f"ordinary {i}"})
         assert answer.status_code == 200, answer.text
@@ -540,3 +572,20 @@ def test_the_quarantine_time_is_a_flag_and_a_toml_key(tmp_path: Any) -> None:
         with pytest.raises(ConfigError, match="quarantine_s"):
             build_config(parser.parse_args(
                 ["route", "--upstream", "http://127.0.0.1:9", "--quarantine-time", bad]))
+
+
+def test_the_ejection_cap_is_a_flag_and_a_toml_key(tmp_path: Any) -> None:
+    """--max-ejected-share and [gateway] max_ejected_share set it; 0.5 by default; a share
+    outside (0, 1] is refused naming the key."""
+    parser = build_parser()
+    base = ["route", "--upstream", "http://127.0.0.1:9"]
+    assert build_config(parser.parse_args(base)).max_ejected_share == 0.5
+    flag = build_config(parser.parse_args([*base, "--max-ejected-share", "1"]))
+    assert flag.max_ejected_share == 1.0
+    path = tmp_path / "gateway.toml"
+    path.write_text('[gateway]\nmax_ejected_share = 0.25\n'
+                    '[[upstreams]]\nurl = "http://127.0.0.1:9"\n')
+    assert load_config_file(path).max_ejected_share == 0.25
+    for bad in ("0", "-0.5", "1.5", "nan"):
+        with pytest.raises(ConfigError, match="max_ejected_share"):
+            build_config(parser.parse_args([*base, "--max-ejected-share", bad]))

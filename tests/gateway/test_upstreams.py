@@ -8,7 +8,12 @@ import pytest
 
 from kvreuse.errors import InputFormatError
 from kvreuse.gateway.config import UpstreamConfig
-from kvreuse.gateway.upstreams import UpstreamState, parse_model_list, parse_prometheus
+from kvreuse.gateway.upstreams import (
+    UpstreamState,
+    ejection_leaves_short,
+    parse_model_list,
+    parse_prometheus,
+)
 
 EXPOSITION = """\
 # HELP vllm:num_requests_waiting Requests waiting
@@ -94,6 +99,69 @@ def test_passive_ejection_lasts_its_time_then_probation_and_doubling() -> None:
     upstream.record_failure(probe=False)
     assert upstream.healthy and upstream.record_failure(probe=False)
     assert upstream.ejected_until == 40.0
+
+
+def named(name: str, models: tuple[str, ...] | None = None) -> UpstreamState:
+    return UpstreamState(UpstreamConfig(f"http://{name}:1", name=name, models=models or ()),
+                         eject_after=2, readmit_after=2)
+
+
+def test_a_withheld_ejection_keeps_the_streak_and_a_failed_probe_ejects() -> None:
+    """may_eject=False: the failed request counts, the upstream stays admitted, its next
+    failed probe ejects it, and it is then held out for ejection_s as any passive ejection."""
+    clock = [0.0]
+    upstream = state(clock)
+    assert not upstream.ejects_on_failure()
+    upstream.record_failure(probe=False)
+    assert upstream.ejects_on_failure()
+    assert not upstream.record_failure(probe=False, may_eject=False) and upstream.healthy
+    assert not upstream.record_failure(probe=False, may_eject=False)
+    assert upstream.request_failures == 3 and upstream.ejections == 0
+    assert upstream.record_failure(probe=True) and not upstream.healthy
+    assert upstream.ejected_until == 10.0
+
+
+def test_one_ejection_per_model_is_always_allowed() -> None:
+    """A lone upstream, or the first of two, may be ejected whatever the share; the second of
+    two may not under 0.5, and may under 1 (the cap lifted)."""
+    lone = named("lone")
+    assert ejection_leaves_short(lone, [lone], 0.5) is None
+    first, second = named("a"), named("b")
+    assert ejection_leaves_short(first, [first, second], 0.5) is None
+    first.healthy = False
+    assert ejection_leaves_short(second, [first, second], 0.5) == "*"
+    assert ejection_leaves_short(second, [first, second], 1.0) is None
+
+
+@pytest.mark.parametrize(("fleet_size", "share", "may_go"), [
+    (3, 0.5, 1), (4, 0.5, 2), (8, 0.5, 4), (10, 0.1, 1), (10, 0.34, 3), (3, 1.0, 3)])
+def test_the_share_bounds_how_many_go(fleet_size: int, share: float, may_go: int) -> None:
+    """Ejecting one by one, exactly max(1, floor(share * n)) of n upstreams may go."""
+    fleet = [named(f"u{i}") for i in range(fleet_size)]
+    gone = 0
+    for upstream in fleet:
+        if ejection_leaves_short(upstream, fleet, share) is not None:
+            break
+        upstream.healthy = False
+        gone += 1
+    assert gone == may_go
+
+
+def test_the_share_is_counted_per_model_and_removed_upstreams_do_not_count() -> None:
+    """An upstream of models x and y is judged against each model's upstreams: y's second of
+    two is out, so it stays, although x has three more; a removed upstream is no member."""
+    both, x1, x2, x3, y2 = (named("both", ("x", "y")), named("x1", ("x",)), named("x2", ("x",)),
+                            named("x3", ("x",)), named("y2", ("y",)))
+    fleet = [both, x1, x2, x3, y2]
+    y2.healthy = False
+    assert ejection_leaves_short(both, fleet, 0.5) == "y"
+    y2.removed = True
+    assert ejection_leaves_short(both, fleet, 0.5) is None
+    unknown = named("unknown")  # models not known yet: serves any model, judged on all
+    x1.healthy = False
+    assert ejection_leaves_short(x2, [*fleet, unknown], 0.5) is None  # x: 1 of 5 out
+    x2.healthy = False
+    assert ejection_leaves_short(x3, [*fleet, unknown], 0.5) == "x"  # 2 of 5 out already
 
 
 def test_load_counts_what_the_gateway_sent_and_what_the_engine_reports() -> None:

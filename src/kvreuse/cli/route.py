@@ -137,6 +137,10 @@ def register(subparsers: Any) -> None:
                         help="a request upstreams answered 5xx twice is not sent to another "
                         "and charges none; the gateway answers its repeats itself for S "
                         "(default 30)")
+    parser.add_argument("--max-ejected-share", type=float, metavar="F",
+                        help="failed requests take at most this share of a model's upstreams "
+                        "out of rotation (one always may go; failed health probes eject any "
+                        "number); 1 lifts the cap (default 0.5)")
     parser.add_argument("--index-budget-factor", type=float, metavar="F",
                         help="bound every index kept per upstream to its KV capacity (vLLM's "
                         "vllm:cache_config_info, else capacity_tokens=) times F (default 2)")
@@ -221,6 +225,7 @@ def build_config(args: argparse.Namespace) -> Any:
         max_response_bytes=args.max_response_bytes,
         ejection_s=args.ejection_time,
         quarantine_s=args.quarantine_time,
+        max_ejected_share=args.max_ejected_share,
         upstream_api_key=args.upstream_api_key,
         seed=args.seed,
         access_log=args.access_log,

@@ -296,6 +296,7 @@ class Gateway:
             max_response_bytes=config.max_response_bytes, migrate=config.stream_migration,
             max_continuation_bytes=config.max_body_bytes, drain=self.drain,
             quarantine=Quarantine(config.quarantine_s), probe=self.probe,
+            max_ejected_share=config.max_ejected_share,
         )
         if self.recorder is not None:
             self.recorder.start()

@@ -48,6 +48,8 @@ production")::
     max_response_bytes = 67108864   # a larger whole response is a 502 naming the limit
     ejection_s = 10.0               # first passive ejection; doubles while failures go on
     quarantine_s = 30.0             # a request answered 5xx twice is answered here this long
+    max_ejected_share = 0.5         # failed requests eject at most this share of a model's
+                                    # upstreams (at least one); failed probes eject any
 """
 
 from __future__ import annotations
@@ -329,6 +331,9 @@ class GatewayConfig:
     # A request upstreams answered 5xx twice is not sent further and, for this long after,
     # answered by the gateway itself (gateway/quarantine.py).
     quarantine_s: float = 30.0
+    # Failed requests take at most this share of a model's upstreams out of rotation (one
+    # always may go); failed probes eject whatever the share (gateway/upstreams.py).
+    max_ejected_share: float = 0.5
     # Stopping (gateway/serve.py): on SIGTERM, serve this long with /ready failing and every
     # answer closing its connection, then close the listeners and give requests in flight
     # the grace period; 5 + 20 s fits Kubernetes' default 30 s before SIGKILL.
@@ -405,6 +410,9 @@ class GatewayConfig:
         if not _is_real(self.quarantine_s) or not 0 < self.quarantine_s < math.inf:
             raise ConfigError(f"quarantine_s must be a number of seconds > 0, got "
                               f"{self.quarantine_s!r}")
+        if not _is_real(self.max_ejected_share) or not 0 < self.max_ejected_share <= 1:
+            raise ConfigError(f"max_ejected_share must be a number in (0, 1], got "
+                              f"{self.max_ejected_share!r}")
 
 
 _UPSTREAM_KEYS = {f.name: f.type for f in fields(UpstreamConfig)}

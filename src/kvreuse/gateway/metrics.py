@@ -27,8 +27,13 @@ and ``kvreuse_gateway_discovered_upstreams{source}``. ``kvreuse_gateway_draining
 SIGTERM on (gateway/serve.py). ``kvreuse_gateway_requests_of_death_total{outcome}`` counts
 requests answered 5xx twice and served nowhere (``detected``; ``unavailable`` when the answers
 were 502-504, which are not held; ``brought_down`` when two upstreams went down serving it)
-and their repeats the gateway answered itself (``held``; gateway/quarantine.py). The series
-of an upstream removed at runtime are dropped (:meth:`GatewayMetrics.forget_upstream`).
+and their repeats the gateway answered itself (``held``; gateway/quarantine.py).
+``kvreuse_gateway_failures_not_charged_total{reason}`` counts failed attempts no upstream was
+charged for: ``timed_out_everywhere`` (an overloaded fleet), ``unavailable`` (every upstream
+tried answered 502-504), ``request_of_death`` and ``brought_down``.
+``kvreuse_gateway_ejections_withheld_total{upstream}`` counts failed requests that would have
+ejected an upstream but for ``--max-ejected-share``. The series of an upstream removed at
+runtime are dropped (:meth:`GatewayMetrics.forget_upstream`).
 
 Also exported: ejections per upstream, the Redis sync counters of a shared index
 (:class:`~kvreuse.gateway.shared_index.SyncStats`) when one is attached, and
@@ -343,6 +348,22 @@ class GatewayMetrics:
         )
         for outcome in ("detected", "unavailable", "brought_down", "held"):
             self.requests_of_death.labels(outcome)
+        self.failures_not_charged = Counter(
+            "kvreuse_gateway_failures_not_charged", "failed attempts charged to no upstream's "
+            "health: timed_out_everywhere (no upstream tried answered in time: an overloaded "
+            "fleet), unavailable (all answered 502-504), request_of_death, brought_down (the "
+            "request's doing)", ["reason"],
+            registry=self.registry,
+        )
+        for reason in ("timed_out_everywhere", "unavailable", "request_of_death",
+                       "brought_down"):
+            self.failures_not_charged.labels(reason)
+        self.ejections_withheld = Counter(
+            "kvreuse_gateway_ejections_withheld", "failed requests that would have ejected the "
+            "upstream, which stayed admitted because failed requests already keep "
+            "--max-ejected-share of a model's upstreams out of rotation", ["upstream"],
+            registry=self.registry,
+        )
         self.rejected = Counter(
             "kvreuse_gateway_rejected", "requests refused before routing, by HTTP status and model",
             ["status", "model"], registry=self.registry,
@@ -408,6 +429,7 @@ class GatewayMetrics:
         whose replicas come and go under discovery would otherwise keep each departed
         address's series for the life of the process. O(series)."""
         for metric in (self.requests, self.retries, self.migrations, self.upstream_errors,
+                       self.ejections_withheld,
                        self.duration_seconds, self.ttft_seconds):
             metric.remove_by_labels({"upstream": name})
         self._request_children = {key: child for key, child in self._request_children.items()

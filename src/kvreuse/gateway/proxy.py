@@ -6,7 +6,9 @@
   upstream's health (:meth:`UpstreamState.record_failure`), and a timed-out request is
   cancelled upstream by closing its connection. A 5xx *answer* or a timeout, which the request
   itself may have caused, counts only on a second opinion (:mod:`kvreuse.gateway.quarantine`):
-  once another upstream served the request, or when no other failed it the same way.
+  once another upstream served the request, or when no other failed it the same way. Failed
+  requests never eject more than ``max_ejected_share`` of a model's upstreams
+  (:func:`~kvreuse.gateway.upstreams.ejection_leaves_short`).
 * When every candidate failed, the client gets an OpenAI error body: 504 when they all timed
   out (then no upstream is charged: an overloaded fleet), the last upstream's 5xx status
   otherwise, 502 when none could be reached. A request answered 5xx twice and served nowhere
@@ -52,7 +54,7 @@ from kvreuse.gateway.migration import (
 from kvreuse.gateway.quarantine import DEATHS_TO_STOP, UNAVAILABLE, Quarantine
 from kvreuse.gateway.router import Candidate, Plan, Router
 from kvreuse.gateway.serve import SHUTDOWN_MESSAGE, Drain
-from kvreuse.gateway.telemetry import RequestRecord
+from kvreuse.gateway.telemetry import RequestRecord, ThrottledLog
 from kvreuse.gateway.upstream_client import (
     UpstreamError,
     UpstreamPool,
@@ -61,7 +63,11 @@ from kvreuse.gateway.upstream_client import (
     UpstreamTimeout,
     UpstreamTooLarge,
 )
-from kvreuse.gateway.upstreams import UpstreamState
+from kvreuse.gateway.upstreams import (
+    DEFAULT_MAX_EJECTED_SHARE,
+    UpstreamState,
+    ejection_leaves_short,
+)
 from kvreuse.gateway.validation import ParsedRequest, error_body
 
 log = logging.getLogger("kvreuse.gateway.proxy")
@@ -141,10 +147,12 @@ class Forwarder:
         drain: Drain | None = None,
         quarantine: Quarantine | None = None,
         probe: Callable[[UpstreamState], Awaitable[bool]] | None = None,
+        max_ejected_share: float = DEFAULT_MAX_EJECTED_SHARE,
     ) -> None:
         """``quarantine`` remembers requests upstreams answered 5xx (its defaults when None);
         ``probe`` checks an upstream's health now (None: never checked here), after it failed
-        a request it had received.
+        a request it had received. ``max_ejected_share``: failed requests take at most this
+        share of a model's upstreams out of rotation (:func:`ejection_leaves_short`).
         ``max_continuation_bytes`` bounds the answer kept to continue a stream (a longer
         one is not continued): the gateway's ``max_body_bytes``, as a continuation is a
         request the gateway sends. ``drain`` says when the server's grace period for
@@ -152,6 +160,8 @@ class Forwarder:
         self.drain = drain if drain is not None else Drain()
         self.quarantine = quarantine if quarantine is not None else Quarantine()
         self.probe = probe
+        self.max_ejected_share = max_ejected_share
+        self._kept_admitted = ThrottledLog(log, burst=1, interval_s=10.0)
         self.pools = pools
         self.router = router
         self.metrics = metrics
@@ -228,6 +238,13 @@ class Forwarder:
             self._charge_health(candidate, kind)
         attempts.uncharged.clear()
 
+    def _withhold(self, attempts: _Attempts, reason: str) -> None:
+        """The failures kept for a second opinion were the request's doing, or the fleet's
+        load's: none is charged, and the metric says how many and why."""
+        if attempts.uncharged:
+            self.metrics.failures_not_charged.labels(reason).inc(len(attempts.uncharged))
+        attempts.uncharged.clear()
+
     def _key(self, path: str, plan: Plan, body: bytes) -> int:
         return Quarantine.key(path, plan.request.identity, body)
 
@@ -251,7 +268,7 @@ class Forwarder:
             self._key(path, plan, body), tuple(attempts.brought_down), status,
             "; ".join(attempts.causes), now)
         # They are down: their probes eject them; a request that killed them charges none.
-        attempts.uncharged.clear()
+        self._withhold(attempts, "brought_down")
         self.metrics.requests_of_death.labels("brought_down").inc()
         await self._answer_failure(reply, record, status, verdict.message(now), "-")
         return True
@@ -391,14 +408,15 @@ class Forwarder:
             # the timeout), which ejecting replicas would turn into an outage.
             log.warning("request %s: no first byte from %d upstreams in time; none is charged "
                         "for it", reply.request_id, attempts.timeouts)
-            attempts.uncharged.clear()
+            self._withhold(attempts, "timed_out_everywhere")
         if attempts.answered_5xx:
             now = time.monotonic()
             verdict = self.quarantine.failed(self._key(path, plan, body),
                                              "; ".join(attempts.causes), now,
                                              attempts.answered_5xx)
             if verdict is not None:
-                attempts.uncharged.clear()  # the request's fault: charge no upstream
+                # The request's doing, or a fleet that cannot serve now: charge no upstream.
+                self._withhold(attempts, "request_of_death" if verdict.held else "unavailable")
                 self.metrics.requests_of_death.labels(
                     "detected" if verdict.held else "unavailable").inc()
                 await self._answer_failure(reply, record, verdict.status,
@@ -439,11 +457,23 @@ class Forwarder:
                                    "upstream_error", plan.request.identity.model)
 
     def _charge_health(self, candidate: Candidate, kind: str) -> None:
-        """A failed request counts against its upstream's health (passive ejection)."""
+        """A failed request counts against its upstream's health (passive ejection), up to
+        the share of its models' upstreams failed requests may take out of rotation."""
         upstream = candidate.upstream
-        if upstream.record_failure(probe=False):
+        short = (ejection_leaves_short(upstream, self.router.upstreams.values(),
+                                       self.max_ejected_share)
+                 if upstream.ejects_on_failure() else None)
+        if upstream.record_failure(probe=False, may_eject=short is None):
             log.warning("upstream %s ejected after %d consecutive failed requests (last: %s)",
                         upstream.name, upstream.request_failures, kind)
+        elif short is not None:
+            self.metrics.ejections_withheld.labels(upstream.name).inc()
+            self._kept_admitted.warning(
+                "upstream %s kept admitted after %d consecutive failed requests (last: %s): "
+                "ejecting it would take more than %s of the upstreams of model %s out of "
+                "rotation (--max-ejected-share); a failed health probe still ejects it",
+                upstream.name, upstream.request_failures, kind,
+                f"{self.max_ejected_share:.0%}", short)
 
     def _too_large(self, plan: Plan, candidate: Candidate) -> None:
         upstream = candidate.upstream

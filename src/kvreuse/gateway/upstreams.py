@@ -10,7 +10,10 @@ When the two add up to ``eject_after`` the upstream is ejected (no new requests)
 ejection holds *even while probes pass* (a replica that answers ``/health`` but never a
 generation, a frozen process): for ``ejection_s``, doubled for each such ejection in a row (at
 most ``MAX_EJECTION_S``); then passing probes re-admit it on probation, where its next failed
-request ejects it again.
+request ejects it again. Failed requests alone never take more than a share of a model's
+upstreams out of rotation (:func:`ejection_leaves_short`, Envoy's ``max_ejection_percent``):
+whatever clients send, and however a fleet is overloaded, the upstreams that still pass their
+probes keep serving. Failed probes eject whatever the share: a dead engine is dead.
 
 Load, as :class:`~kvreuse.routing.ReplicaLoad` for the policies: ``in_flight`` is every request
 the gateway has open there; ``queued_requests`` and ``queued_prefill_tokens`` count requests sent
@@ -35,7 +38,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +67,28 @@ answer this recently: a saturated vLLM answers ``/health`` late (its event loop 
 it serves, and counting those timeouts ejected whole fleets under load (docs/performance.md).
 A frozen engine sends nothing, and its probes count again this long after its last byte."""
 _CACHE_CONFIG = ("vllm:cache_config_info",)
+
+
+DEFAULT_MAX_EJECTED_SHARE = 0.5
+
+
+def ejection_leaves_short(upstream: UpstreamState, fleet: Iterable[UpstreamState],
+                          max_share: float) -> str | None:
+    """Whether ejecting ``upstream`` for failed requests would leave one of its models with
+    more than ``max_share`` of its upstreams out of rotation: that model's name (``"*"`` for an
+    upstream whose models are not known yet, judged against the whole fleet), else None. One
+    ejection per model is always allowed, as in Envoy, so a lone upstream can still be ejected.
+    Upstreams whose models are unknown count as serving every model, as routing takes them.
+    Called only when a failed request would eject it: O(fleet × its models)."""
+    members = [u for u in fleet if not u.removed]
+    models: tuple[str, ...] = ("*",) if upstream.models is None else tuple(
+        sorted(upstream.models))
+    for model in models:
+        group = members if model == "*" else [u for u in members if u.serves(model) is not False]
+        out = sum(1 for u in group if not u.healthy and u is not upstream)
+        if out + 1 > max(1, math.floor(max_share * len(group) + 1e-9)):
+            return model
+    return None
 
 
 def parse_prometheus(text: str, names: tuple[str, ...] = ENGINE_METRICS) -> dict[str, float]:
@@ -208,14 +233,22 @@ class UpstreamState:
         ``eject_after``)."""
         return self.probe_failures + self.request_failures
 
-    def record_failure(self, *, probe: bool) -> bool:
-        """A probe or a proxied request failed; returns True when this ejects the upstream."""
+    def ejects_on_failure(self) -> bool:
+        """Whether one more failure would eject it."""
+        return self.healthy and self.failures + 1 >= self.eject_after
+
+    def record_failure(self, *, probe: bool, may_eject: bool = True) -> bool:
+        """A probe or a proxied request failed; returns True when this ejects the upstream.
+        ``may_eject=False``: the streak counts, the upstream stays admitted (the share of its
+        fleet out of rotation is at its cap), and its next failed probe ejects it."""
         self.successes = 0
         if probe:
             self.probe_failures += 1
         else:
             self.request_failures += 1
         if not self.healthy or self.probe_failures + self.request_failures < self.eject_after:
+            return False
+        if not may_eject:
             return False
         if self.request_failures:  # requests failed: passing probes alone do not clear it
             self.passive_ejections += 1
