@@ -61,3 +61,25 @@ def test_the_budget_bounds_every_approximate_estimator(name: str) -> None:
         policy.on_routed(RequestView(f"q{i}", pack(prompt), 60), RoutingDecision("u0", "t"), i)
     assert 60 <= trees.tree_tokens("u0") <= 100
     assert router.index_size("u0").tokens == trees.tree_tokens("u0")
+
+
+def test_an_upstream_kept_past_its_streak_is_chosen_only_when_nothing_else_is() -> None:
+    """An upstream whose ejection the cap withheld is not the policy's choice while another
+    upstream of the model is admitted, comes last among retries, and is routed to when it is
+    the only one admitted."""
+    from kvreuse.gateway.validation import parse_request
+
+    first, kept, third = (upstream(name, events=False) for name in ("a", "kept", "c"))
+    router = Router(build_policy("round_robin"), [first, kept, third], TextApproximation())
+    for _ in range(3):
+        kept.record_failure(probe=False, may_eject=False)
+    assert kept.ejection_withheld
+    parsed = parse_request("completion", {"model": "m", "prompt": "hello"})
+    identity = router.identity("m", None)
+    for i in range(6):
+        plan = router.plan(parsed, f"r{i}", identity)
+        assert plan is not None and plan.first.upstream is not kept
+        assert [c.upstream.name for c in router.candidates(plan, 3)][-1] == "kept"
+    first.healthy = third.healthy = False
+    plan = router.plan(parsed, "alone", identity)
+    assert plan is not None and plan.first.upstream is kept

@@ -121,6 +121,24 @@ def test_a_withheld_ejection_keeps_the_streak_and_a_failed_probe_ejects() -> Non
     assert upstream.ejected_until == 10.0
 
 
+def test_a_withheld_ejection_is_carried_out_when_the_cap_allows() -> None:
+    """eject_withheld ejects an upstream kept past its streak as a failed request would
+    have (held out for ejection_s); a served request ends the streak instead."""
+    clock = [5.0]
+    upstream = state(clock)
+    for _ in range(2):
+        upstream.record_failure(probe=False, may_eject=False)
+    assert upstream.ejection_withheld
+    upstream.eject_withheld()
+    assert not upstream.healthy and not upstream.ejection_withheld
+    assert upstream.ejected_until == 15.0 and upstream.ejections == 1
+    served = state()
+    for _ in range(2):
+        served.record_failure(probe=False, may_eject=False)
+    served.record_success(probe=False)
+    assert not served.ejection_withheld and served.healthy
+
+
 def test_one_ejection_per_model_is_always_allowed() -> None:
     """A lone upstream, or the first of two, may be ejected whatever the share; the second of
     two may not under 0.5, and may under 1 (the cap lifted)."""

@@ -85,6 +85,7 @@ from kvreuse.gateway.tenants import Tenant, Tenants, load_tenants
 from kvreuse.gateway.upstream_client import UpstreamError, UpstreamPool, UpstreamTimeout
 from kvreuse.gateway.upstreams import (
     UpstreamState,
+    ejection_leaves_short,
     parse_kv_capacity,
     parse_model_list,
     parse_prometheus,
@@ -670,6 +671,12 @@ class Gateway:
                         "admitted: its first health probe passed" if first else "re-admitted")
         elif not ok and upstream.record_failure(probe=True):
             log.warning("upstream %s ejected (health probes failing)", upstream.name)
+        elif ok and upstream.ejection_withheld and ejection_leaves_short(
+                upstream, self.router.upstreams.values(), self.config.max_ejected_share) is None:
+            upstream.eject_withheld()
+            log.warning("upstream %s ejected: its %d failed requests in a row were past its "
+                        "streak, and the share of its models' upstreams out now allows it",
+                        upstream.name, upstream.request_failures)
         return ok
 
     async def learn_models(self, upstream: UpstreamState) -> None:

@@ -471,7 +471,8 @@ class Forwarder:
             self._kept_admitted.warning(
                 "upstream %s kept admitted after %d consecutive failed requests (last: %s): "
                 "ejecting it would take more than %s of the upstreams of model %s out of "
-                "rotation (--max-ejected-share); a failed health probe still ejects it",
+                "rotation (--max-ejected-share); it is sent requests only when no other "
+                "upstream can take them, until a failed probe ejects it or the share allows",
                 upstream.name, upstream.request_failures, kind,
                 f"{self.max_ejected_share:.0%}", short)
 

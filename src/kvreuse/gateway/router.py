@@ -280,13 +280,16 @@ class Router:
         eligible = tuple(u for u in self.serving(parsed.model, allowed) if u.healthy)
         if not eligible:
             return None
+        # Upstreams past their streak of failed requests, kept admitted by the ejection cap:
+        # only when nothing else is admitted (upstreams.py).
+        preferred = tuple(u for u in eligible if not u.ejection_withheld) or eligible
         if tokens is None:
             tokens = self.tokens_for(parsed)
         request = RequestView(
             request_id, tokens, num_tokens(tokens), identity, tenant,
             session_id or parsed.session_id,
         )
-        fleet = FleetView(tuple(u.load() for u in eligible), self.clock())
+        fleet = FleetView(tuple(u.load() for u in preferred), self.clock())
         decision = self.policy.route(request, fleet)
         if decision is None:
             return None
@@ -297,7 +300,8 @@ class Router:
     def candidates(self, plan: Plan, limit: int) -> Iterator[Candidate]:
         """At most ``limit`` upstreams to try, in order: the policy's choice (unless removed
         since), then (computed only when asked for, i.e. after the choice failed) the other
-        eligible ones, most cached prompt tokens first, then least predicted queueing.
+        eligible ones, most cached prompt tokens first, then least predicted queueing (those
+        kept admitted past their streak of failed requests last).
         O(n log n) for n eligible, plus one index match each in exact mode."""
         if limit < 1:
             return
@@ -310,10 +314,10 @@ class Router:
         for upstream in plan.eligible:
             if upstream is not chosen and upstream.healthy and not upstream.removed:
                 cached = self._index_match(plan.request, upstream.name)
-                ranked.append((-cached, self.cost.queue_delay_s(upstream.load()),
-                               upstream.name, upstream))
-        ranked.sort(key=lambda entry: entry[:3])
-        for negated, _, name, upstream in ranked[: limit - 1]:
+                ranked.append((upstream.ejection_withheld, -cached,
+                               self.cost.queue_delay_s(upstream.load()), upstream.name, upstream))
+        ranked.sort(key=lambda entry: entry[:4])
+        for _, negated, _, name, upstream in ranked[: limit - 1]:
             yield Candidate(upstream, "retry", -negated,
                             -negated if name in self.indexes else None, self.epochs.get(name, 0))
 

@@ -13,7 +13,9 @@ most ``MAX_EJECTION_S``); then passing probes re-admit it on probation, where it
 request ejects it again. Failed requests alone never take more than a share of a model's
 upstreams out of rotation (:func:`ejection_leaves_short`, Envoy's ``max_ejection_percent``):
 whatever clients send, and however a fleet is overloaded, the upstreams that still pass their
-probes keep serving. Failed probes eject whatever the share: a dead engine is dead.
+probes keep serving. An upstream kept admitted that way gets a request only when no other
+upstream of its model is admitted (and is retried last), and is ejected at its next probe once
+the share allows. Failed probes eject whatever the share: a dead engine is dead.
 
 Load, as :class:`~kvreuse.routing.ReplicaLoad` for the policies: ``in_flight`` is every request
 the gateway has open there; ``queued_requests`` and ``queued_prefill_tokens`` count requests sent
@@ -237,10 +239,18 @@ class UpstreamState:
         """Whether one more failure would eject it."""
         return self.healthy and self.failures + 1 >= self.eject_after
 
+    @property
+    def ejection_withheld(self) -> bool:
+        """Past its streak of failed requests, but kept admitted because failed requests
+        already keep the most they may of its models' upstreams out (the cap): routing sends
+        it a request only when no other upstream of the model is admitted, and retries try it
+        last."""
+        return self.healthy and self.request_failures > 0 and self.failures >= self.eject_after
+
     def record_failure(self, *, probe: bool, may_eject: bool = True) -> bool:
         """A probe or a proxied request failed; returns True when this ejects the upstream.
-        ``may_eject=False``: the streak counts, the upstream stays admitted (the share of its
-        fleet out of rotation is at its cap), and its next failed probe ejects it."""
+        ``may_eject=False``: the streak counts and the upstream stays admitted (the cap), as
+        :attr:`ejection_withheld`; its next failed probe ejects it."""
         self.successes = 0
         if probe:
             self.probe_failures += 1
@@ -250,13 +260,22 @@ class UpstreamState:
             return False
         if not may_eject:
             return False
+        self._eject()
+        return True
+
+    def eject_withheld(self) -> None:
+        """The cap allows it now (another upstream came back): eject it, as its last failed
+        request would have."""
+        assert self.ejection_withheld, f"{self.name}: no ejection was withheld"
+        self._eject()
+
+    def _eject(self) -> None:
         if self.request_failures:  # requests failed: passing probes alone do not clear it
             self.passive_ejections += 1
             self.ejected_until = self.clock() + min(
                 self.ejection_s * 2 ** (self.passive_ejections - 1), MAX_EJECTION_S)
         self.healthy = False
         self.ejections += 1
-        return True
 
     def record_success(self, *, probe: bool) -> bool:
         """A probe or a request succeeded; returns True when this re-admits the upstream."""
