@@ -161,6 +161,11 @@ def register(subparsers: Any) -> None:
         "--shared-index-capacity-blocks", type=int, default=1 << 20, metavar="N",
         help="blocks the shared index keeps per upstream before evicting (default 1048576)",
     )
+    parser.add_argument(
+        "--shared-quarantine", metavar="redis://HOST:PORT/DB",
+        help="share requests of death with other gateways through Redis: a request one "
+        "gateway holds, every gateway holds (any policy; may be the --shared-index Redis)",
+    )
     parser.add_argument("--access-log", choices=("off", "text", "json"),
                         help="one line per request on stdout (default off)")
     parser.add_argument("--metrics-port", type=port_number, metavar="PORT",
@@ -281,6 +286,10 @@ def run(args: argparse.Namespace) -> int:
         if args.shared_index_capacity_blocks < 1:
             raise ConfigError("--shared-index-capacity-blocks must be >= 1")
         attach(gateway, args.shared_index, capacity_blocks=args.shared_index_capacity_blocks)
+    if args.shared_quarantine:
+        from kvreuse.gateway.shared_quarantine import attach_quarantine
+
+        attach_quarantine(gateway, args.shared_quarantine)
     stack = server_stack()
     server_config = uvicorn.Config(
         by_listener(gateway.app, gateway.metrics_app, config.metrics_port), host=args.host,

@@ -258,6 +258,8 @@ class Gateway:
         self._pools: dict[str, UpstreamPool] = {}
         self._control: dict[str, UpstreamPool] = {}
         self.forwarder: Forwarder | None = None
+        # Requests of death; here, not in the forwarder, so --shared-quarantine can attach.
+        self.quarantine = Quarantine(config.quarantine_s)
         for upstream in self.upstreams:
             for name in upstream.models or ():
                 self.metrics.models.served_by_upstream(name)
@@ -296,7 +298,7 @@ class Gateway:
             retries=config.retries, upstream_timeout_s=config.upstream_timeout_s,
             max_response_bytes=config.max_response_bytes, migrate=config.stream_migration,
             max_continuation_bytes=config.max_body_bytes, drain=self.drain,
-            quarantine=Quarantine(config.quarantine_s), probe=self.probe,
+            quarantine=self.quarantine, probe=self.probe,
             max_ejected_share=config.max_ejected_share,
         )
         if self.recorder is not None:

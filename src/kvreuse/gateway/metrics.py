@@ -133,6 +133,7 @@ class GatewayState:
     streams: dict[str, StreamStats] = field(default_factory=dict)
     index_size: Callable[[str], IndexSize] = lambda name: IndexSize()
     shared_sync: SyncStats | None = None  # set when a Redis-shared index is attached
+    quarantine_sync: SyncStats | None = None  # set when --shared-quarantine is attached
     health: dict[str, IndexHealth] = field(default_factory=dict)
     index_budget: Callable[[str], int | None] = lambda name: None
     clock: Callable[[], float] = time.monotonic
@@ -204,16 +205,20 @@ class _StateCollector:
                     realized, prompt, engine_cached, engine_prompt, kv_usage, ejections)
         yield from self._events(state)
         if state.shared_sync is not None:
-            yield from self._shared_sync(state.shared_sync)
+            yield from self._shared_sync(state.shared_sync, "kvreuse_gateway_shared_index_",
+                                         "routed records")
+        if state.quarantine_sync is not None:
+            yield from self._shared_sync(state.quarantine_sync,
+                                         "kvreuse_gateway_shared_quarantine_",
+                                         "verdicts on requests of death")
         yield from self._health(state)
 
     @staticmethod
-    def _shared_sync(stats: SyncStats) -> Iterable[Metric]:
-        prefix = "kvreuse_gateway_shared_index_"
+    def _shared_sync(stats: SyncStats, prefix: str, what: str) -> Iterable[Metric]:
         for name, value, doc in (
-            ("published", stats.published, "routed records written to Redis"),
-            ("received", stats.received, "other gateways' records applied"),
-            ("dropped", stats.dropped, "local records not shared (queue full or Redis down)"),
+            ("published", stats.published, f"{what} written to Redis"),
+            ("received", stats.received, f"other gateways' {what} applied"),
+            ("dropped", stats.dropped, f"local {what} not shared (queue full or Redis down)"),
             ("malformed", stats.malformed, "Redis entries skipped as malformed"),
             ("redis_errors", stats.redis_errors, "Redis errors (each retried)"),
             ("streams_reset", stats.streams_reset,

@@ -38,21 +38,29 @@ A fleet whose every upstream answers 5xx to everything (a bad deploy) is therefo
 by requests: its clients get the upstreams' 5xx, not 503s, and its health probes still eject
 what they find down. Only identical requests are held, for ``hold_s`` at most.
 
-Pure: the caller passes the time. Keys are Python's keyed hash of (path, identity, body): a
-client cannot forge another's key without the process's hash key. At most ``max_entries``
-requests are remembered (a flood of distinct failing requests drops the least recently failed);
-O(1) per call besides the hash, which the caller computes only on a 5xx or while the table is
-not empty.
+Several gateways: each has its own table, so behind N gateways a request that kills engines
+could bring down 2 × N of them as its retries reach each gateway in turn. With
+``--shared-quarantine`` (:mod:`kvreuse.gateway.shared_quarantine`) every verdict held here is
+told to the others (:attr:`Quarantine.on_condemned`), which hold the same request from then on
+(:meth:`Quarantine.adopt`). Keys are therefore the same in every process: a 128-bit BLAKE2b of
+(path, identity, body), which no client can make collide with another's request.
+
+Pure: the caller passes the time. At most ``max_entries`` requests are remembered (a flood of
+distinct failing requests drops the least recently failed); O(1) per call besides the hash,
+which the caller computes only on a 5xx or while the table is not empty.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvreuse.errors import ConfigError
 from kvreuse.identity import CacheIdentity
+from kvreuse.routing.ring import identity_seed
 
 HOLD_S = 30.0
 """How long a request of death is answered by the gateway after its last 5xx."""
@@ -132,14 +140,22 @@ class Quarantine:
         self.hold_s = hold_s
         self.max_entries = max_entries
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently failed first
+        # Called with each verdict this table comes to hold (not those adopted from others).
+        self.on_condemned: Callable[[int, Verdict], None] | None = None
 
     def __len__(self) -> int:
         return len(self._entries)
 
     @staticmethod
     def key(path: str, identity: CacheIdentity, body: bytes) -> int:
-        """The key of a request. O(body)."""
-        return hash((path, identity, body))
+        """The key of a request, the same in every process (see the module docstring).
+        O(body)."""
+        digest = hashlib.blake2b(digest_size=16)
+        for part in (path.encode(), identity_seed(identity)):
+            digest.update(len(part).to_bytes(8, "little"))
+            digest.update(part)
+        digest.update(body)
+        return int.from_bytes(digest.digest(), "little")
 
     def held(self, key: int, now: float) -> Verdict | None:
         """The verdict on ``key`` while it is condemned, else None; called before a request is
@@ -167,6 +183,8 @@ class Quarantine:
         entry.answers, entry.detail = answers, detail[:MAX_DETAIL_CHARS]
         verdict = self._verdict(entry)
         entry.condemned = verdict.held
+        if verdict.held:
+            self._tell(key, verdict)
         return verdict
 
     def brought_down(self, key: int, upstreams: tuple[str, ...], status: int, detail: str,
@@ -179,7 +197,30 @@ class Quarantine:
         entry.answers = max(entry.answers, len(upstreams))
         entry.upstreams = entry.brought_down = upstreams[-NAMED_UPSTREAMS:]
         entry.condemned = True
-        return self._verdict(entry)
+        verdict = self._verdict(entry)
+        self._tell(key, verdict)
+        return verdict
+
+    def adopt(self, key: int, status: int, upstreams: tuple[str, ...],
+              brought_down: tuple[str, ...], detail: str, now: float) -> bool:
+        """Another gateway holds the request ``key``: hold it here too, for ``hold_s`` from
+        ``now`` (a local entry's answers are kept). False, and nothing held, for what no
+        gateway sends: a status outside 500-599, an ``UNAVAILABLE`` one without upstreams
+        brought down, no upstream named, fewer than ``DEATHS_TO_STOP`` brought down."""
+        if (not 500 <= status <= 599 or not upstreams
+                or (brought_down and len(brought_down) < DEATHS_TO_STOP)
+                or (not brought_down and status in UNAVAILABLE)):
+            return False
+        entry = self._latest(key, status, detail, now)
+        entry.answers = max(entry.answers, ANSWERS_OF_DEATH, len(brought_down))
+        entry.upstreams = upstreams[-NAMED_UPSTREAMS:]
+        entry.brought_down = brought_down[-NAMED_UPSTREAMS:]
+        entry.condemned = True
+        return True
+
+    def _tell(self, key: int, verdict: Verdict) -> None:
+        if self.on_condemned is not None:
+            self.on_condemned(key, verdict)
 
     def served(self, key: int) -> None:
         """An upstream answered the request below 500: it is not one of death."""

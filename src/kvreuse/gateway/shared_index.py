@@ -53,7 +53,7 @@ import contextlib
 import logging
 import uuid
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, MutableMapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NewType, cast
 
@@ -262,18 +262,8 @@ class RedisIndexSync:
         await asyncio.gather(self._retrying(self._read_loop), self._retrying(self._write_loop))
 
     async def _retrying(self, loop: Callable[[], Awaitable[None]]) -> None:
-        while True:
-            try:
-                await loop()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # a Redis client raises many types; all mean "retry"
-                self.stats.redis_errors += 1
-                self.stats.connected = False
-                _redis_errors.warning("shared index: redis error %s: %s (routing on this "
-                                      "gateway's own records meanwhile)", type(exc).__name__,
-                                      str(exc))
-                await asyncio.sleep(0.5)
+        await retrying(loop, self.stats, "shared index",
+                       "routing on this gateway's own records meanwhile")
 
     async def _read_loop(self) -> None:
         last = await self._bootstrap()
@@ -287,10 +277,7 @@ class RedisIndexSync:
                     self._take(self.streams[key], fields)
                     await self._yield_if_due()
             for key, cursor in last.items():
-                if _id_text(cursor) == MAX_STREAM_ID:
-                    top = await self.client.xrevrange(key, count=1)
-                    if not top or _id_text(top[0][0]) != MAX_STREAM_ID:
-                        last[key] = "0-0"  # the stream was deleted and begun again
+                last[key] = await rewound(self.client, key, cursor)
 
     async def _bootstrap(self) -> dict[str, Any]:
         """Apply the retained tail of each stream (oldest first); returns the read cursor."""
@@ -345,15 +332,72 @@ class RedisIndexSync:
             self.stats.dropped += len(refused)
             self.stats.published += len(batch) - len(refused)
             self.stats.connected = True
-            for key in sorted({key for key, error in refused if _EXHAUSTED in str(error)}):
-                await self.client.delete(key)
-                self.stats.streams_reset += 1
-                _resets.warning("shared index: stream %s held an entry at Redis's largest id "
-                                "(forged: no gateway writes one), so Redis refused every new "
-                                "record; deleted the stream so sharing resumes", key)
-            others = [error for _, error in refused if _EXHAUSTED not in str(error)]
-            if others:
-                raise others[0]
+            await reset_exhausted(self.client, refused, self.stats, "shared index")
+
+
+async def retrying(loop: Callable[[], Awaitable[None]], stats: SyncStats, what: str,
+                   meanwhile: str) -> None:
+    """Run ``loop`` until cancelled; a Redis error is counted in ``stats``, logged (at most
+    once per 10 s, saying what the gateway does ``meanwhile``) and retried after 0.5 s."""
+    while True:
+        try:
+            await loop()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a Redis client raises many types; all mean "retry"
+            stats.redis_errors += 1
+            stats.connected = False
+            _redis_errors.warning("%s: redis error %s: %s (%s)", what, type(exc).__name__,
+                                  str(exc), meanwhile)
+            await asyncio.sleep(0.5)
+
+
+async def reset_exhausted(client: Any, refused: list[tuple[str, Any]], stats: SyncStats,
+                          what: str) -> None:
+    """After a pipeline of XADDs: delete each stream Redis refused as exhausted (see
+    the module docstring) and count it; raise the first other refusal, to be retried."""
+    for key in sorted({key for key, error in refused if _EXHAUSTED in str(error)}):
+        await client.delete(key)
+        stats.streams_reset += 1
+        _resets.warning("%s: stream %s held an entry at Redis's largest id (forged: no "
+                        "gateway writes one), so Redis refused every new record; deleted the "
+                        "stream so sharing resumes", what, key)
+    others = [error for _, error in refused if _EXHAUSTED not in str(error)]
+    if others:
+        raise others[0]
+
+
+async def rewound(client: Any, key: str, cursor: Any) -> Any:
+    """A reader's cursor on stream ``key``: back to the start when it stands at
+    :data:`MAX_STREAM_ID` and the stream no longer ends there (a writer deleted the stream a
+    forged entry stopped, and it has begun again), else as it was."""
+    if _id_text(cursor) == MAX_STREAM_ID:
+        top = await client.xrevrange(key, count=1)
+        if not top or _id_text(top[0][0]) != MAX_STREAM_ID:
+            return "0-0"
+    return cursor
+
+
+def run_in_lifespan(gateway: Gateway, run: Callable[[], Coroutine[Any, Any, None]],
+                    client: Any) -> None:
+    """Run ``run()`` as a task for the life of ``gateway``'s app, then close ``client``."""
+    inner = gateway.app
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "lifespan":
+            await inner(scope, receive, send)
+            return
+        task = asyncio.get_running_loop().create_task(run())
+        try:
+            await inner(scope, receive, send)
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            with contextlib.suppress(Exception):
+                await client.aclose()
+
+    gateway.app = app
 
 
 def _id_text(entry_id: Any) -> str:
@@ -382,22 +426,6 @@ def attach(gateway: Gateway, redis_url: str, *, capacity_blocks: int = 1 << 20,
     names = [u.name for u in gateway.upstreams]
     sync = RedisIndexSync(index, aioredis.from_url(redis_url), names, prefix=prefix,
                           stream_maxlen=stream_maxlen)
-    inner = gateway.app
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "lifespan":
-            await inner(scope, receive, send)
-            return
-        task = asyncio.get_running_loop().create_task(sync.run())
-        try:
-            await inner(scope, receive, send)
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            with contextlib.suppress(Exception):
-                await sync.client.aclose()
-
-    gateway.app = app
+    run_in_lifespan(gateway, sync.run, sync.client)
     gateway.state.shared_sync = sync.stats  # exported on /metrics
     return sync
