@@ -35,8 +35,9 @@ tried answered 502-504), ``request_of_death`` and ``brought_down``.
 ejected an upstream but for ``--max-ejected-share``. The series of an upstream removed at
 runtime are dropped (:meth:`GatewayMetrics.forget_upstream`).
 
-Also exported: ejections per upstream, the Redis sync counters of a shared index
-(:class:`~kvreuse.gateway.shared_index.SyncStats`) when one is attached, and
+Also exported: ejections per upstream, the Redis sync counters of a shared index and of a
+shared quarantine (:class:`~kvreuse.gateway.shared_index.SyncStats`, as
+``kvreuse_gateway_shared_index_*`` and ``kvreuse_gateway_shared_quarantine_*``) when attached, and
 prometheus_client's process, platform and GC collectors.
 """
 

@@ -43,7 +43,9 @@ could bring down 2 × N of them as its retries reach each gateway in turn. With
 ``--shared-quarantine`` (:mod:`kvreuse.gateway.shared_quarantine`) every verdict held here is
 told to the others (:attr:`Quarantine.on_condemned`), which hold the same request from then on
 (:meth:`Quarantine.adopt`). Keys are therefore the same in every process: a 128-bit BLAKE2b of
-(path, identity, body), which no client can make collide with another's request.
+(path, identity, body), which no client can make collide with another's request. It costs
+about twice Python's per-process keyed ``hash`` (used before): 2.5 against 0.7 µs for a 1 KB
+body, 102 against 43 µs for 100 KB, 8.5 against 3.9 ms for 8 MiB, paid only as said below.
 
 Pure: the caller passes the time. At most ``max_entries`` requests are remembered (a flood of
 distinct failing requests drops the least recently failed); O(1) per call besides the hash,
