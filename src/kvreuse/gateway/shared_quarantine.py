@@ -23,8 +23,11 @@ brought down, the gateways' message excerpt, and its expiry. What Redis holds is
 trusted: an entry that does not decode, or names what no gateway sends (a status outside
 500-599, too many or too long names, a detail over the quarantine's bound), is skipped and
 counted. Someone who can write to that Redis can make the gateways answer one exact request
-(whose key they must already know) with a 5xx for ``--quarantine-time`` at a time; they can
-do no more than that, which is the trust the shared index asks of the same Redis already.
+(whose key they must already know) with a 5xx for ``--quarantine-time`` at a time, and do
+no more through the entries' meaning, which is the trust the shared index asks of the same
+Redis already. Their size is another matter: the Redis client reads an entry whole before it is
+decoded, so a writer of entries of hundreds of megabytes costs every gateway that memory. Let
+only the gateways reach that Redis (README, "Several gateways in front of the same engines").
 """
 
 from __future__ import annotations
