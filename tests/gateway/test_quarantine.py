@@ -331,6 +331,7 @@ def test_failed_requests_eject_at_most_half_of_a_models_upstreams(
     assert len(ejected) == 1 and ejected[0] in ("capped-0", "capped-1"), ejected
     kept = next(p for p in broken if p.name != ejected[0])
     assert upstreams[kept.name].healthy and upstreams[kept.name].ejection_withheld
+    assert httpx.get(gateway.url + "/ready").json()["ejection_withheld"] == [kept.name]
     withheld = metric(gateway,
                       f'kvreuse_gateway_ejections_withheld_total{{upstream="{kept.name}"}}')
     assert withheld == upstreams[kept.name].request_failures - 1 >= 1

@@ -520,6 +520,7 @@ class Gateway:
                  "probed": u.probed_ok, "in_flight": u.in_flight,
                  "models": sorted(u.models) if u.models is not None else None,
                  "events": u.config.events, "weight": u.config.weight,
+                 "ejection_withheld": u.ejection_withheld,
                  "discovered_by": discovered.get(u.name)}
                 for u in self.upstreams]
 
@@ -739,7 +740,10 @@ class Gateway:
         # Ready once an admitted upstream has passed a probe: not before the first one.
         probed = [name for name in admitted if self.router.upstreams[name].probed_ok]
         body: dict[str, Any] = {"ready": bool(probed) and not self.drain.draining,
-                                "admitted": admitted, "ejected": ejected}
+                                "admitted": admitted, "ejected": ejected,
+                                # admitted past their streak of failed requests (the cap)
+                                "ejection_withheld": [u.name for u in self.upstreams
+                                                      if u.ejection_withheld]}
         if self.drain.draining:
             body["reason"] = ("shutting down: serving what still arrives until the listener "
                               "closes; send new requests elsewhere")
