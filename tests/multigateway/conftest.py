@@ -7,10 +7,13 @@ failure.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -49,3 +52,19 @@ def engines(fleet: Fleet) -> list[Process]:
     spec = EngineSpec(model="sim", cache_tokens=65_536, prefill_tokens_per_s=50_000.0,
                       overhead_ms=2.0, tpot_ms=20.0)
     return fleet.start_engines(3, spec)
+
+
+@contextlib.asynccontextmanager
+async def running(syncs: Sequence[Any]) -> AsyncIterator[None]:
+    """Redis syncs (each with ``run()`` and a ``client``) running, and bootstrapped, when the
+    block starts; stopped and disconnected after it."""
+    tasks = [asyncio.create_task(sync.run()) for sync in syncs]
+    await asyncio.sleep(0.2)
+    try:
+        yield
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for sync in syncs:
+            await sync.client.aclose()

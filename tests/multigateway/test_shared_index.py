@@ -33,6 +33,8 @@ from kvreuse.routing import RequestView, block_chain
 from kvreuse.testing.processes import Fleet, Process, wait_http
 from kvreuse.tokens import pack
 
+from .conftest import running
+
 
 def view(tokens: list[int], salt: str | None = None) -> RequestView:
     buf = pack(tokens)
@@ -109,16 +111,8 @@ async def two_syncs(redis_url: str, upstreams: list[str]
     prefix = f"test{random.randrange(1 << 30)}"
     syncs = [RedisIndexSync(index, aioredis.from_url(redis_url), upstreams, prefix=prefix,
                             block_ms=50) for index in indexes]
-    tasks = [asyncio.create_task(sync.run()) for sync in syncs]
-    await asyncio.sleep(0.2)
-    try:
+    async with running(syncs):
         yield indexes, syncs, prefix
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for sync in syncs:
-            await sync.client.aclose()
 
 
 def test_two_gateways_share_records_through_redis(redis: Process) -> None:

@@ -29,6 +29,8 @@ from kvreuse.gateway.shared_quarantine import (
 from kvreuse.identity import CacheIdentity
 from kvreuse.testing.processes import Fleet, Process
 
+from .conftest import running
+
 DEATH = {"model": "sim", "prompt": "POISON pill", "max_tokens": 2}
 IDENTITY = CacheIdentity(model="sim")
 
@@ -127,16 +129,8 @@ async def two_syncs(redis_url: str) -> AsyncIterator[tuple[list[Quarantine],
     prefix = f"test{random.randrange(1 << 30)}"
     syncs = [RedisQuarantineSync(table, aioredis.from_url(redis_url), prefix=prefix,
                                  block_ms=50) for table in tables]
-    tasks = [asyncio.create_task(sync.run()) for sync in syncs]
-    await asyncio.sleep(0.2)
-    try:
+    async with running(syncs):
         yield tables, syncs
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for sync in syncs:
-            await sync.client.aclose()
 
 
 async def until(condition: Callable[[], bool], timeout_s: float = 3.0) -> None:

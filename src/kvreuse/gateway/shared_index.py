@@ -55,7 +55,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, MutableMapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NewType, cast
+from typing import TYPE_CHECKING, Any, NewType, TypeVar, cast
 
 from kvreuse.errors import ConfigError, InputFormatError, require_at_least
 from kvreuse.gateway.asgi import Receive, Scope, Send
@@ -76,6 +76,7 @@ MAX_STREAM_ID = "18446744073709551615-18446744073709551615"
 """Redis's largest stream entry id; see the module docstring."""
 _EXHAUSTED = "exhausted the last possible ID"  # Redis's refusal of an XADD past MAX_STREAM_ID
 
+Item = TypeVar("Item")
 _redis_errors = ThrottledLog(log, burst=1, interval_s=10.0)
 _resets = ThrottledLog(log, burst=1, interval_s=10.0)
 _skipped = ThrottledLog(log, burst=1, interval_s=10.0)
@@ -312,27 +313,40 @@ class RedisIndexSync:
         self.stats.received += 1
 
     async def _write_loop(self) -> None:
-        while True:
-            batch = [await self._pending.get()]
-            while not self._pending.empty() and len(batch) < 512:
-                batch.append(self._pending.get_nowait())
-            pipe = self.client.pipeline(transaction=False)
-            keys = [self._stream_of.get(record.upstream, f"kvreuse:routed:{record.upstream}")
-                    for record in batch]
-            for key, record in zip(keys, batch, strict=True):
-                pipe.xadd(key, encode_record(record), maxlen=self.stream_maxlen,
-                          approximate=True)
-            try:
-                results = await pipe.execute(raise_on_error=False)
-            except Exception:
-                self.stats.dropped += len(batch)
-                raise
-            refused = [(key, result) for key, result in zip(keys, results, strict=True)
-                       if isinstance(result, Exception)]
-            self.stats.dropped += len(refused)
-            self.stats.published += len(batch) - len(refused)
-            self.stats.connected = True
-            await reset_exhausted(self.client, refused, self.stats, "shared index")
+        def entry(record: RoutedRecord) -> tuple[str, dict[str, bytes]]:
+            key = self._stream_of.get(record.upstream, f"kvreuse:routed:{record.upstream}")
+            return key, encode_record(record)
+
+        await publish(self.client, self._pending, entry, self.stats, "shared index",
+                      maxlen=self.stream_maxlen, batch=512)
+
+
+async def publish(client: Any, pending: asyncio.Queue[Item],
+                  entry: Callable[[Item], tuple[str, dict[str, bytes]]], stats: SyncStats,
+                  what: str, *, maxlen: int, batch: int) -> None:
+    """Append what is queued in ``pending`` to Redis streams until cancelled or Redis fails
+    (raised, to be retried): up to ``batch`` items per pipeline, each ``entry(item)`` (stream
+    key and fields) trimmed to about ``maxlen``; ``stats`` counts what was published and
+    what was dropped, and a stream stopped by a forged entry is reset."""
+    while True:
+        items = [await pending.get()]
+        while not pending.empty() and len(items) < batch:
+            items.append(pending.get_nowait())
+        entries = [entry(item) for item in items]
+        pipe = client.pipeline(transaction=False)
+        for key, fields in entries:
+            pipe.xadd(key, fields, maxlen=maxlen, approximate=True)
+        try:
+            results = await pipe.execute(raise_on_error=False)
+        except Exception:
+            stats.dropped += len(items)
+            raise
+        refused = [(key, result) for (key, _), result in zip(entries, results, strict=True)
+                   if isinstance(result, Exception)]
+        stats.dropped += len(refused)
+        stats.published += len(items) - len(refused)
+        stats.connected = True
+        await _reset_exhausted(client, refused, stats, what)
 
 
 async def retrying(loop: Callable[[], Awaitable[None]], stats: SyncStats, what: str,
@@ -352,7 +366,7 @@ async def retrying(loop: Callable[[], Awaitable[None]], stats: SyncStats, what: 
             await asyncio.sleep(0.5)
 
 
-async def reset_exhausted(client: Any, refused: list[tuple[str, Any]], stats: SyncStats,
+async def _reset_exhausted(client: Any, refused: list[tuple[str, Any]], stats: SyncStats,
                           what: str) -> None:
     """After a pipeline of XADDs: delete each stream Redis refused as exhausted (see
     the module docstring) and count it; raise the first other refusal, to be retried."""

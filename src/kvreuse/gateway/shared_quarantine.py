@@ -44,7 +44,7 @@ from kvreuse.errors import ConfigError, InputFormatError
 from kvreuse.gateway.quarantine import MAX_DETAIL_CHARS, NAMED_UPSTREAMS, Quarantine, Verdict
 from kvreuse.gateway.shared_index import (
     SyncStats,
-    reset_exhausted,
+    publish,
     retrying,
     rewound,
     run_in_lifespan,
@@ -190,25 +190,9 @@ class RedisQuarantineSync:
                              len(verdict.upstreams), len(verdict.brought_down))
 
     async def _write_loop(self) -> None:
-        while True:
-            batch = [await self._pending.get()]
-            while not self._pending.empty() and len(batch) < 128:
-                batch.append(self._pending.get_nowait())
-            pipe = self.client.pipeline(transaction=False)
-            for verdict in batch:
-                pipe.xadd(self.stream, encode_verdict(verdict), maxlen=self.stream_maxlen,
-                          approximate=True)
-            try:
-                results = await pipe.execute(raise_on_error=False)
-            except Exception:
-                self.stats.dropped += len(batch)
-                raise
-            refused = [(self.stream, result) for result in results
-                       if isinstance(result, Exception)]
-            self.stats.dropped += len(refused)
-            self.stats.published += len(batch) - len(refused)
-            self.stats.connected = True
-            await reset_exhausted(self.client, refused, self.stats, "shared quarantine")
+        await publish(self.client, self._pending,
+                      lambda verdict: (self.stream, encode_verdict(verdict)), self.stats,
+                      "shared quarantine", maxlen=self.stream_maxlen, batch=128)
 
 
 def attach_quarantine(gateway: Gateway, redis_url: str, *,
