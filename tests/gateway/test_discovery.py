@@ -4,6 +4,7 @@ records each test changes as an autoscaler or a rolling deploy would."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -311,6 +312,50 @@ def test_a_reload_of_the_configured_upstreams_keeps_the_discovered_ones(
     assert list(gateway.gateway.router.upstreams) == [f"http://127.0.0.2:{port}"]
 
 
+def test_a_discovery_reloaded_with_another_interval_keeps_its_upstreams(
+        dns_server: DnsServer, twin_engines: list[Engine], gateway_factory: Factory) -> None:
+    """apply_discoveries (SIGHUP) with the same name asked every 0.2 s instead of 0.1 s: the
+    new table takes over the upstreams (the very same, nothing removed or re-added) and
+    follows DNS from then on."""
+    port = twin_engines[0].server.port
+    dns_server.set(NAME, [("A", "127.0.0.1"), ("A", "127.0.0.2")])
+    before = discovering(dns_server, port=port)
+    gateway = gateway_factory([], policy="round_robin", discovery=(before,))
+    wait_for(lambda: len(admitted(gateway)) == 2, what="both admitted")
+    states = dict(gateway.gateway.router.upstreams)
+    after = discovering(dns_server, port=port, interval_s=0.2)
+    done = gateway.server.call(gateway.gateway.apply_discoveries((after,), drain_s=1), 30)
+    assert done == {"started": [NAME], "stopped": [NAME], "removed": []}
+    assert gateway.gateway.router.upstreams == states
+    assert [d.config for d in gateway.gateway.discoveries] == [after]
+    dns_server.set(NAME, [("A", "127.0.0.2")])
+    wait_for(lambda: list(gateway.gateway.router.upstreams) == [f"http://127.0.0.2:{port}"],
+             what="the successor removes what leaves DNS")
+
+
+def test_a_discovery_reloaded_away_removes_its_upstreams_and_a_new_one_adds(
+        dns_server: DnsServer, twin_engines: list[Engine], gateway_factory: Factory) -> None:
+    """apply_discoveries with another name: the old table's upstreams are removed, the new
+    name's replicas added; a table whose upstreams would differ (another port) starts afresh
+    rather than inheriting."""
+    port = twin_engines[0].server.port
+    other = "other.test."
+    dns_server.set(NAME, [("A", "127.0.0.1")])
+    dns_server.set(other, [("A", "127.0.0.2")])
+    gateway = gateway_factory([], policy="round_robin",
+                              discovery=(discovering(dns_server, port=port),))
+    wait_for(lambda: admitted(gateway) == {f"http://127.0.0.1:{port}"}, what="first admitted")
+    moved = discovering(dns_server, port=port, dns=other)
+    assert not discovering(dns_server, port=port).finds_the_same(moved)
+    done = gateway.server.call(gateway.gateway.apply_discoveries((moved,), drain_s=1), 30)
+    assert done == {"started": [other], "stopped": [NAME],
+                    "removed": [f"http://127.0.0.1:{port}"]}
+    wait_for(lambda: admitted(gateway) == {f"http://127.0.0.2:{port}"}, what="second admitted")
+    assert served_by(gateway, 4) == {f"http://127.0.0.2:{port}"}
+    metrics = httpx.get(gateway.url + "/metrics").text
+    assert f'kvreuse_gateway_discovered_upstreams{{source="{NAME}"}}' not in metrics
+
+
 def test_an_admin_removal_of_a_discovered_upstream_lasts_until_the_next_answer(
         dns_server: DnsServer, twin_engines: list[Engine], gateway_factory: Factory) -> None:
     """DNS is the source of truth: an upstream removed by hand comes back while DNS lists
@@ -410,6 +455,51 @@ def test_kvreuse_route_follows_srv_records(dns_server: DnsServer, tmp_path: Path
         assert f"upstreams none configured; discovering {srv} every 0.2 s;" in log
         assert f"{engines[0].url} found, added" in log
         assert f"{engines[0].url} missing from 2 answers in a row, removed" in log
+
+
+def test_kvreuse_route_reloads_its_discover_tables_on_sighup(dns_server: DnsServer,
+                                                              tmp_path: Path) -> None:
+    """`kvreuse route --config FILE`: after FILE's [[discover]] names another DNS name and
+    the process gets SIGHUP, it serves from that name's engine alone, and logs the reload."""
+    import signal
+
+    from kvreuse.testing.processes import EngineSpec, Fleet, wait_http
+    from kvreuse.testing.servers import free_port
+
+    with Fleet(tmp_path) as fleet:
+        engines = fleet.start_engines(2, EngineSpec(events=False))
+        for name, engine in zip(("first.test.", "second.test."), engines, strict=True):
+            dns_server.set(name, [("A", "127.0.0.1")])
+            dns_server.set("_http._tcp." + name,
+                           [("SRV", f"0 0 {engine.port} r.{NAME}")])
+        dns_server.set("r." + NAME, [("A", "127.0.0.1")])
+        config = tmp_path / "gateway.toml"
+
+        def write(name: str) -> None:
+            config.write_text(f'[gateway]\npolicy = "round_robin"\nhealth_interval_s = 0.2\n'
+                              f'[[discover]]\nsrv = "_http._tcp.{name}"\n'
+                              f'nameserver = "{dns_server.nameserver}"\ninterval_s = 0.2\n')
+
+        write("first.test.")
+        port = free_port()
+        gateway = fleet.spawn("reloading", [
+            sys.executable, "-m", "kvreuse.cli.main", "route", "--host", "127.0.0.1",
+            "--port", str(port), "--config", str(config), "--drain-delay", "0"],
+            url=f"http://127.0.0.1:{port}", port=port)
+        wait_http(gateway)
+
+        def served() -> set[str]:
+            return {httpx.post(gateway.url + "/v1/completions", timeout=30, json={
+                **BODY, "prompt": f"q{i}"}).headers.get("x-kvreuse-upstream", "none")
+                for i in range(4)}
+
+        wait_for(lambda: served() == {engines[0].url}, 30, what="the first engine serving")
+        write("second.test.")
+        gateway.popen.send_signal(signal.SIGHUP)
+        wait_for(lambda: served() == {engines[1].url}, 30, what="the second engine serving")
+        log = gateway.log_path.read_text(errors="replace")
+        assert ("discovery reloaded: started _http._tcp.second.test.; stopped "
+                f"_http._tcp.first.test.; removed {engines[0].url}") in log
 
 
 def test_kvreuse_route_refuses_discovery_with_a_shared_index(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import socket
 from pathlib import Path
 from typing import Any
@@ -78,7 +79,8 @@ def register(subparsers: Any) -> None:
                              "capacity_tokens, events_port, topic (repeatable)")
     parser.add_argument("--config", type=Path, metavar="FILE",
                         help="TOML gateway config; SIGHUP re-reads its [[upstreams]] and "
-                        "adds, removes or replaces upstreams to match")
+                        "[[discover]] tables and adds, removes or replaces upstreams and "
+                        "discoveries to match")
     parser.add_argument(
         "--policy", choices=sorted(DESCRIPTIONS),
         help=f"routing policy (default {DEFAULT_POLICY}): " + "; ".join(
@@ -248,7 +250,12 @@ def run(args: argparse.Namespace) -> int:
 
     from kvreuse.gateway.app import Gateway
     from kvreuse.gateway.asgi import server_stack
-    from kvreuse.gateway.config import UpstreamConfig, load_config_file, parse_upstream_flag
+    from kvreuse.gateway.config import (
+        GatewayConfig,
+        load_config_file,
+        parse_discover_flag,
+        parse_upstream_flag,
+    )
     from kvreuse.gateway.serve import GatewayServer, raise_open_file_limit, uvicorn_options
     from kvreuse.gateway.telemetry import configure_logging
 
@@ -268,10 +275,13 @@ def run(args: argparse.Namespace) -> int:
 
     reload = None
     if args.config:
-        flag_upstreams = [parse_upstream_flag(text) for text in args.upstream]
+        flag_upstreams = tuple(parse_upstream_flag(text) for text in args.upstream)
+        flag_discovery = tuple(parse_discover_flag(text) for text in args.discover)
 
-        def reload() -> tuple[UpstreamConfig, ...]:
-            return load_config_file(args.config).upstreams + tuple(flag_upstreams)
+        def reload() -> GatewayConfig:
+            read = load_config_file(args.config)
+            return dataclasses.replace(read, upstreams=read.upstreams + flag_upstreams,
+                                       discovery=read.discovery + flag_discovery)
 
     gateway = Gateway(config, announce=announce, reload_upstreams=reload)
     # Before the server starts: an endpoint in use or not this machine's is a one-line error

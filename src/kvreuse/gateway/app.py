@@ -8,7 +8,7 @@ declared or last learned),
 the reason), ``/metrics`` (Prometheus), and with ``--admin-key-file`` the admin API:
 ``GET``/``POST /admin/upstreams`` (list; add one at runtime) and ``DELETE
 /admin/upstreams/NAME`` (remove one, draining it). SIGHUP re-reads ``--config``'s upstreams
-(:meth:`Gateway.apply_upstreams`). Every request sent upstream carries ``x-kvreuse-via`` (the
+and DNS discoveries (:meth:`Gateway.apply_upstreams`, :meth:`Gateway.apply_discoveries`). Every request sent upstream carries ``x-kvreuse-via`` (the
 gateways it passed), so a request that comes back to a gateway is refused with a 508 instead
 of circling. The two generate endpoints are the hot path and are
 served on bare ASGI by :meth:`Gateway.__call__` (see :mod:`kvreuse.gateway.asgi`); the others
@@ -58,6 +58,7 @@ from kvreuse.gateway.asgi import (
     send_json,
 )
 from kvreuse.gateway.config import (
+    DiscoveryConfig,
     GatewayConfig,
     UpstreamConfig,
     read_secret_file,
@@ -192,13 +193,14 @@ class Gateway:
         policy: RoutingPolicy | None = None,
         tenants: Tenants | None = None,
         announce: Callable[[str], None] | None = None,
-        reload_upstreams: Callable[[], tuple[UpstreamConfig, ...]] | None = None,
+        reload_upstreams: Callable[[], GatewayConfig] | None = None,
     ) -> None:
         """``announce`` hears the start-up summary (upstreams, policy, models, metrics,
         access log) once the upstreams' model lists have been asked for.
         ``reload_upstreams``, when given, is read again on SIGHUP (``kvreuse route --config``
-        re-reads its file) and the gateway's upstreams are made to match it
-        (:meth:`apply_upstreams`)."""
+        re-reads its file) and the gateway's upstreams and DNS discoveries are made to match
+        its ``upstreams`` and ``discovery`` (:meth:`apply_upstreams`,
+        :meth:`apply_discoveries`); its other settings need a restart."""
         self.config = config
         self.announce = announce
         self.reload_source = reload_upstreams
@@ -264,6 +266,8 @@ class Gateway:
             for name in upstream.models or ():
                 self.metrics.models.served_by_upstream(name)
         self.discoveries = [Discovery(d, self) for d in config.discovery]
+        self._discovery_tasks: dict[Discovery, asyncio.Task[None]] = {}
+        self._serving_loop: asyncio.AbstractEventLoop | None = None
         # Stopping: the server begins it on SIGTERM (gateway/serve.py); /ready, /metrics
         # and the forwarder read it.
         self.drain = Drain()
@@ -316,8 +320,9 @@ class Gateway:
             self._tasks.append(loop.create_task(self._announce(self.announce)))
         if self.access_log.mode != "off":
             self._tasks.append(loop.create_task(self.access_log.run()))
+        self._serving_loop = loop
         for discovery in self.discoveries:
-            self._tasks.append(loop.create_task(discovery.run()))
+            self._start_discovery(discovery)
         # Always: a subscriber may also come with an upstream added at runtime.
         self._tasks.append(loop.create_task(self._watchdog()))
         hangup = self.reload_source is not None and self._on_hangup(loop)
@@ -329,6 +334,7 @@ class Gateway:
             for subscriber in self.subscribers:
                 subscriber.close()
             tasks = [*self._tasks, *self._subscriber_tasks.values(),
+                     *self._discovery_tasks.values(),
                      *(task for loops in self._loops.values() for task in loops)]
             for task in tasks:
                 task.cancel()
@@ -462,15 +468,62 @@ class Gateway:
         return True
 
     async def reload_upstreams(self) -> None:
-        """Read :attr:`reload_source` again and apply it; a source that cannot be read (or
-        names bad upstreams) is logged and changes nothing."""
+        """Read :attr:`reload_source` again and apply its upstreams and discoveries; a source
+        that cannot be read (or names bad upstreams) is logged and changes nothing."""
         assert self.reload_source is not None, "reload without a source"
         try:
             wanted = self.reload_source()
         except (ConfigError, InputFormatError) as exc:
             log.error("SIGHUP: upstreams not reloaded, the configuration is unusable: %s", exc)
             return
-        await self.apply_upstreams(wanted)
+        await self.apply_upstreams(wanted.upstreams)
+        await self.apply_discoveries(wanted.discovery)
+
+    async def apply_discoveries(self, wanted: tuple[DiscoveryConfig, ...],
+                                drain_s: float = REMOVAL_DRAIN_S) -> dict[str, list[str]]:
+        """Make the running DNS discoveries ``wanted``: a table no longer wanted stops, and
+        the upstreams it added are removed (draining up to ``drain_s``); a new one starts. A
+        table changed only in how it asks (``nameserver``, ``interval_s``, ``timeout_s``,
+        ``remove_after``) hands its upstreams to its successor, which keeps them while DNS
+        lists them; one whose upstreams would differ (name, port, models...) starts afresh."""
+        kept = [d for d in self.discoveries if d.config in wanted]
+        stopped = [d for d in self.discoveries if d.config not in wanted]
+        running = {d.config for d in kept}
+        started: list[Discovery] = []
+        for config in dict.fromkeys(wanted):
+            if config in running:
+                continue
+            successor = Discovery(config, self)
+            heir = next((d for d in stopped if d.owned and d.config.finds_the_same(config)),
+                        None)
+            if heir is not None:
+                successor.inherit(heir)
+            started.append(successor)
+        for discovery in stopped:
+            task = self._discovery_tasks.pop(discovery, None)
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            await discovery.aclose()
+            if discovery.config.source not in {d.config.source for d in (*kept, *started)}:
+                with contextlib.suppress(KeyError):  # never answered: no series yet
+                    self.metrics.discovered.remove(discovery.config.source)
+        orphans = [name for d in stopped for name in d.owned]
+        await asyncio.gather(*(self.remove_upstream(name, drain_s) for name in orphans))
+        self.discoveries = [*kept, *started]
+        if self._serving_loop is not None:
+            for discovery in started:
+                self._start_discovery(discovery)
+        done = {"started": [d.config.source for d in started],
+                "stopped": [d.config.source for d in stopped], "removed": orphans}
+        if started or stopped:
+            log.warning("discovery reloaded: %s", "; ".join(
+                f"{what} {', '.join(names) or 'none'}" for what, names in done.items()))
+        return done
+
+    def _start_discovery(self, discovery: Discovery) -> None:
+        assert self._serving_loop is not None, "a discovery started before the server"
+        self._discovery_tasks[discovery] = self._serving_loop.create_task(discovery.run())
 
     async def apply_upstreams(self, wanted: tuple[UpstreamConfig, ...],
                               drain_s: float = REMOVAL_DRAIN_S) -> dict[str, list[str]]:

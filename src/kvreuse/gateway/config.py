@@ -216,6 +216,12 @@ class DiscoveryConfig:
     events_port: int | None = None
     topic: str = ""
 
+    def finds_the_same(self, other: DiscoveryConfig) -> bool:
+        """Whether ``other`` makes the same upstreams of the same answers: it differs at most
+        in how the name is asked (nameserver, interval, timeout, remove_after)."""
+        return replace(self, nameserver=other.nameserver, interval_s=other.interval_s,
+                       timeout_s=other.timeout_s, remove_after=other.remove_after) == other
+
     def __post_init__(self) -> None:
         if (self.dns is None) == (self.srv is None):
             raise ConfigError("discovery: give exactly one of dns = NAME (A/AAAA records, with "

@@ -31,9 +31,10 @@ Answers are untrusted input, bounded: at most ``MAX_FOUND`` replicas per answer 
 are dropped and logged), at most ``MAX_SRV_TARGETS`` targets asked, and addresses that cannot
 be a replica's (unspecified, multicast) are skipped. An upstream named like a found replica
 that this discovery did not add (a ``--upstream`` or admin addition of the same URL) is left
-alone and the conflict is logged once. SIGHUP reloads only the configured upstreams and never
-removes discovered ones; an admin DELETE of a discovered upstream lasts until the next answer
-that still lists it.
+alone and the conflict is logged once. SIGHUP re-reads the ``[[discover]]`` tables too
+(:meth:`Gateway.apply_discoveries`): a table gone takes its upstreams with it, and one changed
+only in how it asks hands them to its successor (:meth:`Discovery.inherit`). An admin DELETE
+of a discovered upstream lasts until the next answer that still lists it.
 
 Why dnspython: the system resolver (``getaddrinfo``) cannot be pointed at another server,
 returns no TTLs or SRV records, and blocks a thread per lookup; dnspython's asyncio resolver
@@ -339,6 +340,13 @@ class Discovery:
                 self.owned.add(name)
         metrics.discovered.labels(source).set(len(self.owned))
         return change
+
+    def inherit(self, predecessor: Discovery) -> None:
+        """Take over the upstreams ``predecessor`` (the same name, asked differently) added,
+        and its count of answers without each, so a reload removes and re-adds nothing."""
+        self.owned, predecessor.owned = predecessor.owned, set()
+        self.sightings = predecessor.sightings
+        self.sightings.remove_after = self.config.remove_after
 
     async def aclose(self) -> None:
         """Wait for the removals this discovery started (drains) to end or be cancelled."""
