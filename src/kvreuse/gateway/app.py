@@ -8,13 +8,13 @@ declared or last learned),
 the reason), ``/metrics`` (Prometheus), and with ``--admin-key-file`` the admin API:
 ``GET``/``POST /admin/upstreams`` (list; add one at runtime) and ``DELETE
 /admin/upstreams/NAME`` (remove one, draining it). SIGHUP re-reads ``--config``'s upstreams
-and DNS discoveries (:meth:`Gateway.apply_upstreams`, :meth:`Gateway.apply_discoveries`). Every request sent upstream carries ``x-kvreuse-via`` (the
-gateways it passed), so a request that comes back to a gateway is refused with a 508 instead
-of circling. The two generate endpoints are the hot path and are
-served on bare ASGI by :meth:`Gateway.__call__` (see :mod:`kvreuse.gateway.asgi`); the others
-go through Starlette. Upstreams are reached through :mod:`kvreuse.gateway.upstream_client`:
-per upstream, one pool for proxied requests and a small one for probes, scrapes and model
-lists, so a probe never queues behind requests.
+and DNS discoveries (:meth:`Gateway.apply_upstreams`, :meth:`Gateway.apply_discoveries`).
+Every request sent upstream carries ``x-kvreuse-via`` (the gateways it passed), so a request
+that comes back to a gateway is refused with a 508 instead of circling. The two generate
+endpoints are the hot path and are served on bare ASGI by :meth:`Gateway.__call__` (see
+:mod:`kvreuse.gateway.asgi`); the others go through Starlette. Upstreams are reached through
+:mod:`kvreuse.gateway.upstream_client`: per upstream, one pool for proxied requests and a small
+one for probes, scrapes and model lists, so a probe never queues behind requests.
 
 Background: a health probe per upstream every ``health_interval_s`` (then, unless its models
 are declared, a read of its ``/v1/models``; also once at start-up), a scrape of each
