@@ -653,3 +653,27 @@ def test_flapping_dns_never_breaks_a_request(dns_server: DnsServer,
     finally:
         for engine in engines:
             engine.server.stop()
+
+
+def test_two_reloads_at_once_start_a_table_once(
+        dns_server: DnsServer, twin_engines: list[Engine], gateway_factory: Factory) -> None:
+    """Two apply_discoveries of the same new table at once (two SIGHUPs in a row): one
+    starts it, the other finds it running."""
+    import asyncio
+
+    port = twin_engines[0].server.port
+    dns_server.set(NAME, [("A", "127.0.0.1")])
+    gateway = gateway_factory([], policy="round_robin",
+                              discovery=(discovering(dns_server, port=port),))
+    wait_for(lambda: len(admitted(gateway)) == 1, what="admitted")
+    after = discovering(dns_server, port=port, interval_s=0.3)
+
+    async def twice() -> list[dict[str, list[str]]]:
+        return list(await asyncio.gather(
+            *(gateway.gateway.apply_discoveries((after,), drain_s=1) for _ in range(2))))
+
+    first, second = gateway.server.call(twice(), 30)
+    assert first["started"] == [NAME] and second == {"started": [], "stopped": [],
+                                                     "removed": []}
+    assert [d.config for d in gateway.gateway.discoveries] == [after]
+    assert len(admitted(gateway)) == 1

@@ -268,6 +268,7 @@ class Gateway:
         self.discoveries = [Discovery(d, self) for d in config.discovery]
         self._discovery_tasks: dict[Discovery, asyncio.Task[None]] = {}
         self._serving_loop: asyncio.AbstractEventLoop | None = None
+        self._discovery_lock: asyncio.Lock | None = None
         # Stopping: the server begins it on SIGTERM (gateway/serve.py); /ready, /metrics
         # and the forwarder read it.
         self.drain = Drain()
@@ -485,7 +486,15 @@ class Gateway:
         the upstreams it added are removed (draining up to ``drain_s``); a new one starts. A
         table changed only in how it asks (``nameserver``, ``interval_s``, ``timeout_s``,
         ``remove_after``) hands its upstreams to its successor, which keeps them while DNS
-        lists them; one whose upstreams would differ (name, port, models...) starts afresh."""
+        lists them; one whose upstreams would differ (name, port, models...) starts afresh.
+        One reload at a time (two SIGHUPs in a row would otherwise start a table twice)."""
+        if self._discovery_lock is None:  # made on first use: it belongs to the serving loop
+            self._discovery_lock = asyncio.Lock()
+        async with self._discovery_lock:
+            return await self._apply_discoveries(wanted, drain_s)
+
+    async def _apply_discoveries(self, wanted: tuple[DiscoveryConfig, ...],
+                                 drain_s: float) -> dict[str, list[str]]:
         kept = [d for d in self.discoveries if d.config in wanted]
         stopped = [d for d in self.discoveries if d.config not in wanted]
         running = {d.config for d in kept}
