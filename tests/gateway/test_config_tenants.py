@@ -23,6 +23,18 @@ def test_upstream_flag_parses_its_options() -> None:
     assert upstream.events == "tcp://127.0.0.1:5557" and upstream.bind is False
 
 
+def test_backup_is_a_flag_option_and_a_toml_key(tmp_path: Path) -> None:
+    """backup=true on --upstream and backup = true in [[upstreams]] mark a backup; off by
+    default; a value that is no boolean is refused naming the key."""
+    assert parse_upstream_flag("http://h:1,backup=true").backup is True
+    assert parse_upstream_flag("http://h:1").backup is False
+    path = tmp_path / "gateway.toml"
+    path.write_text('[[upstreams]]\nurl = "http://h:1"\nbackup = true\n')
+    assert load_config_file(path).upstreams[0].backup is True
+    with pytest.raises(ConfigError, match="backup"):
+        parse_upstream_flag("http://h:1,backup=maybe")
+
+
 @pytest.mark.parametrize(
     ("flag", "needle"),
     [("ftp://x", "http"), ("http://h:1,weight=0", "weight"), ("http://h:1,color=red", "color"),

@@ -119,6 +119,24 @@ def test_a_records_aaaa_and_srv_targets_are_read_with_and_without_glue(
     assert asyncio.run(DnsLookup(srv).replicas()) == expected
 
 
+def test_srv_priorities_above_the_lowest_make_backups(dns_server: DnsServer) -> None:
+    """Replicas listed only at a priority above the answer's lowest are backups (a replica
+    listed at two priorities takes the lower); an answer all at one priority has none."""
+    import asyncio
+
+    dns_server.set("_http._tcp." + NAME, [
+        ("SRV", f"10 0 8000 r0.{NAME}"), ("SRV", f"20 0 8001 r1.{NAME}"),
+        ("SRV", f"20 0 8002 r2.{NAME}"), ("SRV", f"10 0 8002 r2.{NAME}")])
+    for i in range(3):
+        dns_server.set(f"r{i}.{NAME}", [("A", f"127.0.0.{i + 1}")])
+    lookup = DnsLookup(discovering(dns_server, dns=None, port=None, srv="_http._tcp." + NAME))
+    assert len(asyncio.run(lookup.replicas())) == 3
+    assert lookup.backups == {("127.0.0.2", 8001)}
+    dns_server.set("_http._tcp." + NAME, [("SRV", f"5 0 8000 r0.{NAME}")])
+    asyncio.run(lookup.replicas())
+    assert lookup.backups == frozenset()
+
+
 def test_a_name_without_records_is_an_answer_with_no_replica(dns_server: DnsServer) -> None:
     """NXDOMAIN and a name without A records both answer 'no replica' (scaled to zero)."""
     import asyncio
@@ -500,6 +518,41 @@ def test_kvreuse_route_reloads_its_discover_tables_on_sighup(dns_server: DnsServ
         log = gateway.log_path.read_text(errors="replace")
         assert ("discovery reloaded: started _http._tcp.second.test.; stopped "
                 f"_http._tcp.first.test.; removed {engines[0].url}") in log
+
+
+def test_a_backup_in_srv_serves_only_while_the_primary_is_out(
+        dns_server: DnsServer, gateway_factory: Factory) -> None:
+    """Two replicas in SRV at priorities 0 and 10: the second gets no request while the first
+    is admitted, serves once the first is stopped (its probes fail), and is no backup once
+    DNS lists it at the lowest priority (the flag follows in place)."""
+    engines = [start_engine(f"srv{i}", events=False) for i in range(2)]
+    try:
+        srv = "_http._tcp." + NAME
+
+        def publish(priorities: tuple[int, int]) -> None:
+            dns_server.set(srv, [("SRV", f"{p} 0 {e.server.port} r.{NAME}")
+                                 for p, e in zip(priorities, engines, strict=True)])
+
+        dns_server.set("r." + NAME, [("A", "127.0.0.1")])
+        publish((0, 10))
+        gateway = gateway_factory([], policy="round_robin", health_interval_s=0.1,
+                                  eject_after=1, discovery=(discovering(
+                                      dns_server, dns=None, port=None, srv=srv),))
+        primary, backup = (f"http://127.0.0.1:{e.server.port}" for e in engines)
+        wait_for(lambda: admitted(gateway) == {primary, backup}, what="both admitted")
+        assert served_by(gateway, 6) == {primary}
+        listed = {u["name"]: u["backup"] for u in gateway.gateway.describe_upstreams()}
+        assert listed == {primary: False, backup: True}
+        engines[0].server.stop()
+        wait_for(lambda: admitted(gateway) == {backup}, what="the primary ejected")
+        assert served_by(gateway, 4) == {backup}
+        publish((10, 0))
+        wait_for(lambda: not gateway.gateway.router.upstreams[backup].config.backup,
+                 what="the flag follows DNS")
+        assert gateway.gateway.router.upstreams[primary].config.backup
+    finally:
+        for engine in engines:
+            engine.server.stop()
 
 
 def test_kvreuse_route_refuses_discovery_with_a_shared_index(tmp_path: Path) -> None:

@@ -83,3 +83,24 @@ def test_an_upstream_kept_past_its_streak_is_chosen_only_when_nothing_else_is() 
     first.healthy = third.healthy = False
     plan = router.plan(parsed, "alone", identity)
     assert plan is not None and plan.first.upstream is kept
+
+
+def test_a_backup_is_chosen_only_while_no_other_upstream_of_the_model_is_admitted() -> None:
+    """A backup upstream is not the policy's choice while another is admitted, comes after
+    the others among retries, and takes requests when it is the only one admitted."""
+    import dataclasses
+
+    from kvreuse.gateway.validation import parse_request
+
+    primary, other, spare = (upstream(name, events=False) for name in ("a", "b", "spare"))
+    spare.config = dataclasses.replace(spare.config, backup=True)
+    router = Router(build_policy("round_robin"), [primary, other, spare], TextApproximation())
+    parsed = parse_request("completion", {"model": "m", "prompt": "hello"})
+    identity = router.identity("m", None)
+    for i in range(6):
+        plan = router.plan(parsed, f"r{i}", identity)
+        assert plan is not None and plan.first.upstream is not spare
+        assert [c.upstream.name for c in router.candidates(plan, 3)][-1] == "spare"
+    primary.healthy = other.healthy = False
+    plan = router.plan(parsed, "alone", identity)
+    assert plan is not None and plan.first.upstream is spare

@@ -582,7 +582,7 @@ class Gateway:
                  "probed": u.probed_ok, "in_flight": u.in_flight,
                  "models": sorted(u.models) if u.models is not None else None,
                  "events": u.config.events, "weight": u.config.weight,
-                 "ejection_withheld": u.ejection_withheld,
+                 "backup": u.config.backup, "ejection_withheld": u.ejection_withheld,
                  "discovered_by": discovered.get(u.name)}
                 for u in self.upstreams]
 

@@ -87,6 +87,9 @@ class UpstreamConfig:
     weight: float = 1.0
     capacity_tokens: int | None = None  # KV capacity, when its /metrics does not say
     models: tuple[str, ...] = ()  # declared served model names; empty: learn from /v1/models
+    # Sent requests only while no other admitted upstream serves the request's model (nginx's
+    # "backup"; a higher SRV priority than the lowest found).
+    backup: bool = False
 
     def __post_init__(self) -> None:
         if http_url_problem(self.url) is not None:
@@ -259,14 +262,15 @@ class DiscoveryConfig:
         assert name is not None, "a discovery without a name passed its check"
         return name
 
-    def upstream_at(self, address: str, port: int) -> UpstreamConfig:
-        """The upstream for a replica found at ``address`` (an IP address) and ``port``."""
+    def upstream_at(self, address: str, port: int, *, backup: bool = False) -> UpstreamConfig:
+        """The upstream for a replica found at ``address`` (an IP address) and ``port``;
+        ``backup`` when its SRV priority is not the lowest found."""
         host = f"[{address}]" if ":" in address else address
         return UpstreamConfig(
             url=f"{self.scheme}://{host}:{port}",
             events=f"tcp://{host}:{self.events_port}" if self.events_port else None,
             bind=False, topic=self.topic, weight=self.weight,
-            capacity_tokens=self.capacity_tokens, models=self.models)
+            capacity_tokens=self.capacity_tokens, models=self.models, backup=backup)
 
 
 def dns_name_problem(name: object) -> str | None:
@@ -427,7 +431,8 @@ _DISCOVERY_KEYS = {f.name for f in fields(DiscoveryConfig)}
 # How a table's values are read (anything not named: a string); one reading for every table.
 _VALUE_KINDS = {"capacity_tokens": "integer", "port": "integer", "events_port": "integer",
                 "remove_after": "integer", "weight": "number", "interval_s": "number",
-                "timeout_s": "number", "models": "models", "bind": "boolean"}
+                "timeout_s": "number", "models": "models", "bind": "boolean",
+                "backup": "boolean"}
 
 
 def _table_value(key: str, value: Any, where: str) -> Any:

@@ -12,8 +12,10 @@ names one DNS name, asked every ``interval_s``:
 * ``srv = NAME``: its SRV records give each replica's host and port (Kubernetes publishes
   ``_PORTNAME._tcp.SERVICE.NAMESPACE.svc.cluster.local`` for a named port). A target's
   address comes from the answer's additional records when they are there, else from asking
-  the target's A and AAAA records. SRV priority and weight are not used: every replica
-  found is a member, weighted by the table's ``weight``.
+  the target's A and AAAA records. Replicas listed only at a priority above the answer's
+  lowest are backups (``UpstreamConfig.backup``: routed to only while no other upstream of
+  the model is admitted), as RFC 2782 asks; the flag follows each answer in place. SRV
+  weight is not used: every replica is weighted by the table's ``weight``.
 
 What an answer changes (:class:`Sightings`, pure): a replica in it that is not an upstream is
 added through :meth:`Gateway.add_upstream` (the admin API's path: it takes requests once its
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import ipaddress
 import logging
 from collections.abc import Collection, Iterable
@@ -63,6 +66,7 @@ from kvreuse.gateway.telemetry import ThrottledLog
 
 if TYPE_CHECKING:
     from kvreuse.gateway.app import Gateway
+    from kvreuse.gateway.upstreams import UpstreamState
 
 log = logging.getLogger("kvreuse.gateway.discovery")
 
@@ -157,6 +161,8 @@ class DnsLookup:
         resolver.cache = None  # every round must see the server's current answer
         self.resolver = resolver
         self.dropped = 0  # replicas over MAX_FOUND in the last answer
+        # Replicas of the last answer listed only at an SRV priority above its lowest.
+        self.backups: frozenset[tuple[str, int]] = frozenset()
         self._queries = asyncio.Semaphore(CONCURRENT_QUERIES)
 
     async def replicas(self) -> list[tuple[str, int]]:
@@ -173,14 +179,18 @@ class DnsLookup:
         config = self.config
         if config.dns is not None:
             assert config.port is not None, "a dns discovery without a port passed its check"
-            found = {(address, config.port) for address in await self._addresses(config.dns)}
+            priorities = {(address, config.port): 0
+                          for address in await self._addresses(config.dns)}
         else:
             assert config.srv is not None, "a discovery with neither name passed its check"
-            found = await self._srv(config.srv)
-        ordered = sorted(found, key=lambda row: (ipaddress.ip_address(row[0]).version,
-                                                 int(ipaddress.ip_address(row[0])), row[1]))
+            priorities = await self._srv(config.srv)
+        ordered = sorted(priorities, key=lambda row: (ipaddress.ip_address(row[0]).version,
+                                                      int(ipaddress.ip_address(row[0])), row[1]))
         self.dropped = max(0, len(ordered) - MAX_FOUND)
-        return ordered[:MAX_FOUND]
+        kept = ordered[:MAX_FOUND]
+        lowest = min((priorities[row] for row in kept), default=0)
+        self.backups = frozenset(row for row in kept if priorities[row] > lowest)
+        return kept
 
     async def _ask(self, name: str, rdtype: dns.rdatatype.RdataType) -> dns.resolver.Answer | None:
         """The answer for ``name``'s ``rdtype`` records; None when it has none (NXDOMAIN or
@@ -210,25 +220,33 @@ class DnsLookup:
                     found.add(address)
         return found
 
-    async def _srv(self, name: str) -> set[tuple[str, int]]:
+    async def _srv(self, name: str) -> dict[tuple[str, int], int]:
+        """Each replica the SRV records of ``name`` give, with its priority (the lowest of
+        the records listing it)."""
         answer = await self._ask(name, dns.rdatatype.SRV)
         if answer is None:
-            return set()
-        targets: dict[str, set[int]] = {}
+            return {}
+        targets: dict[str, dict[int, int]] = {}  # target -> port -> priority
         for record in answer:
             target = record.target.to_text()
             if target == "." or not 1 <= record.port <= 65535:
                 continue  # "." says: no service here
             if target in targets or len(targets) < MAX_SRV_TARGETS:
-                targets.setdefault(target, set()).add(record.port)
+                ports = targets.setdefault(target, {})
+                ports[record.port] = min(ports.get(record.port, record.priority),
+                                         record.priority)
         glued = self._glue(answer, targets)
         unglued = [target for target in targets if target not in glued]
         for target, addresses in zip(
                 unglued, await asyncio.gather(*(self._addresses(t) for t in unglued)),
                 strict=True):
             glued[target] = addresses
-        return {(address, port) for target, ports in targets.items()
-                for address in glued.get(target, ()) for port in ports}
+        found: dict[tuple[str, int], int] = {}
+        for target, ports in targets.items():
+            for address in glued.get(target, ()):
+                for port, priority in ports.items():
+                    found[(address, port)] = min(found.get((address, port), priority), priority)
+        return found
 
     @staticmethod
     def _glue(answer: dns.resolver.Answer, targets: Iterable[str]) -> dict[str, set[str]]:
@@ -293,7 +311,8 @@ class Discovery:
         wanted: dict[str, UpstreamConfig] = {}
         for address, port in replicas:
             try:
-                upstream = self.config.upstream_at(address, port)
+                upstream = self.config.upstream_at(
+                    address, port, backup=(address, port) in self.lookup.backups)
             except ConfigError as exc:
                 self._throttled.warning("discovery %s: %s:%d skipped: %s", source, address,
                                         port, exc)
@@ -313,6 +332,8 @@ class Discovery:
             task.add_done_callback(self._removals.discard)
             log.warning("discovery %s: %s missing from %d answers in a row, removed", source,
                         name, self.config.remove_after)
+        for name in self.owned & set(wanted):
+            self._rank(current[name], wanted[name].backup)
         self._conflicts &= set(wanted)  # warned once per name while DNS lists it
         adding = []
         for name in change.add:
@@ -340,6 +361,15 @@ class Discovery:
                 self.owned.add(name)
         metrics.discovered.labels(source).set(len(self.owned))
         return change
+
+    def _rank(self, upstream: UpstreamState, backup: bool) -> None:
+        """An owned upstream's SRV priority moved it in or out of the lowest: its ``backup``
+        flag follows, in place (its state, indexes and requests in flight stay)."""
+        if upstream.config.backup != backup:
+            upstream.config = dataclasses.replace(upstream.config, backup=backup)
+            log.warning("discovery %s: %s is %s", self.config.source, upstream.name,
+                        "a backup now (a higher SRV priority than the lowest listed)" if backup
+                        else "no longer a backup (the lowest SRV priority listed)")
 
     def inherit(self, predecessor: Discovery) -> None:
         """Take over the upstreams ``predecessor`` (the same name, asked differently) added,

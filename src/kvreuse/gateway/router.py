@@ -280,9 +280,11 @@ class Router:
         eligible = tuple(u for u in self.serving(parsed.model, allowed) if u.healthy)
         if not eligible:
             return None
-        # Upstreams past their streak of failed requests, kept admitted by the ejection cap:
-        # only when nothing else is admitted (upstreams.py).
-        preferred = tuple(u for u in eligible if not u.ejection_withheld) or eligible
+        # Backups only when no other upstream of the model is admitted; upstreams past their
+        # streak of failed requests, kept admitted by the ejection cap (upstreams.py), only
+        # when nothing else is.
+        usable = tuple(u for u in eligible if not u.ejection_withheld) or eligible
+        preferred = tuple(u for u in usable if not u.config.backup) or usable
         if tokens is None:
             tokens = self.tokens_for(parsed)
         request = RequestView(
@@ -300,8 +302,8 @@ class Router:
     def candidates(self, plan: Plan, limit: int) -> Iterator[Candidate]:
         """At most ``limit`` upstreams to try, in order: the policy's choice (unless removed
         since), then (computed only when asked for, i.e. after the choice failed) the other
-        eligible ones, most cached prompt tokens first, then least predicted queueing (those
-        kept admitted past their streak of failed requests last).
+        eligible ones, most cached prompt tokens first, then least predicted queueing (backups
+        after the others, and those kept admitted past their streak of failed requests last).
         O(n log n) for n eligible, plus one index match each in exact mode."""
         if limit < 1:
             return
@@ -314,7 +316,7 @@ class Router:
         for upstream in plan.eligible:
             if upstream is not chosen and upstream.healthy and not upstream.removed:
                 cached = self._index_match(plan.request, upstream.name)
-                ranked.append((upstream.ejection_withheld, -cached,
+                ranked.append(((upstream.ejection_withheld, upstream.config.backup), -cached,
                                self.cost.queue_delay_s(upstream.load()), upstream.name, upstream))
         ranked.sort(key=lambda entry: entry[:4])
         for _, negated, _, name, upstream in ranked[: limit - 1]:
