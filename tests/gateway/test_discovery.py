@@ -121,7 +121,8 @@ def test_a_records_aaaa_and_srv_targets_are_read_with_and_without_glue(
 
 def test_srv_priorities_above_the_lowest_make_backups(dns_server: DnsServer) -> None:
     """Replicas listed only at a priority above the answer's lowest are backups (a replica
-    listed at two priorities takes the lower); an answer all at one priority has none."""
+    listed at two priorities takes the lower); an answer all at one priority has none; SRV
+    weights give each replica its share of the largest (weight 0 counts as 1)."""
     import asyncio
 
     dns_server.set("_http._tcp." + NAME, [
@@ -132,9 +133,16 @@ def test_srv_priorities_above_the_lowest_make_backups(dns_server: DnsServer) -> 
     lookup = DnsLookup(discovering(dns_server, dns=None, port=None, srv="_http._tcp." + NAME))
     assert len(asyncio.run(lookup.replicas())) == 3
     assert lookup.backups == {("127.0.0.2", 8001)}
+    assert set(lookup.weight_factors.values()) == {1.0}  # no record weighs anything
     dns_server.set("_http._tcp." + NAME, [("SRV", f"5 0 8000 r0.{NAME}")])
     asyncio.run(lookup.replicas())
     assert lookup.backups == frozenset()
+    dns_server.set("_http._tcp." + NAME, [
+        ("SRV", f"0 60 8000 r0.{NAME}"), ("SRV", f"0 30 8001 r1.{NAME}"),
+        ("SRV", f"0 0 8002 r2.{NAME}")])
+    asyncio.run(lookup.replicas())
+    assert lookup.weight_factors == {("127.0.0.1", 8000): 1.0, ("127.0.0.2", 8001): 0.5,
+                                     ("127.0.0.3", 8002): 1 / 60}
 
 
 def test_a_name_without_records_is_an_answer_with_no_replica(dns_server: DnsServer) -> None:
@@ -520,11 +528,12 @@ def test_kvreuse_route_reloads_its_discover_tables_on_sighup(dns_server: DnsServ
                 f"_http._tcp.first.test.; removed {engines[0].url}") in log
 
 
-def test_a_backup_in_srv_serves_only_while_the_primary_is_out(
+def test_a_backup_in_srv_serves_only_while_the_primary_is_out_and_weights_follow(
         dns_server: DnsServer, gateway_factory: Factory) -> None:
     """Two replicas in SRV at priorities 0 and 10: the second gets no request while the first
     is admitted, serves once the first is stopped (its probes fail), and is no backup once
-    DNS lists it at the lowest priority (the flag follows in place)."""
+    DNS lists it at the lowest priority; SRV weights 40 and 10 make its weight 0.25 (both
+    follow in place)."""
     engines = [start_engine(f"srv{i}", events=False) for i in range(2)]
     try:
         srv = "_http._tcp." + NAME
@@ -549,7 +558,12 @@ def test_a_backup_in_srv_serves_only_while_the_primary_is_out(
         publish((10, 0))
         wait_for(lambda: not gateway.gateway.router.upstreams[backup].config.backup,
                  what="the flag follows DNS")
-        assert gateway.gateway.router.upstreams[primary].config.backup
+        states = gateway.gateway.router.upstreams
+        assert states[primary].config.backup
+        dns_server.set(srv, [("SRV", f"0 {w} {e.server.port} r.{NAME}")
+                             for w, e in zip((40, 10), engines, strict=True)])
+        wait_for(lambda: states[backup].config.weight == 0.25, what="the weight follows DNS")
+        assert gateway.gateway.router.upstreams[backup] is states[backup]  # in place
     finally:
         for engine in engines:
             engine.server.stop()

@@ -262,14 +262,16 @@ class DiscoveryConfig:
         assert name is not None, "a discovery without a name passed its check"
         return name
 
-    def upstream_at(self, address: str, port: int, *, backup: bool = False) -> UpstreamConfig:
+    def upstream_at(self, address: str, port: int, *, backup: bool = False,
+                    weight_factor: float = 1.0) -> UpstreamConfig:
         """The upstream for a replica found at ``address`` (an IP address) and ``port``;
-        ``backup`` when its SRV priority is not the lowest found."""
+        ``backup`` when its SRV priority is not the lowest found; its weight is the table's
+        times ``weight_factor`` (its SRV weight's share)."""
         host = f"[{address}]" if ":" in address else address
         return UpstreamConfig(
             url=f"{self.scheme}://{host}:{port}",
             events=f"tcp://{host}:{self.events_port}" if self.events_port else None,
-            bind=False, topic=self.topic, weight=self.weight,
+            bind=False, topic=self.topic, weight=self.weight * weight_factor,
             capacity_tokens=self.capacity_tokens, models=self.models, backup=backup)
 
 

@@ -14,8 +14,9 @@ names one DNS name, asked every ``interval_s``:
   address comes from the answer's additional records when they are there, else from asking
   the target's A and AAAA records. Replicas listed only at a priority above the answer's
   lowest are backups (``UpstreamConfig.backup``: routed to only while no other upstream of
-  the model is admitted), as RFC 2782 asks; the flag follows each answer in place. SRV
-  weight is not used: every replica is weighted by the table's ``weight``.
+  the model is admitted), as RFC 2782 asks. A replica's weight is the table's ``weight`` times
+  its SRV weight over the answer's largest (1 when no record weighs anything; weight 0 counts
+  as 1, "a very small chance"). Both follow each answer in place.
 
 What an answer changes (:class:`Sightings`, pure): a replica in it that is not an upstream is
 added through :meth:`Gateway.add_upstream` (the admin API's path: it takes requests once its
@@ -163,6 +164,9 @@ class DnsLookup:
         self.dropped = 0  # replicas over MAX_FOUND in the last answer
         # Replicas of the last answer listed only at an SRV priority above its lowest.
         self.backups: frozenset[tuple[str, int]] = frozenset()
+        # Each replica's share of the table's weight by the last answer's SRV weights (its
+        # weight over the largest; 1 for all when no record weighs anything).
+        self.weight_factors: dict[tuple[str, int], float] = {}
         self._queries = asyncio.Semaphore(CONCURRENT_QUERIES)
 
     async def replicas(self) -> list[tuple[str, int]]:
@@ -179,17 +183,22 @@ class DnsLookup:
         config = self.config
         if config.dns is not None:
             assert config.port is not None, "a dns discovery without a port passed its check"
-            priorities = {(address, config.port): 0
-                          for address in await self._addresses(config.dns)}
+            records = {(address, config.port): (0, 0)
+                       for address in await self._addresses(config.dns)}
         else:
             assert config.srv is not None, "a discovery with neither name passed its check"
-            priorities = await self._srv(config.srv)
-        ordered = sorted(priorities, key=lambda row: (ipaddress.ip_address(row[0]).version,
-                                                      int(ipaddress.ip_address(row[0])), row[1]))
+            records = await self._srv(config.srv)
+        ordered = sorted(records, key=lambda row: (ipaddress.ip_address(row[0]).version,
+                                                   int(ipaddress.ip_address(row[0])), row[1]))
         self.dropped = max(0, len(ordered) - MAX_FOUND)
         kept = ordered[:MAX_FOUND]
-        lowest = min((priorities[row] for row in kept), default=0)
-        self.backups = frozenset(row for row in kept if priorities[row] > lowest)
+        lowest = min((records[row][0] for row in kept), default=0)
+        self.backups = frozenset(row for row in kept if records[row][0] > lowest)
+        heaviest = max((records[row][1] for row in kept), default=0)
+        # RFC 2782: weight 0 is "a very small chance" beside weighted records, so 1 of the
+        # largest (at most 1/65535 of its share), never nothing.
+        self.weight_factors = {row: max(records[row][1], 1) / heaviest if heaviest else 1.0
+                               for row in kept}
         return kept
 
     async def _ask(self, name: str, rdtype: dns.rdatatype.RdataType) -> dns.resolver.Answer | None:
@@ -220,32 +229,32 @@ class DnsLookup:
                     found.add(address)
         return found
 
-    async def _srv(self, name: str) -> dict[tuple[str, int], int]:
-        """Each replica the SRV records of ``name`` give, with its priority (the lowest of
-        the records listing it)."""
+    async def _srv(self, name: str) -> dict[tuple[str, int], tuple[int, int]]:
+        """Each replica the SRV records of ``name`` give, with its (priority, weight): of the
+        record of lowest priority listing it, the heaviest of those."""
         answer = await self._ask(name, dns.rdatatype.SRV)
         if answer is None:
             return {}
-        targets: dict[str, dict[int, int]] = {}  # target -> port -> priority
+        targets: dict[str, dict[int, tuple[int, int]]] = {}  # target -> port -> record
         for record in answer:
             target = record.target.to_text()
             if target == "." or not 1 <= record.port <= 65535:
                 continue  # "." says: no service here
             if target in targets or len(targets) < MAX_SRV_TARGETS:
                 ports = targets.setdefault(target, {})
-                ports[record.port] = min(ports.get(record.port, record.priority),
-                                         record.priority)
+                ports[record.port] = _first((record.priority, record.weight),
+                                            ports.get(record.port))
         glued = self._glue(answer, targets)
         unglued = [target for target in targets if target not in glued]
         for target, addresses in zip(
                 unglued, await asyncio.gather(*(self._addresses(t) for t in unglued)),
                 strict=True):
             glued[target] = addresses
-        found: dict[tuple[str, int], int] = {}
+        found: dict[tuple[str, int], tuple[int, int]] = {}
         for target, ports in targets.items():
             for address in glued.get(target, ()):
-                for port, priority in ports.items():
-                    found[(address, port)] = min(found.get((address, port), priority), priority)
+                for port, listed in ports.items():
+                    found[(address, port)] = _first(listed, found.get((address, port)))
         return found
 
     @staticmethod
@@ -263,6 +272,14 @@ class DnsLookup:
                 if address is not None:
                     glued.setdefault(owner, set()).add(address)
         return glued
+
+
+def _first(record: tuple[int, int], other: tuple[int, int] | None) -> tuple[int, int]:
+    """Of two (priority, weight) listings of one replica: the lower priority, then the
+    heavier."""
+    if other is None:
+        return record
+    return min(record, other, key=lambda listed: (listed[0], -listed[1]))
 
 
 class Discovery:
@@ -312,7 +329,8 @@ class Discovery:
         for address, port in replicas:
             try:
                 upstream = self.config.upstream_at(
-                    address, port, backup=(address, port) in self.lookup.backups)
+                    address, port, backup=(address, port) in self.lookup.backups,
+                    weight_factor=self.lookup.weight_factors.get((address, port), 1.0))
             except ConfigError as exc:
                 self._throttled.warning("discovery %s: %s:%d skipped: %s", source, address,
                                         port, exc)
@@ -333,7 +351,7 @@ class Discovery:
             log.warning("discovery %s: %s missing from %d answers in a row, removed", source,
                         name, self.config.remove_after)
         for name in self.owned & set(wanted):
-            self._rank(current[name], wanted[name].backup)
+            self._follow(current[name], wanted[name])
         self._conflicts &= set(wanted)  # warned once per name while DNS lists it
         adding = []
         for name in change.add:
@@ -362,14 +380,17 @@ class Discovery:
         metrics.discovered.labels(source).set(len(self.owned))
         return change
 
-    def _rank(self, upstream: UpstreamState, backup: bool) -> None:
-        """An owned upstream's SRV priority moved it in or out of the lowest: its ``backup``
-        flag follows, in place (its state, indexes and requests in flight stay)."""
-        if upstream.config.backup != backup:
-            upstream.config = dataclasses.replace(upstream.config, backup=backup)
-            log.warning("discovery %s: %s is %s", self.config.source, upstream.name,
-                        "a backup now (a higher SRV priority than the lowest listed)" if backup
-                        else "no longer a backup (the lowest SRV priority listed)")
+    def _follow(self, upstream: UpstreamState, listed: UpstreamConfig) -> None:
+        """An owned upstream's SRV priority or weight changed: its ``backup`` flag and
+        ``weight`` follow, in place (its state, indexes and requests in flight stay)."""
+        config = upstream.config
+        if (config.backup, config.weight) == (listed.backup, listed.weight):
+            return
+        upstream.config = dataclasses.replace(config, backup=listed.backup,
+                                              weight=listed.weight)
+        log.warning("discovery %s: %s now has weight %g and is %s", self.config.source,
+                    upstream.name, listed.weight, "a backup (an SRV priority above the lowest)"
+                    if listed.backup else "no backup")
 
     def inherit(self, predecessor: Discovery) -> None:
         """Take over the upstreams ``predecessor`` (the same name, asked differently) added,
