@@ -569,6 +569,43 @@ def test_a_backup_in_srv_serves_only_while_the_primary_is_out_and_weights_follow
             engine.server.stop()
 
 
+def test_a_tenant_pinned_to_a_discovery_is_served_by_what_it_keeps(
+        dns_server: DnsServer, twin_engines: list[Engine], gateway_factory: Factory,
+        tmp_path: Path) -> None:
+    """A tenant pinned to discover:NAME is served only by the upstreams that discovery keeps
+    (not by a configured one), as they come and go; an unpinned tenant by all; a pin to a
+    name no --discover asks is refused at start, naming it."""
+    port = twin_engines[0].server.port
+    configured = start_engine("pinned-out", events=False)
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(f'secret = "a-long-enough-secret"\n[keys]\n"key-p" = "pinned"\n'
+                       f'"key-f" = "free"\n[tenants.pinned]\nupstreams = ["discover:{NAME}"]\n')
+    try:
+        dns_server.set(NAME, [("A", "127.0.0.1")])
+        gateway = gateway_factory([configured], policy="round_robin", tenants=str(tenants),
+                                  discovery=(discovering(dns_server, port=port),))
+        first, second = f"http://127.0.0.1:{port}", f"http://127.0.0.2:{port}"
+        wait_for(lambda: admitted(gateway) == {"pinned-out", first}, what="both admitted")
+
+        def served(key: str, count: int = 6) -> set[str]:
+            return {httpx.post(gateway.url + "/v1/completions", timeout=30,
+                               headers={"authorization": f"Bearer {key}"},
+                               json={**BODY, "prompt": f"q{i}"}).headers["x-kvreuse-upstream"]
+                    for i in range(count)}
+
+        assert served("key-p") == {first}
+        assert served("key-f") == {"pinned-out", first}
+        dns_server.set(NAME, [("A", "127.0.0.2")])
+        wait_for(lambda: admitted(gateway) == {"pinned-out", second}, what="the move")
+        assert served("key-p") == {second}
+    finally:
+        configured.server.stop()
+    tenants.write_text(tenants.read_text().replace(f"discover:{NAME}", "discover:other."))
+    with pytest.raises(ConfigError, match="discover:other."):
+        gateway_factory([], tenants=str(tenants),
+                        discovery=(discovering(dns_server, port=port),))
+
+
 def test_kvreuse_route_refuses_discovery_with_a_shared_index(tmp_path: Path) -> None:
     """--discover with --shared-index stops at start with one line saying why (a shared
     index's membership is fixed), before any Redis is asked."""

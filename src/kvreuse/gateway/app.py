@@ -82,7 +82,7 @@ from kvreuse.gateway.router import Router
 from kvreuse.gateway.serve import Drain
 from kvreuse.gateway.subscriber import EventSubscriber
 from kvreuse.gateway.telemetry import AccessLog, RequestRecord, ThrottledLog, trace_headers
-from kvreuse.gateway.tenants import Tenant, Tenants, load_tenants
+from kvreuse.gateway.tenants import DISCOVERED_PREFIX, Tenant, Tenants, load_tenants
 from kvreuse.gateway.upstream_client import UpstreamError, UpstreamPool, UpstreamTimeout
 from kvreuse.gateway.upstreams import (
     UpstreamState,
@@ -213,13 +213,15 @@ class Gateway:
         )
         self.upstreams = [self._state_of(u) for u in config.upstreams]
         if self.tenants is not None:
-            known = {u.name for u in self.upstreams}
+            known = {u.name for u in self.upstreams} | {
+                DISCOVERED_PREFIX + d.source for d in config.discovery}
             for tenant, allowed in self.tenants.upstreams.items():
                 unknown = sorted(set(allowed) - known)
                 if unknown:
                     raise ConfigError(
                         f"tenants.{tenant}.upstreams names {', '.join(unknown)}, which are "
-                        f"not upstreams; known: {', '.join(sorted(known))}"
+                        f"not upstreams nor {DISCOVERED_PREFIX}NAME of a --discover; known: "
+                        f"{', '.join(sorted(known))}"
                     )
         self.router = Router(self.policy, self.upstreams, self.tokenizer)
         self.router.events_silence_s = config.events_silence_s
@@ -571,6 +573,19 @@ class Gateway:
             self._membership = asyncio.Lock()
         return self._membership
 
+    def allowed(self, tenant: Tenant | None) -> tuple[str, ...] | None:
+        """The upstream names ``tenant`` may be routed to (None: any), its pins of
+        ``discover:NAME`` read as what that discovery keeps now. O(pins), plus O(fleet) for a
+        tenant pinned to a discovery."""
+        if tenant is None or tenant.upstreams is None:
+            return None
+        pins = tenant.upstreams
+        if not any(pin.startswith(DISCOVERED_PREFIX) for pin in pins):
+            return pins
+        sources = {pin[len(DISCOVERED_PREFIX):] for pin in pins}
+        return pins + tuple(name for d in self.discoveries if d.config.source in sources
+                            for name in sorted(d.owned))
+
     def discovered_names(self) -> dict[str, str]:
         """The upstreams DNS discovery added, each with the name it was found under."""
         return {name: d.config.source for d in self.discoveries for name in d.owned}
@@ -911,7 +926,7 @@ class Gateway:
         except RequestError as exc:
             self._refused(exc, request.scope["path"])
             return JSONResponse(exc.body(), status_code=exc.status)
-        allowed = tenant.upstreams if tenant is not None else None
+        allowed = self.allowed(tenant)
         merged: dict[str, dict[str, Any]] = {}
         for upstream in self.upstreams:
             if upstream.healthy and (allowed is None or upstream.name in allowed):
@@ -1034,7 +1049,7 @@ class Gateway:
                 body["cache_salt"] = salt
             # Only a tenant's salt changes the body; otherwise the caller's bytes go upstream.
             forwarded = decoded.encode() if self.tenants is not None else raw
-            allowed = tenant.upstreams if tenant else None
+            allowed = self.allowed(tenant)
             tokens, tokenize_s = None, 0.0
             if self.tokenizer.blocking:
                 # An unknown model is a 404 before any tokenizing; plan() looks again after

@@ -19,6 +19,10 @@ File format (TOML)::
 
     [tenants.globex]
     upstreams = ["r1"]                    # optional: only these upstreams serve this tenant
+
+A pinned name ``discover:NAME`` stands for every upstream the ``--discover``/``[[discover]]``
+of that DNS name keeps at the time of the request (``upstreams = ["discover:_http._tcp.vllm-a
+.default.svc.cluster.local"]``): a tenant can be pinned to a fleet whose addresses come and go.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from pathlib import Path
 
 from kvreuse.errors import ConfigError
 
+DISCOVERED_PREFIX = "discover:"
+"""A pin of this prefix names a DNS discovery's source: every upstream it keeps."""
 MIN_SECRET_CHARS = 16
 
 
