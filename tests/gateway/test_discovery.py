@@ -601,7 +601,7 @@ def test_a_tenant_pinned_to_a_discovery_is_served_by_what_it_keeps(
     finally:
         configured.server.stop()
     tenants.write_text(tenants.read_text().replace(f"discover:{NAME}", "discover:other."))
-    with pytest.raises(ConfigError, match="discover:other."):
+    with pytest.raises(ConfigError, match=r"discover:other\."):
         gateway_factory([], tenants=str(tenants),
                         discovery=(discovering(dns_server, port=port),))
 

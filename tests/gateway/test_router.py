@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
+from collections.abc import Callable
 
 import pytest
 
@@ -11,6 +13,7 @@ from kvreuse.gateway.config import UpstreamConfig
 from kvreuse.gateway.prompts import TextApproximation
 from kvreuse.gateway.router import Router
 from kvreuse.gateway.upstreams import UpstreamState
+from kvreuse.gateway.validation import parse_request
 from kvreuse.routing import ApproxTrees, RequestView, RoutingDecision, build_policy
 from kvreuse.tokens import pack
 
@@ -63,44 +66,48 @@ def test_the_budget_bounds_every_approximate_estimator(name: str) -> None:
     assert router.index_size("u0").tokens == trees.tree_tokens("u0")
 
 
-def test_an_upstream_kept_past_its_streak_is_chosen_only_when_nothing_else_is() -> None:
-    """An upstream whose ejection the cap withheld is not the policy's choice while another
-    upstream of the model is admitted, comes last among retries, and is routed to when it is
-    the only one admitted."""
-    from kvreuse.gateway.validation import parse_request
-
-    first, kept, third = (upstream(name, events=False) for name in ("a", "kept", "c"))
-    router = Router(build_policy("round_robin"), [first, kept, third], TextApproximation())
+def kept_past_its_streak(state: UpstreamState) -> None:
     for _ in range(3):
-        kept.record_failure(probe=False, may_eject=False)
-    assert kept.ejection_withheld
+        state.record_failure(probe=False, may_eject=False)
+    assert state.ejection_withheld
+
+
+def made_a_backup(state: UpstreamState) -> None:
+    state.config = dataclasses.replace(state.config, backup=True)
+
+
+@pytest.mark.parametrize("demote", [kept_past_its_streak, made_a_backup])
+def test_a_demoted_upstream_is_chosen_only_when_nothing_else_is(
+        demote: Callable[[UpstreamState], None]) -> None:
+    """An upstream kept admitted past its streak of failed requests (the ejection cap), or a
+    backup, is not the policy's choice while another upstream of the model is admitted,
+    comes last among retries, and is routed to when it is the only one admitted."""
+    first, demoted, third = (upstream(name, events=False) for name in ("a", "demoted", "c"))
+    router = Router(build_policy("round_robin"), [first, demoted, third], TextApproximation())
+    demote(demoted)
     parsed = parse_request("completion", {"model": "m", "prompt": "hello"})
     identity = router.identity("m", None)
     for i in range(6):
         plan = router.plan(parsed, f"r{i}", identity)
-        assert plan is not None and plan.first.upstream is not kept
-        assert [c.upstream.name for c in router.candidates(plan, 3)][-1] == "kept"
+        assert plan is not None and plan.first.upstream is not demoted
+        assert [c.upstream.name for c in router.candidates(plan, 3)][-1] == "demoted"
     first.healthy = third.healthy = False
     plan = router.plan(parsed, "alone", identity)
-    assert plan is not None and plan.first.upstream is kept
+    assert plan is not None and plan.first.upstream is demoted
 
 
-def test_a_backup_is_chosen_only_while_no_other_upstream_of_the_model_is_admitted() -> None:
-    """A backup upstream is not the policy's choice while another is admitted, comes after
-    the others among retries, and takes requests when it is the only one admitted."""
-    import dataclasses
-
-    from kvreuse.gateway.validation import parse_request
-
-    primary, other, spare = (upstream(name, events=False) for name in ("a", "b", "spare"))
-    spare.config = dataclasses.replace(spare.config, backup=True)
-    router = Router(build_policy("round_robin"), [primary, other, spare], TextApproximation())
+def test_retries_try_backups_before_an_upstream_kept_past_its_streak() -> None:
+    """Retry order: the admitted upstreams, then backups, then those the cap keeps admitted
+    (a backup is healthy; a kept one has just failed eject_after requests in a row)."""
+    chosen, plain, spare, kept = (upstream(name, events=False)
+                                  for name in ("chosen", "plain", "spare", "kept"))
+    router = Router(build_policy("round_robin"), [chosen, plain, spare, kept],
+                    TextApproximation())
+    made_a_backup(spare)
+    kept_past_its_streak(kept)
     parsed = parse_request("completion", {"model": "m", "prompt": "hello"})
     identity = router.identity("m", None)
-    for i in range(6):
-        plan = router.plan(parsed, f"r{i}", identity)
-        assert plan is not None and plan.first.upstream is not spare
-        assert [c.upstream.name for c in router.candidates(plan, 3)][-1] == "spare"
-    primary.healthy = other.healthy = False
-    plan = router.plan(parsed, "alone", identity)
-    assert plan is not None and plan.first.upstream is spare
+    plan = router.plan(parsed, "r", identity)
+    assert plan is not None
+    order = [c.upstream.name for c in router.candidates(plan, 4)]
+    assert order[2:] == ["spare", "kept"] and set(order[:2]) == {"chosen", "plain"}
