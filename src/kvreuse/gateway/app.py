@@ -212,7 +212,14 @@ class Gateway:
             config.policy, rng=random.Random(config.seed), **config.policy_options
         )
         self.upstreams = [self._state_of(u) for u in config.upstreams]
+        # Tenants pinned to discoveries (discover:NAME), with those names: read per request.
+        self._pinned_sources: dict[str, frozenset[str]] = {}
         if self.tenants is not None:
+            for tenant, pins in self.tenants.upstreams.items():
+                sources = frozenset(pin[len(DISCOVERED_PREFIX):] for pin in pins
+                                    if pin.startswith(DISCOVERED_PREFIX))
+                if sources:
+                    self._pinned_sources[tenant] = sources
             known = {u.name for u in self.upstreams} | {
                 DISCOVERED_PREFIX + d.source for d in config.discovery}
             for tenant, allowed in self.tenants.upstreams.items():
@@ -575,16 +582,16 @@ class Gateway:
 
     def allowed(self, tenant: Tenant | None) -> tuple[str, ...] | None:
         """The upstream names ``tenant`` may be routed to (None: any), its pins of
-        ``discover:NAME`` read as what that discovery keeps now. O(pins), plus O(fleet) for a
+        ``discover:NAME`` read as what that discovery keeps now. O(1), plus O(fleet) for a
         tenant pinned to a discovery."""
         if tenant is None or tenant.upstreams is None:
             return None
-        pins = tenant.upstreams
-        if not any(pin.startswith(DISCOVERED_PREFIX) for pin in pins):
-            return pins
-        sources = {pin[len(DISCOVERED_PREFIX):] for pin in pins}
-        return pins + tuple(name for d in self.discoveries if d.config.source in sources
-                            for name in sorted(d.owned))
+        sources = self._pinned_sources.get(tenant.name)
+        if sources is None:
+            return tenant.upstreams
+        return tenant.upstreams + tuple(name for d in self.discoveries
+                                        if d.config.source in sources
+                                        for name in sorted(d.owned))
 
     def discovered_names(self) -> dict[str, str]:
         """The upstreams DNS discovery added, each with the name it was found under."""

@@ -282,9 +282,12 @@ class Router:
             return None
         # Backups only when no other upstream of the model is admitted; upstreams past their
         # streak of failed requests, kept admitted by the ejection cap (upstreams.py), only
-        # when nothing else is.
-        usable = tuple(u for u in eligible if not u.ejection_withheld) or eligible
-        preferred = tuple(u for u in usable if not u.config.backup) or usable
+        # when nothing else is. One pass when, as usual, there are neither.
+        preferred = tuple(u for u in eligible
+                          if not u.config.backup and not u.ejection_withheld)
+        if not preferred:
+            usable = tuple(u for u in eligible if not u.ejection_withheld) or eligible
+            preferred = tuple(u for u in usable if not u.config.backup) or usable
         if tokens is None:
             tokens = self.tokens_for(parsed)
         request = RequestView(
