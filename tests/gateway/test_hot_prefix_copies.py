@@ -18,7 +18,7 @@ What the gateway's ``CostModel()`` (10,000 tokens/s, 15 ms) makes of it:
   four hits (4 x 0.055 s) unanswered, which a burst at twice an engine's rate keeps there;
 * the other bound, without copies: ``ALTERNATIVE_SLACK`` x ``R_else`` = 24 x 0.255 = 6.1 s over
   the idle replica's 0.255 s, while the holder's whole queue, every request unanswered at once,
-  is at most 0.255 + 38 x 0.055 = 2.35 s: it cannot fire, and ``slack`` x ``R`` (4 x at least
+  is at most 0.255 + 38 x 0.055 = 2.35 s: it cannot fire, and ``slack`` x ``R`` (8 x at least
   half the holder's queue) never does on two replicas with one idle.
 
 The engines publish no KV events: the policy's estimator is its own record of what it sent

@@ -40,7 +40,7 @@ KNOBS: dict[str, tuple[str, tuple[float | None, ...]]] = {
     "cache_aware_sglang": ("cache_threshold", (0.3, 0.5)),
     "cache_aware_smg": ("cache_threshold", (0.3, 0.5)),
     "prefix_hash": ("overload", (1.25, 2.0)),
-    "relative_spill": ("slack", (0.5, 4.0)),
+    "relative_spill": ("slack", (0.5, 8.0)),
 }
 """Each policy's one knob the plan searches, and its default values to try (``--knob``
 replaces them). Policies not listed have no knob."""
