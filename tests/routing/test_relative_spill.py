@@ -26,6 +26,7 @@ from kvreuse.routing.relative_spill import (
     COPY_EVIDENCE_S,
     COPY_UTILISATION,
     DEMAND_MIN_REQUESTS,
+    SLACKS,
     EvictionModel,
     PrefixDemand,
     RelativeSpill,
@@ -131,6 +132,12 @@ def test_slack_zero_is_least_ttft_and_infinity_is_pure_affinity() -> None:
     """Slack 0 keeps only the fastest replicas; infinite slack never spills."""
     assert rule([900, 0], [5000, 0], 1000, slack=0.0, threshold=0.0).replica == "r1"
     assert rule([900, 0], [10**9, 0], 1000, slack=math.inf).branch == "affinity"
+
+
+def test_the_default_slack_is_a_point_of_the_plotted_knob_curve() -> None:
+    """``kvreuse simulate --report`` plots the curve at SLACKS: the default must be one of its
+    points, or the report would not show where users stand on it."""
+    assert RelativeSpill(estimator=ApproxTrees()).slack in SLACKS
 
 
 @pytest.mark.parametrize("replicas", [2, 4])
