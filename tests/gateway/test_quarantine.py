@@ -424,7 +424,10 @@ def test_a_burst_too_slow_for_the_timeout_ejects_nothing(gateway_factory: Factor
     timeouts ejected all three (503 for everyone for ejection_s after it); now the ones that
     time out everywhere charge none, the fleet is not ejected, and the next request is served
     at once. (A replica whose own requests time out three in a row and are then served by
-    another is still ejected: it is the slow one.)"""
+    another is still ejected: it is the slow one.) Each prompt is 2,500 tokens, 0.64 s of
+    prefill at 4,000 tokens/s: the first on each replica fits the 1 s timeout with a margin a
+    loaded CI machine keeps (3,750 tokens left 50 ms, and one run got 504 for all 30), the
+    second behind it does not."""
     engines = [start_engine(f"slow{i}", events=False, prefill_tokens_per_s=4000.0)
                for i in range(3)]
     try:
@@ -434,7 +437,7 @@ def test_a_burst_too_slow_for_the_timeout_ejects_nothing(gateway_factory: Factor
             async with httpx.AsyncClient(timeout=60) as client:
                 async def one(index: int) -> int:
                     answer = await client.post(gateway.url + "/v1/completions", json={
-                        "model": "sim", "prompt": f"{index} " + "word " * 3000,
+                        "model": "sim", "prompt": f"{index} " + "word " * 2000,
                         "max_tokens": 2})
                     return answer.status_code
                 return list(await asyncio.gather(*(one(i) for i in range(30))))

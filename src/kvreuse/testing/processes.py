@@ -83,8 +83,10 @@ class Process:
             self.popen.wait(5.0)
 
 
-def wait_http(proc: Process, path: str = "/health", timeout_s: float = 30.0) -> None:
-    """Poll ``proc.url + path`` until it answers 200, or raise with the log's tail."""
+def wait_http(proc: Process, path: str = "/health", timeout_s: float = 60.0) -> None:
+    """Poll ``proc.url + path`` until it answers 200, or raise with the log's tail. 60 s: a
+    process that starts in 2 s alone once took over 30 s in a full ``make test`` run on the
+    2-core CI machine; waiting longer costs only a failing run's time."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if not proc.alive():
