@@ -35,7 +35,9 @@ prints, per policy, the mean, standard deviation and range of hit rate and p95 T
 seed-0 run and the N jittered ones, and judges again on those means (same rule, same ceiling);
 the exit status then follows the verdicts on the means, and a last table gives each mean
 verdict's distance from noise (the candidate minus the best peer run by run, ± 2 standard
-errors). Why: one policy's hit rate moves by a standard deviation of up to 0.6 points between
+errors) and reads each FAIL as "within noise" (every figure that failed is within two standard
+errors of what it needed) or "beyond noise on" the figures that are not; the exit status
+counts both. Why: one policy's hit rate moves by a standard deviation of up to 0.6 points between
 replays that differ only by sub-second arrival shifts (SGLang's rule on long-context: 7.7), and
 some collapses happen in one replay of ten (``relative_spill`` with misses to the fewest in
 flight first put three of belgavi's six system prompts on one replica during warm-up: p95 4.6 s
@@ -396,6 +398,20 @@ class PairedGap:
     def mean_and_two_se(values: tuple[float, ...]) -> tuple[float, float]:
         return statistics.fmean(values), 2 * stdev_or_zero(values) / len(values) ** 0.5
 
+    def reading(self, passed: bool, hit_needed_over_peer: float = 0.0) -> str:
+        """How a verdict on the means reads against this gap's noise: ``PASS``; ``FAIL within
+        noise`` when every figure that failed is within two standard errors of what was
+        needed (hit rate ``hit_needed_over_peer`` over the peer's: 0, or half the gap to the
+        ceiling; a p95 no higher); else the figures that failed beyond noise."""
+        if passed:
+            return "PASS"
+        hit, hit_se = self.mean_and_two_se(self.hit_diffs)
+        p95, p95_se = self.mean_and_two_se(self.p95_diffs)
+        beyond = [name for name, clear in (("hit rate", hit + hit_se < hit_needed_over_peer),
+                                           ("p95", p95 - p95_se > 0))
+                  if clear]
+        return f"FAIL beyond noise on {' and '.join(beyond)}" if beyond else "FAIL within noise"
+
     def cells(self) -> str:
         hit, hit_se = self.mean_and_two_se(self.hit_diffs)
         p95, p95_se = self.mean_and_two_se(self.p95_diffs)
@@ -553,13 +569,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("")
         print("How far each mean verdict is from noise: the candidate minus the best peer, run "
               "by run (paired), mean ± 2 standard errors; 'runs ahead' counts the runs where "
-              "its hit rate was at least the peer's.")
-        print("| workload | best peer | hit diff | runs ahead | p95 diff |")
-        print("|---|---|---|---|---|")
+              "its hit rate was at least the peer's; a FAIL 'within noise' failed only on "
+              "figures within two standard errors of what it needed (the exit status still "
+              "counts it).")
+        print("| workload | best peer | hit diff | runs ahead | p95 diff | verdict on the means |")
+        print("|---|---|---|---|---|---|")
         for name, rows, verdict in spreads:
             by_policy = {row.policy: row for row in rows}
-            gap = PairedGap.of(by_policy[args.policy], by_policy[verdict.best_peer[0]])
-            print(f"| {name} | {gap.cells()} |")
+            peer_name, peer = verdict.best_peer
+            gap = PairedGap.of(by_policy[args.policy], by_policy[peer_name])
+            reading = gap.reading(verdict.passed, verdict.needed_hit - peer.token_hit_rate)
+            print(f"| {name} | {gap.cells()} | {reading} |")
     judged = mean_verdicts or verdicts
     return 0 if all(v.passed for v in judged) else 1
 

@@ -149,6 +149,27 @@ def test_paired_gap_subtracts_run_by_run(bench: ModuleType) -> None:
     assert "| 2 of 3 |" in gap.cells()
 
 
+@pytest.mark.parametrize(("hits", "p95s", "needed", "reading"), [
+    ((0.0, 0.0, 0.0), (0.0, 0.0, 0.0), 0.0, "FAIL within noise"),
+    ((-0.01, 0.01, -0.006), (0.0, 0.0, 0.0), 0.0, "FAIL within noise"),
+    ((-0.011, -0.01, -0.009), (0.0, 0.0, 0.0), 0.0, "FAIL beyond noise on hit rate"),
+    ((0.0, 0.0, 0.0), (0.1, 0.2, 0.3), 0.0, "FAIL beyond noise on p95"),
+    ((0.01, 0.01, 0.01), (0.0, 0.0, 0.0), 0.02, "FAIL beyond noise on hit rate"),
+    ((-0.011, -0.01, -0.009), (0.1, 0.2, 0.3), 0.0,
+     "FAIL beyond noise on hit rate and p95"),
+])
+def test_a_failed_verdict_reads_as_within_or_beyond_noise(
+    bench: ModuleType, hits: tuple[float, ...], p95s: tuple[float, ...], needed: float,
+    reading: str,
+) -> None:
+    """A FAIL is within noise when each figure is within two standard errors of what it
+    needed (level with the peer, or half the gap to the ceiling over it), else it names the
+    figures beyond."""
+    gap = bench.PairedGap("p", hits, p95s)
+    assert gap.reading(False, needed) == reading
+    assert gap.reading(True, needed) == "PASS"
+
+
 @pytest.mark.parametrize(("argv", "said"), [
     (["--option", "slack=-1"], "slack must be >= 0"),
     (["--option", "bogus=1"], "has no option(s) bogus"),
