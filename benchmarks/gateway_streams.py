@@ -40,6 +40,7 @@ from kvreuse.sim.requests import SimRequest, jittered
 from kvreuse.sim.summary import summarize
 from sim_vs_gateway import (
     PEER_RULES,
+    gateway_cost,
     gateway_fleet,
     gateway_options,
     routers_module,
@@ -63,7 +64,7 @@ def policy_of(router: str) -> str:
     """The simulator policy that plays ``router`` (routers.py's name); a usage error names the
     routers it can play."""
     if router.startswith("kvreuse:"):
-        return router.split(":", 1)[1]
+        return routers_bench.kvreuse_policy(router)[0]
     if router in PEER_RULES:
         return PEER_RULES[router]
     raise ValueError(f"no simulator rule plays {router!r}: give kvreuse:POLICY or one of "
@@ -81,13 +82,14 @@ def replays_of(scenario: str, seed: int, args: argparse.Namespace) -> list[list[
                          for replay in range(1, args.replays)]
 
 
-def measure(router: str, replays: Sequence[list[SimRequest]], fleet: FleetConfig
-            ) -> StreamFigures:
+def measure(router: str, replays: Sequence[list[SimRequest]], fleet: FleetConfig,
+            fixed_prefill: bool = False) -> StreamFigures:
     """``router``'s rule on each replay of one stream: the medians."""
     policy = policy_of(router)
     options = gateway_options(router, policy, fleet.replica.pool_tokens)
+    cost = gateway_cost(router, fleet, fixed_prefill)
     summaries = [summarize(FleetSimulator(
-        fleet, build_policy(policy, rng=random.Random(0), **options)).run(stream))
+        fleet, build_policy(policy, rng=random.Random(0), cost=cost, **options)).run(stream))
         for stream in replays]
     return StreamFigures(statistics.median(s.token_hit_rate for s in summaries),
                          statistics.median(s.ttft_p95_s * 1000 for s in summaries))
@@ -135,6 +137,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=float, default=10.0)
     parser.add_argument("--duration", type=float, default=20.0)
     parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--fixed-prefill", action="store_true",
+                        help="model kvreuse gateways run with --fixed-prefill: their policies "
+                        "on 10,000 tokens/s and 15 ms, not the engines' measured speed")
     args = parser.parse_args(argv)
     args.routers = [r.strip() for r in args.routers.split(",") if r.strip()]
     if args.replays < 1:
@@ -160,16 +165,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    speed = ("10,000 tokens/s (--fixed-prefill)" if args.fixed_prefill
+             else "the engines' speed")
     print(f"# {len(args.scenarios)} scenarios x {len(args.seeds)} streams x "
           f"{len(args.routers)} routers x {args.replays} replays; cache {args.cache_tokens:,} "
-          f"tokens x {args.replicas} replicas", flush=True)
+          f"tokens x {args.replicas} replicas; kvreuse gateways on {speed}", flush=True)
     fleet = gateway_fleet(args.replicas, args.cache_tokens, args.prefill_tokens_per_s)
     for scenario in args.scenarios:
         figures = {}
         for seed in args.seeds:
             replays = replays_of(scenario, seed, args)
             for router in args.routers:
-                figures[router, seed] = measure(router, replays, fleet)
+                figures[router, seed] = measure(router, replays, fleet, args.fixed_prefill)
             print(f"# {scenario} seed {seed}: " + "; ".join(
                 f"{r} {cell(figures[r, seed])}" for r in args.routers), flush=True)
         print()

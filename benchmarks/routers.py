@@ -9,7 +9,9 @@ Same fleet, same traffic, one router at a time:
   with one tenant tripling its rate mid-run;
 * routers: ``direct`` (the client spreads requests round robin, no router), the peers
   (``sglang-router``, ``vllm-router`` cache_aware, ``vllm-router-kv`` kv_aware on KV events,
-  ``smg``; from ``make peers``) and ``kvreuse route`` with each policy (``kvreuse:NAME``);
+  ``smg``; from ``make peers``) and ``kvreuse route`` with each policy (``kvreuse:NAME``;
+  ``kvreuse:NAME/fixed-prefill`` adds ``--fixed-prefill``: the policy routes on 10,000
+  prefill tokens/s and 15 ms instead of the speed the gateway measures);
 * figures: fleet token hit rate from the engines' own counters (after warm-up), client-side
   p50/p95 TTFT, max/mean prompt tokens per engine (load spread), requests lost.
 
@@ -183,14 +185,26 @@ def reset_caches(engines: Sequence[Process]) -> None:
             time.sleep(0.1)  # requests of the previous run still draining
 
 
+FIXED_PREFILL = "/fixed-prefill"
+
+
+def kvreuse_policy(router: str) -> tuple[str, bool]:
+    """``kvreuse:POLICY[/fixed-prefill]``'s policy, and whether its gateway runs with
+    ``--fixed-prefill``."""
+    rest = router.split(":", 1)[1]
+    if rest.endswith(FIXED_PREFILL):
+        return rest[: -len(FIXED_PREFILL)], True
+    return rest, False
+
+
 def start_router(fleet: Fleet, router: str, engines: Sequence[Process],
                  gateway_args: Sequence[str] = (), block_size: int = 16,
                  model: str = MODEL) -> Process | None:
     if router == "direct":
         return None
     if router.startswith("kvreuse:"):
-        policy = router.split(":", 1)[1]
-        extra = list(gateway_args)
+        policy, fixed = kvreuse_policy(router)
+        extra = list(gateway_args) + (["--fixed-prefill"] if fixed else [])
         if "block_size" in policy_option_names(policy):  # the engines' block, not a default
             extra += ["--policy-option", f"block_size={block_size}"]
         return fleet.start_gateway(router, engines, policy=policy, extra_args=extra)
@@ -214,7 +228,8 @@ def measure(fleet: Fleet, engines: Sequence[Process], router: str, scenario: str
     reset_caches(engines)
     recording = ""
     if record is not None and router.startswith("kvreuse:"):
-        target = record / f"{scenario}--{router.split(':', 1)[1]}{record_suffix}"
+        named = router.split(":", 1)[1].replace("/", "-")
+        target = record / f"{scenario}--{named}{record_suffix}"
         shutil.rmtree(target, ignore_errors=True)
         target.mkdir(parents=True)
         secret = fleet.workdir / "record-secret"

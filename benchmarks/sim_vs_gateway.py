@@ -71,6 +71,7 @@ the simulator against each figure's median over the runs: the gateway's p95 move
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import math
@@ -84,7 +85,7 @@ from pathlib import Path
 from typing import Any
 
 from kvreuse.gateway.config import DEFAULT_INDEX_BUDGET_FACTOR
-from kvreuse.routing import build_policy
+from kvreuse.routing import CostModel, build_policy
 from kvreuse.routing.base import FleetView, PolicyBase, RequestView, RoutingDecision
 from kvreuse.routing.registry import policy_option_names
 from kvreuse.sim.config import FleetConfig, ReplicaConfig
@@ -104,6 +105,7 @@ P95_SHARE = 0.25
 Tie = Callable[[float, float], float] | None
 
 
+@functools.cache
 def routers_module() -> Any:
     spec = importlib.util.spec_from_file_location("bench_routers", HERE / "routers.py")
     assert spec is not None and spec.loader is not None, "benchmarks/routers.py is missing"
@@ -165,6 +167,20 @@ def gateway_options(router: str, policy: str, cache_tokens: int) -> dict[str, An
         reported = (cache_tokens // RECORD_BLOCK + 1) * RECORD_BLOCK
         options["tree_capacity_tokens"] = int(DEFAULT_INDEX_BUDGET_FACTOR * reported)
     return options
+
+
+def gateway_cost(router: str, fleet: FleetConfig, fixed_prefill: bool) -> CostModel | None:
+    """The cost model ``router``'s policy routes on behind the gateway: a ``kvreuse:`` gateway
+    measures its engines' prefill speed (kvreuse.routing.cost_fit) and, its fit converged,
+    routes on theirs; with ``fixed_prefill`` (``kvreuse route --fixed-prefill``, and every
+    gateway run before the session of 2026-12-05, twentieth) on its default, 10,000 tokens a
+    second and 15 ms (None), as for ``kvreuse:POLICY/fixed-prefill``. Peers' rules predict no
+    time."""
+    if (fixed_prefill or not router.startswith("kvreuse:")
+            or routers_module().kvreuse_policy(router)[1]):
+        return None
+    replica = fleet.replica
+    return CostModel(replica.prefill_tokens_per_s, replica.overhead_s)
 
 
 def gateway_fleet(replicas: int, cache_tokens: int, prefill_tokens_per_s: float,
@@ -371,6 +387,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "arrivals jittered by --jitter-ms, and compare the medians (default 1)")
     parser.add_argument("--jitter-ms", type=float, default=5.0,
                         help="largest arrival shift of a jittered replay (default 5)")
+    parser.add_argument("--fixed-prefill", action="store_true",
+                        help="the kvreuse gateways ran with --fixed-prefill (or before they "
+                        "measured their engines' speed): simulate their policies on 10,000 "
+                        "tokens/s and 15 ms, not the engines' speed")
     parser.add_argument("--tie-share", type=float, default=0.10,
                         help="p95s within this share of the larger rank as equal (default 0.1)")
     args = parser.parse_args(argv)
@@ -415,14 +435,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             if row["scenario"] != scenario or row["error"]:
                 continue
             router = row["router"]
-            policy = router.split(":", 1)[1] if router.startswith("kvreuse:") else (
-                PEER_RULES.get(router))
+            policy = (routers.kvreuse_policy(router)[0] if router.startswith("kvreuse:")
+                      else PEER_RULES.get(router))
             if policy is None:
                 continue
             options = gateway_options(router, policy, replica.pool_tokens)
+            cost = gateway_cost(router, fleet, args.fixed_prefill)
             summary = median_summary([
                 summarize(FleetSimulator(
-                    fleet, build_policy(policy, rng=random.Random(0), **options)).run(stream))
+                    fleet, build_policy(policy, rng=random.Random(0), cost=cost,
+                                        **options)).run(stream))
                 for stream in replays])
             compared = compare(row, summary)
             ok_all &= compared.within

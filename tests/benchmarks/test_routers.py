@@ -177,3 +177,10 @@ def test_verdicts_from_judges_files_of_several_streams(bench: ModuleType, tmp_pa
     assert "contracts, seed 1: kvreuse:relative_spill 59.0%" in out
     assert "contracts, mean of seeds 1, 2: kvreuse:relative_spill 58.0% vs best peer smg 57.0%" \
         in out
+
+
+def test_a_fixed_prefill_variant_names_its_policy_and_the_flag(bench: ModuleType) -> None:
+    """kvreuse:POLICY/fixed-prefill runs POLICY with --fixed-prefill; kvreuse:POLICY without."""
+    assert bench.kvreuse_policy("kvreuse:relative_spill/fixed-prefill") == (
+        "relative_spill", True)
+    assert bench.kvreuse_policy("kvreuse:relative_spill") == ("relative_spill", False)

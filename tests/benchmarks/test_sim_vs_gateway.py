@@ -173,3 +173,14 @@ def test_kvreuse_rows_run_with_the_gateways_index_budget(bench: ModuleType) -> N
         "tree_capacity_tokens": int(DEFAULT_INDEX_BUDGET_FACTOR * (12288 + 16))}
     assert "tree_capacity_tokens" not in bench.gateway_options("kvreuse:exact", "exact", 12288)
     assert "tree_capacity_tokens" not in bench.gateway_options("smg", "cache_aware_smg", 12288)
+
+
+def test_kvreuse_rows_are_simulated_on_the_engines_speed_unless_fixed(
+        bench: ModuleType) -> None:
+    """A measuring gateway routes on the engines' speed; fixed rows and peers on the default."""
+    fleet = bench.gateway_fleet(4, 12_288, 20_000.0)
+    cost = bench.gateway_cost("kvreuse:relative_spill", fleet, False)
+    assert (cost.prefill_tokens_per_s, cost.overhead_s) == (20_000.0, 0.015)
+    assert bench.gateway_cost("kvreuse:relative_spill", fleet, True) is None
+    assert bench.gateway_cost("kvreuse:relative_spill/fixed-prefill", fleet, False) is None
+    assert bench.gateway_cost("smg", fleet, False) is None

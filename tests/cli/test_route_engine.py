@@ -32,6 +32,20 @@ def test_route_flags_build_the_gateway_config(tmp_path: Path) -> None:
     assert config.policy_options == {"block_size": 32, "balance": "sglang"}
 
 
+def test_route_prefill_flags_land_in_the_config() -> None:
+    """--prefill-rate, --prefill-overhead and --fixed-prefill; by default the gateway measures."""
+    config = build_config(build_parser().parse_args([
+        "route", "--upstream", "http://127.0.0.1:8001", "--prefill-rate", "3000",
+        "--prefill-overhead", "0.01", "--fixed-prefill"]))
+    assert (config.prefill_tokens_per_s, config.prefill_overhead_s) == (3000.0, 0.01)
+    assert config.learn_prefill is False
+    plain = build_config(build_parser().parse_args(["route", "--upstream", "http://h:1"]))
+    assert plain.learn_prefill is True and plain.prefill_tokens_per_s == 10_000.0
+    with pytest.raises(ConfigError, match="prefill_tokens_per_s"):
+        build_config(build_parser().parse_args([
+            "route", "--upstream", "http://127.0.0.1:8001", "--prefill-rate", "0"]))
+
+
 def test_route_kv_event_and_budget_flags_land_in_the_config() -> None:
     """The frame cap, the sequence window and the budget factor; capacity_tokens per upstream;
     nonsense values refused."""

@@ -225,6 +225,29 @@ def test_access_log_and_metrics_port_from_the_file_and_flags(tmp_path: Path) -> 
             load_config_file(path)
 
 
+def test_prefill_speed_settings_from_the_file_and_flags(tmp_path: Path) -> None:
+    """prefill_tokens_per_s, prefill_overhead_s and learn_prefill load from [gateway]; flags
+    override; nonsense is refused by name."""
+    path = tmp_path / "gw.toml"
+    path.write_text('[gateway]\nprefill_tokens_per_s = 2500.0\nprefill_overhead_s = 0.04\n'
+                    'learn_prefill = false\n[[upstreams]]\nurl = "http://127.0.0.1:8001"\n')
+    config = load_config_file(path)
+    assert (config.prefill_tokens_per_s, config.prefill_overhead_s) == (2500.0, 0.04)
+    assert config.learn_prefill is False
+    assert merge(config, [], learn_prefill=True).learn_prefill is True
+    for bad, needle in (("prefill_tokens_per_s = 0", "prefill_tokens_per_s"),
+                        ("prefill_tokens_per_s = -5.0", "prefill_tokens_per_s"),
+                        ("prefill_tokens_per_s = inf", "prefill_tokens_per_s"),
+                        ("prefill_tokens_per_s = nan", "prefill_tokens_per_s"),
+                        ('prefill_tokens_per_s = "fast"', "prefill_tokens_per_s"),
+                        ("prefill_overhead_s = -0.1", "prefill_overhead_s"),
+                        ("prefill_overhead_s = 61", "prefill_overhead_s"),
+                        ('learn_prefill = "yes"', "learn_prefill")):
+        path.write_text(f'[gateway]\n{bad}\n[[upstreams]]\nurl = "http://127.0.0.1:8001"\n')
+        with pytest.raises(ConfigError, match=needle):
+            load_config_file(path)
+
+
 def test_keys_match_as_utf8_bytes_in_constant_time(tmp_path: Path) -> None:
     """A non-ASCII key matches its UTF-8 bytes (bytes or str header), never its latin-1
     bytes; an oversized or non-Bearer value matches nothing."""

@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
-from kvreuse.gateway.router import Candidate, Plan
+from kvreuse.gateway.router import Candidate, Plan, Sent
 from kvreuse.testing.tiny_tokenizer import corpus_words
 
 from .fleet import Engine, RunningGateway, start_engine
@@ -107,9 +107,9 @@ def decisions(gateway: RunningGateway) -> list[tuple[str, str]]:
     made: list[tuple[str, str]] = []
     commit = router.committed
 
-    def committed(plan: Plan, candidate: Candidate) -> None:
+    def committed(plan: Plan, candidate: Candidate) -> Sent:
         made.append((candidate.upstream.name, candidate.branch))
-        commit(plan, candidate)
+        return commit(plan, candidate)
 
     router.committed = committed  # type: ignore[method-assign]
     return made

@@ -143,6 +143,17 @@ def register(subparsers: Any) -> None:
                         help="failed requests take at most this share of a model's upstreams "
                         "out of rotation (one always may go; failed health probes eject any "
                         "number); 1 lifts the cap (default 0.5)")
+    parser.add_argument("--prefill-rate", type=float, metavar="TOKENS_PER_S",
+                        help="engines' prefill tokens per second the policies start from "
+                        "(default 10000); the gateway then measures it from each streamed "
+                        "answer's first chunk, per model (/metrics: "
+                        "kvreuse_gateway_prefill_tokens_per_second)")
+    parser.add_argument("--prefill-overhead", type=float, metavar="S",
+                        help="engines' fixed prefill seconds per request to start from "
+                        "(default 0.015)")
+    parser.add_argument("--fixed-prefill", dest="learn_prefill", action="store_false",
+                        default=None,
+                        help="do not measure: route on --prefill-rate and --prefill-overhead")
     parser.add_argument("--index-budget-factor", type=float, metavar="F",
                         help="bound every index kept per upstream to its KV capacity (vLLM's "
                         "vllm:cache_config_info, else capacity_tokens=) times F (default 2)")
@@ -233,6 +244,9 @@ def build_config(args: argparse.Namespace) -> Any:
         ejection_s=args.ejection_time,
         quarantine_s=args.quarantine_time,
         max_ejected_share=args.max_ejected_share,
+        prefill_tokens_per_s=args.prefill_rate,
+        prefill_overhead_s=args.prefill_overhead,
+        learn_prefill=args.learn_prefill,
         upstream_api_key=args.upstream_api_key,
         seed=args.seed,
         access_log=args.access_log,

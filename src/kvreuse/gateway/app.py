@@ -103,7 +103,7 @@ from kvreuse.gateway.validation import (
     unsupported_coding,
 )
 from kvreuse.json_input import parse_json
-from kvreuse.routing import RoutingPolicy, build_policy
+from kvreuse.routing import CostModel, RoutingPolicy, build_policy
 
 log = logging.getLogger("kvreuse.gateway")
 
@@ -208,8 +208,9 @@ class Gateway:
         self.tenants = tenants or (load_tenants(Path(config.tenants)) if config.tenants else None)
         if self.tenants is not None and config.caller_salt is not None:
             self.tenants = dataclasses.replace(self.tenants, caller_salt=config.caller_salt)
+        cost = CostModel(config.prefill_tokens_per_s, config.prefill_overhead_s)
         self.policy = policy or build_policy(
-            config.policy, rng=random.Random(config.seed), **config.policy_options
+            config.policy, rng=random.Random(config.seed), cost=cost, **config.policy_options
         )
         self.upstreams = [self._state_of(u) for u in config.upstreams]
         # Tenants pinned to discoveries (discover:NAME), with those names: read per request.
@@ -230,7 +231,9 @@ class Gateway:
                         f"not upstreams nor {DISCOVERED_PREFIX}NAME of a --discover; known: "
                         f"{', '.join(sorted(known))}"
                     )
-        self.router = Router(self.policy, self.upstreams, self.tokenizer)
+        self.router = Router(self.policy, self.upstreams, self.tokenizer,
+                             cost=None if policy is not None else cost,
+                             learn_prefill=config.learn_prefill)
         self.router.events_silence_s = config.events_silence_s
         self.router.on_suspect = self._resync
         for upstream in self.upstreams:
@@ -239,7 +242,8 @@ class Gateway:
         self._lanes = WorkerLanes()
         self.state = GatewayState(self.upstreams, self.tallies, self.router.streams,
                                   self.router.index_size, health=self.router.health,
-                                  index_budget=self.router.budget_of)
+                                  index_budget=self.router.budget_of,
+                                  prefill_fits=lambda: self.router.fits)
         self.metrics = GatewayMetrics(self.state)
         self.access_log = AccessLog(config.access_log, self.policy.name)
         self.recorder: TraceRecorder | None = None

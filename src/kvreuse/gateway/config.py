@@ -50,6 +50,13 @@ production")::
     quarantine_s = 30.0             # a request answered 5xx twice is answered here this long
     max_ejected_share = 0.5         # failed requests eject at most this share of a model's
                                     # upstreams (at least one); failed probes eject any
+
+The engines' prefill speed, which the policies that predict time route on
+(:mod:`kvreuse.routing.cost_fit`)::
+
+    prefill_tokens_per_s = 10000.0  # where measuring starts (or, unlearned, the value)
+    prefill_overhead_s = 0.015
+    learn_prefill = true            # measured from each streamed answer's first chunk
 """
 
 from __future__ import annotations
@@ -346,6 +353,11 @@ class GatewayConfig:
     # Failed requests take at most this share of a model's upstreams out of rotation (one
     # always may go); failed probes eject whatever the share (gateway/upstreams.py).
     max_ejected_share: float = 0.5
+    # The policies' CostModel: where measuring the engines' prefill speed starts, or with
+    # learn_prefill off the speed itself (gateway/router.py, routing/cost_fit.py).
+    prefill_tokens_per_s: float = 10_000.0
+    prefill_overhead_s: float = 0.015
+    learn_prefill: bool = True
     # Stopping (gateway/serve.py): on SIGTERM, serve this long with /ready failing and every
     # answer closing its connection, then close the listeners and give requests in flight
     # the grace period; 5 + 20 s fits Kubernetes' default 30 s before SIGKILL.
@@ -395,9 +407,16 @@ class GatewayConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         require_at_least("retries", self.retries, 0)
-        if not isinstance(self.stream_migration, bool):
-            raise ConfigError(f"stream_migration must be true or false, got "
-                              f"{self.stream_migration!r}")
+        for name in ("stream_migration", "learn_prefill"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not _is_real(self.prefill_tokens_per_s) or not (
+                0 < self.prefill_tokens_per_s < math.inf):
+            raise ConfigError(f"prefill_tokens_per_s must be a number > 0, got "
+                              f"{self.prefill_tokens_per_s!r}")
+        if not _is_real(self.prefill_overhead_s) or not 0 <= self.prefill_overhead_s <= 60:
+            raise ConfigError(f"prefill_overhead_s must be a number of seconds in [0, 60], "
+                              f"got {self.prefill_overhead_s!r}")
         if self.metrics_interval_s < 0:
             raise ConfigError(f"metrics_interval_s must be >= 0 (0: no scraping), got "
                               f"{self.metrics_interval_s}")

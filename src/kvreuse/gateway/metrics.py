@@ -35,6 +35,11 @@ tried answered 502-504), ``request_of_death`` and ``brought_down``.
 ejected an upstream but for ``--max-ejected-share``. The series of an upstream removed at
 runtime are dropped (:meth:`GatewayMetrics.forget_upstream`).
 
+The prefill speed the policies route on, measured per model from streamed answers' first
+chunks (:mod:`kvreuse.routing.cost_fit`): ``kvreuse_gateway_prefill_tokens_per_second{model}``,
+``kvreuse_gateway_prefill_overhead_seconds{model}`` and ``kvreuse_gateway_prefill_samples``
+(``model`` is a name an upstream lists, or ``*`` for the others; absent before the first sample).
+
 Also exported: ejections per upstream, the Redis sync counters of a shared index and of a
 shared quarantine (:class:`~kvreuse.gateway.shared_index.SyncStats`, as
 ``kvreuse_gateway_shared_index_*`` and ``kvreuse_gateway_shared_quarantine_*``) when attached, and
@@ -44,7 +49,7 @@ prometheus_client's process, platform and GC collectors.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +66,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from kvreuse.gateway.subscriber import StreamStats
 from kvreuse.gateway.upstreams import UpstreamState
+from kvreuse.routing.cost_fit import PrefillFit
 from kvreuse.routing.index_health import IndexHealth
 
 SUBSCRIBER_STATES = ("idle", "running", "resyncing", "stopped", "failed")
@@ -138,6 +144,8 @@ class GatewayState:
     health: dict[str, IndexHealth] = field(default_factory=dict)
     index_budget: Callable[[str], int | None] = lambda name: None
     clock: Callable[[], float] = time.monotonic
+    # The router's measured prefill speed per model ("" : models no upstream lists).
+    prefill_fits: Callable[[], Mapping[str, PrefillFit]] = lambda: {}
 
 
 def _gauge(name: str, doc: str, *labels: str) -> GaugeMetricFamily:
@@ -213,6 +221,26 @@ class _StateCollector:
                                          "kvreuse_gateway_shared_quarantine_",
                                          "verdicts on requests of death")
         yield from self._health(state)
+        yield from self._prefill(state)
+
+    @staticmethod
+    def _prefill(state: GatewayState) -> Iterable[Metric]:
+        rate = GaugeMetricFamily(
+            "kvreuse_gateway_prefill_tokens_per_second",
+            "prefill speed the policies route on, measured from streamed first chunks "
+            "(model *: models no upstream lists)", labels=["model"])
+        overhead = GaugeMetricFamily(
+            "kvreuse_gateway_prefill_overhead_seconds",
+            "fixed prefill seconds per request the policies route on", labels=["model"])
+        samples = CounterMetricFamily(
+            "kvreuse_gateway_prefill_samples", "first chunks timed", labels=["model"])
+        for model, fit in sorted(state.prefill_fits().items()):
+            label = [model or "*"]
+            measured = fit.model()
+            rate.add_metric(label, measured.prefill_tokens_per_s)
+            overhead.add_metric(label, measured.overhead_s)
+            samples.add_metric(label, fit.samples)
+        yield from (rate, overhead, samples)
 
     @staticmethod
     def _shared_sync(stats: SyncStats, prefix: str, what: str) -> Iterable[Metric]:

@@ -293,7 +293,7 @@ class Forwarder:
                 continuation = progress.continuation()
                 assert isinstance(continuation, Continuation), "a stream continued unasked"
                 sent = continuation.body
-            self.router.committed(plan, candidate)
+            sent_at = self.router.committed(plan, candidate)
             settled = False  # the router was told how this attempt ended
             try:
                 try:
@@ -365,6 +365,10 @@ class Forwarder:
                         continue
                     settled = True
                     upstream.answered()
+                    if progress is None and first.startswith(b"data:"):
+                        # The first event's data, not a comment or keep-alive sent ahead of
+                        # the first token; a continuation's prompt is longer than the plan's.
+                        self.router.first_token(sent_at)
                     if progress is None:
                         self._served_elsewhere(path, plan, body, attempts)
                         progress = StreamProgress(

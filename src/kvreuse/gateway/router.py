@@ -24,6 +24,14 @@ model the upstream serves; when that set changes the policy forgets the upstream
 its current contents again under the new names. LoRA adapters (``/v1/models`` entries with a
 ``parent``) are models of their own: requests name the adapter, events carry it as
 ``lora_name``, and each is filed under the other's name.
+
+Prefill speed. A policy that predicts time (:class:`~kvreuse.routing.PredictsTime`) is given,
+before each request, the cost model the gateway has measured for the request's model
+(:class:`~kvreuse.routing.cost_fit.PrefillFit`, fed by :meth:`Router.first_token` with every
+streamed answer's first chunk), starting from ``cost`` (by default the policy's own);
+``learn_prefill=False`` leaves the policy's alone.
+One fit per served model (models run at their own speeds), one for requests no known upstream
+serves; they are bounded by the names upstreams list.
 """
 
 from __future__ import annotations
@@ -49,6 +57,9 @@ from kvreuse.routing import (
     FleetView,
     KvCleared,
     KvEvent,
+    PredictsTime,
+    PrefillFit,
+    PrefillSample,
     RequestView,
     RoutingDecision,
     RoutingPolicy,
@@ -80,6 +91,18 @@ class Candidate:
 
 
 @dataclass(frozen=True, slots=True)
+class Sent:
+    """A request as it left for an upstream: when, and the load the policy saw there (in the
+    policy's units: weighted), to time its first token against (:meth:`Router.first_token`)."""
+
+    at: float
+    requests_ahead: int
+    tokens_ahead: int
+    uncached_tokens: int
+    fit: str  # which PrefillFit: the request's model, or "" (Router.fit_key)
+
+
+@dataclass(frozen=True, slots=True)
 class Plan:
     """A routed request: its view for the policy, the policy's choice, the upstreams it was
     allowed to go to (retry candidates come from these) and the decision's duration."""
@@ -102,11 +125,11 @@ class Router:
         cost: CostModel | None = None,
         clock: Callable[[], float] = time.monotonic,
         health: HealthSettings | None = None,
+        learn_prefill: bool = True,
     ) -> None:
         self.policy = policy
         self.upstreams = {u.name: u for u in upstreams}
         self.tokenizer = tokenizer
-        self.cost = cost or CostModel()
         self.clock = clock
         self.indexes = {u.name: EventIndex(u.name) for u in upstreams if u.config.events}
         self.streams = {name: StreamStats() for name in self.indexes}
@@ -126,6 +149,13 @@ class Router:
         self.on_suspect: Callable[[str], None] = lambda name: None
         self._overflow_log = ThrottledLog(log, burst=2, interval_s=10.0)
         inner = getattr(policy, "inner", policy)  # TenantPinned wraps one
+        # The policy whose cost model the measured prefill speed replaces, if any.
+        self._timed = inner if isinstance(inner, PredictsTime) else None
+        if cost is None:
+            cost = self._timed.cost if self._timed is not None else CostModel()
+        self.cost = cost
+        self.learn_prefill = learn_prefill
+        self.fits: dict[str, PrefillFit] = {}
         # The policy holding a cache estimator (a shared index may replace it), if any.
         self.estimating = inner if isinstance(inner, EstimatorPolicy) else None
         self._healable = (self.estimating if self.estimating is not None
@@ -295,6 +325,8 @@ class Router:
             session_id or parsed.session_id,
         )
         fleet = FleetView(tuple(u.load() for u in preferred), self.clock())
+        if self._timed is not None and self.learn_prefill:
+            self._timed.cost = self.cost_for(identity.model)
         decision = self.policy.route(request, fleet)
         if decision is None:
             return None
@@ -315,12 +347,13 @@ class Router:
         if limit == 1:
             return
         chosen = plan.first.upstream
+        cost = self.cost_for(plan.request.identity.model)
         ranked = []
         for upstream in plan.eligible:
             if upstream is not chosen and upstream.healthy and not upstream.removed:
                 cached = self._index_match(plan.request, upstream.name)
                 ranked.append(((upstream.ejection_withheld, upstream.config.backup), -cached,
-                               self.cost.queue_delay_s(upstream.load()), upstream.name, upstream))
+                               cost.queue_delay_s(upstream.load()), upstream.name, upstream))
         ranked.sort(key=lambda entry: entry[:4])
         for _, negated, _, name, upstream in ranked[: limit - 1]:
             yield Candidate(upstream, "retry", -negated,
@@ -430,14 +463,50 @@ class Router:
                                                                adapter=None)
         return modeled
 
-    def committed(self, plan: Plan, candidate: Candidate) -> None:
-        """Called when the request is sent to ``candidate``."""
+    def committed(self, plan: Plan, candidate: Candidate) -> Sent:
+        """Called when the request is sent to ``candidate``; what it returns times the first
+        token (:meth:`first_token`)."""
         decision = RoutingDecision(
             candidate.upstream.name, candidate.branch, candidate.predicted_cached_tokens
         )
-        self.policy.on_routed(plan.request, decision, self.clock())
-        uncached = plan.request.prompt_tokens - candidate.predicted_cached_tokens
-        candidate.upstream.request_sent(max(uncached, 0))
+        now = self.clock()
+        self.policy.on_routed(plan.request, decision, now)
+        uncached = max(plan.request.prompt_tokens - candidate.predicted_cached_tokens, 0)
+        upstream = candidate.upstream
+        load = upstream.load()  # before this request joins the queue
+        sent = Sent(now, load.queued_requests, load.queued_prefill_tokens,
+                    int(uncached / upstream.config.weight),
+                    self.fit_key(plan.request.identity.model))
+        upstream.request_sent(uncached)
+        return sent
+
+    # ------------------------------------------------------------------ prefill speed
+
+    def fit_key(self, model: str) -> str:
+        """Whose prefill speed a request for ``model`` is timed with: the model's when an
+        upstream lists it, else the one fit of requests for models no upstream lists (which
+        clients name freely). O(1)."""
+        return model if model in self._by_model else ""
+
+    def cost_for(self, model: str) -> CostModel:
+        """The cost model for requests for ``model``: the measured one, or the configured one
+        before any measurement and with ``learn_prefill`` off. O(1)."""
+        fit = self.fits.get(self.fit_key(model)) if self.learn_prefill else None
+        return self.cost if fit is None else fit.model()
+
+    def first_token(self, sent: Sent) -> None:
+        """Called when an upstream's streamed answer (status 200) sent its first chunk: the
+        wait since :meth:`committed` is one sample of its model's prefill speed. O(1)."""
+        if not self.learn_prefill:
+            return
+        fit = self.fits.get(sent.fit)
+        if fit is None:
+            if len(self.fits) > len(self._by_model):  # names upstreams no longer list
+                self.fits = {key: kept for key, kept in self.fits.items()
+                             if key == "" or key in self._by_model}
+            fit = self.fits[sent.fit] = PrefillFit(self.cost)
+        fit.observe(PrefillSample(sent.requests_ahead, sent.tokens_ahead,
+                                  sent.uncached_tokens, self.clock() - sent.at))
 
     def first_byte(self, plan: Plan, candidate: Candidate) -> None:
         uncached = plan.request.prompt_tokens - candidate.predicted_cached_tokens

@@ -13,6 +13,7 @@ from kvreuse.routing.base import (
     EstimatorPolicy,
     FleetView,
     PolicyBase,
+    PredictsTime,
     ReplicaId,
     ReplicaLoad,
     RequestView,
@@ -22,6 +23,7 @@ from kvreuse.routing.base import (
 )
 from kvreuse.routing.cache_aware import CacheAware, CacheAwareSGLang, Exact
 from kvreuse.routing.cost import CostRouting
+from kvreuse.routing.cost_fit import PrefillFit, PrefillSample
 from kvreuse.routing.events import KvCleared, KvEvent, KvRemoved, KvStored
 from kvreuse.routing.mirror import CacheMirror
 from kvreuse.routing.peers import DynamoKvCost, LlmdScorers
@@ -62,6 +64,9 @@ __all__ = [
     "LeastLoad",
     "LlmdScorers",
     "PolicyBase",
+    "PredictsTime",
+    "PrefillFit",
+    "PrefillSample",
     "PrefixHash",
     "RandomChoice",
     "RelativeSpill",

@@ -208,6 +208,17 @@ class RoutingPolicy(Protocol):
         ...
 
 
+@runtime_checkable
+class PredictsTime(Protocol):
+    """A policy that turns queued tokens into seconds with :attr:`cost` (``cost``,
+    ``cache_aware``, ``relative_spill``, ``least_load``). A gateway that measures its engines'
+    prefill speed (:mod:`kvreuse.routing.cost_fit`) assigns ``cost`` before it routes a
+    request; the policy reads it only inside :meth:`RoutingPolicy.route`, so it derives
+    nothing from it at construction."""
+
+    cost: CostModel
+
+
 class PolicyBase:
     """No-op hooks, so a stateless policy only writes :meth:`route`."""
 

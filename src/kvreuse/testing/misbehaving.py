@@ -27,7 +27,10 @@
 * ``slow-health``: a small completion for every generate request, and ``/health`` answered
   after ``--delay`` seconds (a saturated vLLM, whose busy event loop answers probes late);
 * ``draining``: a completion for the first generate request, which starts a drain: from then on
-  ``/health`` and every generate request answer ``503`` (vLLM draining before it stops).
+  ``/health`` and every generate request answer ``503`` (vLLM draining before it stops);
+* ``comment-first``: an SSE stream that sends a comment (``: keep-alive``) at once, then after
+  ``--delay`` seconds one completion event and ``data: [DONE]`` (a server or proxy that pings
+  before its first token).
 
 Plain asyncio streams (no framework), so each misbehaviour is exactly what it says. Every
 generate request is counted; ``GET /stats`` answers ``{"requests": N, "open": M, "request_ids":
@@ -45,7 +48,7 @@ import signal
 from collections.abc import Sequence
 
 MODES = ("hang", "huge", "slow", "error", "close", "midstream", "silent-stream", "status",
-         "usage", "twice", "poison", "killer", "draining", "slow-health")
+         "usage", "twice", "poison", "killer", "draining", "slow-health", "comment-first")
 GENERATE = (b"/v1/completions", b"/v1/chat/completions")
 
 
@@ -155,6 +158,17 @@ class Misbehaving:
                 writer.write(b"%x\r\n%s\r\n" % (len(event), event))
                 await writer.drain()
                 return False
+            if self.mode == "comment-first":
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                             b"transfer-encoding: chunked\r\n\r\n")
+                for event, wait in ((b": keep-alive\n\n", self.delay_s),
+                                    (b'data: {"choices": [{"index": 0, "text": "ok"}]}\n\n', 0),
+                                    (b"data: [DONE]\n\n", 0)):
+                    writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+                    await writer.drain()
+                    await asyncio.sleep(wait)
+                writer.write(b"0\r\n\r\n")
+                return True
             if self.mode in ("status", "usage", "twice", "poison", "killer", "draining",
                              "slow-health"):
                 answer = (b'{"id": "cmpl-x", "object": "text_completion", "choices": [{"index": 0,'

@@ -1,0 +1,154 @@
+"""A fleet's prefill speed, learned from the first tokens its replicas send back.
+
+:class:`~kvreuse.routing.base.CostModel` turns queued tokens into seconds for the policies that
+predict time (``relative_spill``'s ``R`` and a prefix's demand, ``cost``, ``cache_aware``'s
+spill bound, ``least_load``). Its constants (10,000 prefill tokens a second, 15 ms a request)
+are seed 001's; real engines differ by orders of magnitude (the tiny Llama of tests/vllm on
+vLLM's CPU build, a small model on a GPU, a 70B model on the same GPU). Scale alone cancels out
+of most comparisons a policy makes, which weigh one replica's predicted wait against another's,
+but not out of all of them: a prefix's demand (its requests a second times each one's prefill
+seconds) is compared with a number of replicas, and the fixed per-request overhead is weighed
+against tokens. A gateway therefore measures the speed it routes on (:class:`PrefillFit`).
+
+The model is the simulator's serial prefill (:mod:`kvreuse.sim.replica`): a request sent to a
+replica with ``n`` requests and ``T`` prompt tokens ahead of it that the router has not yet
+heard a first token of, itself ``u`` tokens the router predicts uncached, has its first token
+after about::
+
+    seconds = overhead × (n + 1) + (T + u) / rate
+
+(the :mod:`kvreuse.routing.ttft` prediction). :class:`PrefillFit` finds ``overhead`` and
+``1 / rate`` by least squares, with three choices:
+
+* **Relative errors.** Each sample is divided by what the prior model predicts for it, so a
+  request that waited 30 s behind a queue does not outweigh a hundred 50 ms answers, and the
+  two unknowns become dimensionless factors on the prior's (a well-conditioned 2 × 2 system
+  whatever the units).
+* **Forgetting.** Each sample multiplies the weight of those before it by ``1 - 1 /
+  memory_samples`` (256): an engine that slows down (a longer context, a colder GPU, another
+  tenant's batch) is followed within a few hundred requests.
+* **An anchor.** The prior counts as ``prior_samples`` (4) samples that agree with it exactly
+  (ridge regression towards it), forgotten like any sample down to ``MIN_ANCHOR``: the first
+  answers move the fit a little, a few dozen decide it, a few hundred leave nothing of the
+  prior, and when every sample has the same mix of ``n`` and tokens (the data then say only
+  what their sum costs) what is left of it splits that cost between overhead and rate.
+
+* **Bounded steps.** A sample counts as at most ``MAX_STEP`` (8) times, and at least
+  1 / ``MAX_STEP`` of, what the current fit predicts for it: one answer, however late or early
+  (a request stalled behind a full KV pool, a paused process, a reply that was not a first
+  token), moves the fit by a bounded amount, while a real change of speed, even a hundredfold,
+  is followed in a few dozen samples, each allowed a step of up to 8 from the last.
+
+The fitted values are kept within ``[0, MAX_OVERHEAD_S]`` and ``[MIN_TOKENS_PER_S,
+MAX_TOKENS_PER_S]``.
+
+Pure: no clock; the caller measures the seconds. O(1) per sample and per read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvreuse.errors import ConfigError
+from kvreuse.routing.base import CostModel
+
+MAX_OVERHEAD_S = 1.0
+MIN_TOKENS_PER_S = 10.0
+MAX_TOKENS_PER_S = 1e9
+MIN_ANCHOR = 1e-3
+"""The anchor's weight, in samples, once it has faded."""
+MAX_STEP = 8.0
+"""A sample's seconds are clipped to [1/MAX_STEP, MAX_STEP] times the current fit's
+prediction for it."""
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillSample:
+    """What a router knew when it sent a request (its load view of the replica, in the units
+    the policies see: weighted) and how long the first token took."""
+
+    requests_ahead: int
+    tokens_ahead: int
+    uncached_tokens: int
+    seconds: float
+
+
+class PrefillFit:
+    """See the module docstring. Not thread-safe, like the policies it feeds."""
+
+    __slots__ = ("_decay", "_model", "_prior", "_prior_samples", "_suu", "_suv", "_suz", "_svv",
+                 "_svz", "samples")
+
+    def __init__(self, prior: CostModel, *, memory_samples: float = 256.0,
+                 prior_samples: float = 4.0) -> None:
+        if not memory_samples >= 1:
+            raise ConfigError(f"memory_samples must be >= 1, got {memory_samples!r}")
+        if not prior_samples > 0:
+            raise ConfigError(f"prior_samples must be > 0, got {prior_samples!r}")
+        self._prior = prior
+        self._prior_samples = prior_samples
+        self._decay = 1.0 - 1.0 / memory_samples
+        self._suu = self._suv = self._svv = self._suz = self._svz = 0.0
+        self._model = prior
+        self.samples = 0
+        """Samples observed (their weight decays; this count does not)."""
+
+    @property
+    def prior(self) -> CostModel:
+        return self._prior
+
+    def observe(self, sample: PrefillSample) -> None:
+        """Fold one first token in. Samples with nothing to predict (a negative or non-finite
+        time, negative counts) are ignored. O(1)."""
+        seconds = sample.seconds
+        if not (seconds >= 0 and seconds < float("inf")) or min(
+                sample.requests_ahead, sample.tokens_ahead, sample.uncached_tokens) < 0:
+            return
+        prior = self._prior
+        overhead_part = prior.overhead_s * (sample.requests_ahead + 1)
+        token_part = (sample.tokens_ahead + sample.uncached_tokens) / prior.prefill_tokens_per_s
+        predicted = overhead_part + token_part
+        if predicted <= 0:  # a zero overhead and nothing to prefill: says nothing of either
+            return
+        u, v = overhead_part / predicted, token_part / predicted
+        current = self._model
+        expected = (current.overhead_s * (sample.requests_ahead + 1)
+                    + (sample.tokens_ahead + sample.uncached_tokens)
+                    / current.prefill_tokens_per_s)
+        if expected > 0:
+            seconds = min(max(seconds, expected / MAX_STEP), expected * MAX_STEP)
+        z = seconds / predicted
+        d = self._decay
+        self._suu = self._suu * d + u * u
+        self._suv = self._suv * d + u * v
+        self._svv = self._svv * d + v * v
+        self._suz = self._suz * d + u * z
+        self._svz = self._svz * d + v * z
+        self.samples += 1
+        self._model = self._solve()
+
+    def model(self) -> CostModel:
+        """The cost model the samples so far support (the prior before any). O(1)."""
+        return self._model
+
+    def _solve(self) -> CostModel:
+        """Ridge least squares for the factors (alpha on the overhead, beta on seconds per
+        token), each kept >= 0, then the values kept within the module's bounds."""
+        # The anchor fades with the samples' own memory, down to a trace that keeps the system
+        # solvable when every sample has the same mix.
+        lam = max(self._prior_samples * self._decay ** self.samples, MIN_ANCHOR)
+        a11, a12, a22 = self._suu + lam, self._suv, self._svv + lam
+        b1, b2 = self._suz + lam, self._svz + lam
+        det = a11 * a22 - a12 * a12  # > 0: both diagonals exceed lam > 0 and Cauchy-Schwarz
+        alpha = (b1 * a22 - b2 * a12) / det
+        beta = (a11 * b2 - a12 * b1) / det
+        if alpha < 0:  # the tokens explain more than all of it: no overhead
+            alpha, beta = 0.0, b2 / a22
+        elif beta < 0:  # the request count explains more than all of it
+            alpha, beta = b1 / a11, 0.0
+        prior = self._prior
+        overhead = min(alpha * prior.overhead_s, MAX_OVERHEAD_S)
+        seconds_per_token = beta / prior.prefill_tokens_per_s
+        rate = (MAX_TOKENS_PER_S if seconds_per_token <= 1 / MAX_TOKENS_PER_S
+                else max(1.0 / seconds_per_token, MIN_TOKENS_PER_S))
+        return CostModel(prefill_tokens_per_s=rate, overhead_s=overhead)

@@ -1,0 +1,193 @@
+"""The gateway measures its engines' prefill speed and routes on it (kvreuse.routing.cost_fit,
+gateway/router.py "Prefill speed"), in front of simulated engines on real sockets.
+
+The engines here prefill ``ENGINE_RATE`` tokens a second after ``ENGINE_OVERHEAD_S``: five
+times slower than the 10,000 tokens a second the policies assume until they are told or have
+measured otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+
+import httpx
+import pytest
+
+from kvreuse.gateway.config import UpstreamConfig
+from kvreuse.testing.processes import Fleet
+from kvreuse.testing.tiny_tokenizer import corpus_words
+
+from .fleet import Engine, RunningGateway, start_engine
+from .test_hot_prefix_copies import decisions, text_of
+
+Factory = Callable[..., RunningGateway]
+
+ENGINE_RATE = 2_000.0
+ENGINE_OVERHEAD_S = 0.02
+WARMUP = 48
+PREFIX_TOKENS = 2000
+SUFFIX_TOKENS = 100
+BURST = 60
+BURST_RATE = 20.0  # requests a second: 1.4 engines' worth of hits (0.07 s each)
+
+
+@pytest.fixture
+def slow_pair() -> Iterator[list[Engine]]:
+    pair = [start_engine(name, events=False, prefill_tokens_per_s=ENGINE_RATE,
+                         overhead_s=ENGINE_OVERHEAD_S, time_per_output_token_s=0.001,
+                         num_blocks=16_384) for name in ("e0", "e1")]
+    yield pair
+    for engine in pair:
+        engine.server.stop()
+
+
+def unique_prompt(tokens: int) -> str:
+    """A prompt of ``tokens`` tokens sharing nothing with any other prompt of any run."""
+    return text_of(tokens, [uuid.uuid4().hex[:11]], 0)
+
+
+async def warm_up(url: str, *, stream: bool = True, requests: int = WARMUP) -> None:
+    """``requests`` completions of 100 to 800 unique tokens, four at a time."""
+    sizes = [100 + (i * 137) % 700 for i in range(requests)]
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        async def one(size: int) -> None:
+            body = {"model": "sim", "prompt": unique_prompt(size), "max_tokens": 2,
+                    "stream": stream}
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                assert response.status_code == 200
+                await response.aread()
+
+        for start in range(0, requests, 4):
+            await asyncio.gather(*(one(size) for size in sizes[start:start + 4]))
+
+
+def prefill_metrics(gateway: RunningGateway) -> dict[str, float]:
+    """The gateway's prefill-speed series for model ``sim``, by metric name."""
+    text = httpx.get(gateway.url + "/metrics", timeout=5).text
+    found = {}
+    for name in ("tokens_per_second", "overhead_seconds", "samples_total"):
+        match = re.search(rf'^kvreuse_gateway_prefill_{name}\{{model="sim"\}} (\S+)$', text,
+                          re.MULTILINE)
+        if match is not None:
+            found[name] = float(match.group(1))
+    return found
+
+
+def test_streamed_first_chunks_measure_the_engines_prefill_speed(
+        slow_pair: list[Engine], gateway_factory: Factory) -> None:
+    """After 48 streamed answers /metrics shows the engines' rate within 25 %."""
+    gateway = gateway_factory(slow_pair)
+    asyncio.run(warm_up(gateway.url))
+    measured = prefill_metrics(gateway)
+    assert measured["samples_total"] == WARMUP, measured
+    assert measured["tokens_per_second"] == pytest.approx(ENGINE_RATE, rel=0.25), measured
+    # The policy routes on what was measured.
+    cost = gateway.gateway.router.cost_for("sim")
+    assert cost.prefill_tokens_per_s == measured["tokens_per_second"]
+
+
+def test_whole_answers_are_not_timed(slow_pair: list[Engine], gateway_factory: Factory) -> None:
+    """A non-streamed answer's first byte is its last: no sample, the configured speed."""
+    gateway = gateway_factory(slow_pair)
+    asyncio.run(warm_up(gateway.url, stream=False, requests=8))
+    assert prefill_metrics(gateway) == {}
+    assert gateway.gateway.router.cost_for("sim") == gateway.gateway.router.cost
+
+
+def test_fixed_prefill_routes_on_the_configured_speed(
+        slow_pair: list[Engine], gateway_factory: Factory) -> None:
+    """With learn_prefill off nothing is measured and the policy keeps the given speed."""
+    gateway = gateway_factory(slow_pair, learn_prefill=False, prefill_tokens_per_s=3000.0,
+                              prefill_overhead_s=0.01)
+    asyncio.run(warm_up(gateway.url, requests=8))
+    assert prefill_metrics(gateway) == {}
+    policy_cost = gateway.gateway.policy.cost  # type: ignore[attr-defined]
+    assert (policy_cost.prefill_tokens_per_s, policy_cost.overhead_s) == (3000.0, 0.01)
+
+
+async def hot_burst(url: str) -> list[tuple[int, str]]:
+    """``BURST`` completions at ``BURST_RATE`` a second sharing a ``PREFIX_TOKENS`` prefix."""
+    words = corpus_words()
+    run = uuid.uuid4().hex
+    prefix = text_of(PREFIX_TOKENS, [run, *words], 0)
+    prompts = [prefix + text_of(SUFFIX_TOKENS, [f"{i:04d}", run, *words], 0)
+               for i in range(BURST)]
+    async with httpx.AsyncClient(base_url=url, timeout=60,
+                                 limits=httpx.Limits(max_connections=BURST)) as client:
+        start = time.monotonic()
+
+        async def one(i: int, prompt: str) -> tuple[int, str]:
+            await asyncio.sleep(max(0.0, start + i / BURST_RATE - time.monotonic()))
+            response = await client.post("/v1/completions", json={
+                "model": "sim", "prompt": prompt, "max_tokens": 2})
+            return response.status_code, response.headers.get("x-kvreuse-upstream", "")
+
+        return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+
+
+@pytest.mark.parametrize("learn", [True, False])
+def test_a_hot_prefix_on_slow_engines_is_copied_once_their_speed_is_known(
+        slow_pair: list[Engine], gateway_factory: Factory, learn: bool) -> None:
+    """Measured, the prefix's demand (1.4 engines) gets a copy; assumed 5x faster, none."""
+    gateway = gateway_factory(slow_pair, learn_prefill=learn)
+    asyncio.run(warm_up(gateway.url))
+    made = decisions(gateway)
+    results = asyncio.run(hot_burst(gateway.url))
+    assert [status for status, _ in results] == [200] * BURST
+    routed = Counter(upstream for upstream, _ in made)
+    misses = [upstream for upstream, branch in made if branch == "miss"]
+    if learn:
+        # 20 hits a second of 0.07 s each: the holder's share and one copy elsewhere.
+        assert len(routed) == 2 and min(routed.values()) >= BURST // 4, (routed, made)
+        assert len(misses) == 2, made
+    else:
+        # Assumed at 10,000 tokens a second a hit costs 0.025 s: 0.5 engines' worth.
+        assert len(routed) == 1 and misses == [made[0][0]], made
+
+
+def test_a_comment_sent_before_the_first_token_is_not_timed(
+        fleet: Fleet, gateway_factory: Factory) -> None:
+    """An upstream that pings (': keep-alive') before its first event gives no sample."""
+    pinger = fleet.start_misbehaving("pinger", "comment-first", "--delay", "0.2")
+    gateway = gateway_factory([UpstreamConfig(pinger.url, name="pinger", models=("sim",))])
+    with httpx.stream("POST", gateway.url + "/v1/completions", timeout=10, json={
+            "model": "sim", "prompt": "hello", "max_tokens": 2, "stream": True}) as response:
+        assert response.status_code == 200
+        assert b"data: [DONE]" in response.read()
+    assert prefill_metrics(gateway) == {}
+
+
+def test_each_model_is_timed_on_its_own(gateway_factory: Factory) -> None:
+    """Engines of two models at different speeds: each model's fit finds its own rate."""
+    engines = [start_engine("fast", events=False, model="fast", prefill_tokens_per_s=40_000.0,
+                            overhead_s=0.005, num_blocks=16_384),
+               start_engine("slow", events=False, model="slow", prefill_tokens_per_s=2_000.0,
+                            overhead_s=0.005, num_blocks=16_384)]
+    try:
+        gateway = gateway_factory(engines)
+        with httpx.Client(base_url=gateway.url, timeout=30) as client:
+            for i in range(24):
+                for model in ("fast", "slow"):
+                    body = {"model": model, "prompt": unique_prompt(200 + 50 * (i % 8)),
+                            "max_tokens": 2, "stream": True}
+                    with client.stream("POST", "/v1/completions", json=body) as response:
+                        assert response.status_code == 200
+                        response.read()
+        router = gateway.gateway.router
+        assert sorted(router.fits) == ["fast", "slow"]
+        fast, slow = router.cost_for("fast"), router.cost_for("slow")
+        # 24 answers with no queue: the anchor still weighs, the rates are far apart anyway.
+        assert slow.prefill_tokens_per_s == pytest.approx(2_000.0, rel=0.5), slow
+        assert fast.prefill_tokens_per_s > 4 * slow.prefill_tokens_per_s, (fast, slow)
+        # A model no upstream lists gets a 404 and no fit.
+        assert httpx.post(gateway.url + "/v1/completions", timeout=10, json={
+            "model": "nobody", "prompt": "x", "max_tokens": 1}).status_code == 404
+        assert sorted(router.fits) == ["fast", "slow"]
+    finally:
+        for engine in engines:
+            engine.server.stop()
