@@ -52,6 +52,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -207,7 +208,9 @@ def start_router(fleet: Fleet, router: str, engines: Sequence[Process],
         extra = list(gateway_args) + (["--fixed-prefill"] if fixed else [])
         if "block_size" in policy_option_names(policy):  # the engines' block, not a default
             extra += ["--policy-option", f"block_size={block_size}"]
-        return fleet.start_gateway(router, engines, policy=policy, extra_args=extra)
+        # A process name is a log file's name: no "/" from the variant.
+        return fleet.start_gateway(router.replace("/", "-"), engines, policy=policy,
+                                   extra_args=extra)
     return fleet.start_peer(router, engines, block_size=block_size, model=model)
 
 
@@ -277,10 +280,35 @@ def measure(fleet: Fleet, engines: Sequence[Process], router: str, scenario: str
     if snapshots.get("surge") and snapshots.get("surge_end"):
         surge = fleet_hits(snapshots["surge"], snapshots["surge_end"]).hit_rate
     if proc is not None:
+        if router.startswith("kvreuse:"):
+            report_prefill_speed(router, proc.url)
         fleet.forget(proc)
     return RunRow(scenario, router, hits.hit_rate, latency.p50_ms, latency.p95_ms,
                   hits.max_over_mean_load, latency.count, latency.lost,
                   surge_hit_rate=surge, router_ms=router_ms, recording=recording)
+
+
+PREFILL_SERIES = re.compile(
+    r'^kvreuse_gateway_prefill_(tokens_per_second|overhead_seconds|samples_total)'
+    r'\{model="([^"]*)"\} (\S+)$', re.MULTILINE)
+
+
+def report_prefill_speed(router: str, url: str) -> None:
+    """Print, as a comment, the prefill speed a kvreuse gateway measured (absent with
+    ``--fixed-prefill`` and before any streamed answer)."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=5).text
+    except httpx.HTTPError as exc:
+        print(f"# {router}: /metrics unreadable ({exc})", file=sys.stderr)
+        return
+    by_model: dict[str, dict[str, float]] = {}
+    for name, model, value in PREFILL_SERIES.findall(text):
+        by_model.setdefault(model, {})[name] = float(value)
+    for model, series in sorted(by_model.items()):
+        print(f"# {router} measured model {model}: "
+              f"{series.get('tokens_per_second', float('nan')):,.0f} prefill tokens/s, "
+              f"{series.get('overhead_seconds', float('nan')) * 1000:.1f} ms a request, "
+              f"{series.get('samples_total', 0):.0f} first chunks", flush=True)
 
 
 # ---------------------------------------------------------------------------- gateway cost
@@ -612,9 +640,11 @@ def vllm_section(fleet: Fleet, args: argparse.Namespace, routers: Sequence[str]
     time.sleep(1.0)
     calls = scenario_calls("vllm-chat", rate=args.vllm_rate, warmup_s=args.warmup,
                            duration_s=args.duration, seed=args.seed, max_tokens=4)
+    candidate = kvreuse_policy(args.candidate)[0]
     chosen = [r for r in routers if r in ("direct", *PEERS, "kvreuse:round_robin",
                                           "kvreuse:cache_aware", "kvreuse:exact",
-                                          args.candidate)]
+                                          args.candidate)
+              or (r.startswith("kvreuse:") and kvreuse_policy(r)[0] == candidate)]
     rows = []
     for _ in range(args.repeats):
         for router in chosen:

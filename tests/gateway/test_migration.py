@@ -20,7 +20,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvreuse.gateway.config import UpstreamConfig
-from kvreuse.gateway.migration import MAX_HELD_EVENT_BYTES, Complete, Continuation, StreamProgress
+from kvreuse.gateway.migration import (
+    MAX_HELD_EVENT_BYTES,
+    Complete,
+    Continuation,
+    StreamProgress,
+    opens_with_choices,
+)
 from kvreuse.gateway.validation import parse_request
 from kvreuse.testing.cutter import CuttingProxy
 from kvreuse.testing.processes import Fleet
@@ -513,3 +519,21 @@ def test_a_tenants_continuation_carries_its_cache_salt(
         first, continuation = cut.bodies[-1], watcher.bodies[-1]
     assert response.status_code == 200 and "error" not in response.text
     assert first["cache_salt"] and continuation["cache_salt"] == first["cache_salt"]
+
+
+@pytest.mark.parametrize(("chunk", "token"), [
+    (b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n', True),
+    (b'data: {"choices": [{"index": 0, "delta": {"role": "assistant"}}]}\n\ndata: [DONE]\n\n',
+     True),
+    (b'data: {"choices": [{"index": 0, "text": "a"}]}\r\n\r\n', True),
+    (b": keep-alive\n\n", False),
+    (b'data: {"error": {"message": "boom", "code": 500}}\n\n', False),
+    (b"data: [DONE]\n\n", False),
+    (b'data: {"choices": [{"index": 0, "te', False),
+    (b"data: not json\n\n", False),
+    (b'data: {"object": "chat.completion.chunk"}\n\n', False),
+    (b"", False),
+])
+def test_only_a_first_event_with_choices_opens_an_answer(chunk: bytes, token: bool) -> None:
+    """opens_with_choices: a whole first event with choices and no error, nothing else."""
+    assert opens_with_choices(chunk) is token

@@ -162,6 +162,19 @@ def test_a_comment_sent_before_the_first_token_is_not_timed(
     assert prefill_metrics(gateway) == {}
 
 
+def test_a_stream_that_opens_with_an_error_event_is_not_timed(
+        fleet: Fleet, gateway_factory: Factory) -> None:
+    """An instant error event is no first token: the client reads the error, no sample."""
+    failing = fleet.start_misbehaving("error-event", "error-event")
+    gateway = gateway_factory([UpstreamConfig(failing.url, name="error-event",
+                                              models=("sim",))], retries=0)
+    with httpx.stream("POST", gateway.url + "/v1/completions", timeout=10, json={
+            "model": "sim", "prompt": "hello", "max_tokens": 2, "stream": True}) as response:
+        assert response.status_code == 200
+        assert b"deliberate error event" in response.read()
+    assert prefill_metrics(gateway) == {}
+
+
 def test_each_model_is_timed_on_its_own(gateway_factory: Factory) -> None:
     """Engines of two models at different speeds: each model's fit finds its own rate."""
     engines = [start_engine("fast", events=False, model="fast", prefill_tokens_per_s=40_000.0,

@@ -463,6 +463,23 @@ def _plausible_id(value: Any) -> bool:
     return isinstance(value, str) and 0 < len(value) <= MAX_ID_CHARS
 
 
+def opens_with_choices(chunk: bytes) -> bool:
+    """Whether a stream's first chunk starts with a whole event whose data is a completion or
+    chat chunk (``choices``, no ``error``): an answer's first token, not a comment, a
+    keep-alive or an error sent in its place. O(bytes of that event)."""
+    end = _last_event_end(chunk)
+    if not chunk.startswith(b"data:") or end < 0:
+        return False
+    payload = _data_of(_split_events(chunk[:end])[0])
+    if payload is None or payload == b"[DONE]":
+        return False
+    try:
+        decoded = _event_decoder.decode(payload)
+    except msgspec.DecodeError:
+        return False
+    return decoded.error is None and decoded.choices is not None
+
+
 def excerpt(payload: bytes, limit: int = 300) -> str:
     """The start of an upstream's body or event, for logs and error messages."""
     text = payload[:limit].decode("utf-8", errors="replace").strip()

@@ -50,6 +50,7 @@ from kvreuse.gateway.migration import (
     StreamProgress,
     decode_usage,
     excerpt,
+    opens_with_choices,
 )
 from kvreuse.gateway.quarantine import DEATHS_TO_STOP, UNAVAILABLE, Quarantine
 from kvreuse.gateway.router import Candidate, Plan, Router
@@ -365,10 +366,10 @@ class Forwarder:
                         continue
                     settled = True
                     upstream.answered()
-                    if progress is None and first.startswith(b"data:"):
-                        # The first event's data, not a comment or keep-alive sent ahead of
-                        # the first token; a continuation's prompt is longer than the plan's.
-                        self.router.first_token(sent_at)
+                    # The first token times the prefill; a continuation's prompt is longer
+                    # than the plan's, so it is not a sample.
+                    if progress is None and opens_with_choices(first):
+                        self.router.first_token(sent_at, self.router.clock() - sent_at.at)
                     if progress is None:
                         self._served_elsewhere(path, plan, body, attempts)
                         progress = StreamProgress(

@@ -494,9 +494,9 @@ class Router:
         fit = self.fits.get(self.fit_key(model)) if self.learn_prefill else None
         return self.cost if fit is None else fit.model()
 
-    def first_token(self, sent: Sent) -> None:
-        """Called when an upstream's streamed answer (status 200) sent its first chunk: the
-        wait since :meth:`committed` is one sample of its model's prefill speed. O(1)."""
+    def first_token(self, sent: Sent, seconds: float) -> None:
+        """Called when an upstream's streamed answer (status 200) sent its first event,
+        ``seconds`` after :meth:`committed`: one sample of its model's prefill speed. O(1)."""
         if not self.learn_prefill:
             return
         fit = self.fits.get(sent.fit)
@@ -506,7 +506,7 @@ class Router:
                              if key == "" or key in self._by_model}
             fit = self.fits[sent.fit] = PrefillFit(self.cost)
         fit.observe(PrefillSample(sent.requests_ahead, sent.tokens_ahead,
-                                  sent.uncached_tokens, self.clock() - sent.at))
+                                  sent.uncached_tokens, seconds))
 
     def first_byte(self, plan: Plan, candidate: Candidate) -> None:
         uncached = plan.request.prompt_tokens - candidate.predicted_cached_tokens

@@ -30,7 +30,9 @@
   ``/health`` and every generate request answer ``503`` (vLLM draining before it stops);
 * ``comment-first``: an SSE stream that sends a comment (``: keep-alive``) at once, then after
   ``--delay`` seconds one completion event and ``data: [DONE]`` (a server or proxy that pings
-  before its first token).
+  before its first token);
+* ``error-event``: an SSE stream whose first event is an error (``data: {"error": ...}``, as
+  vLLM sends when a request fails after its stream began), then ``data: [DONE]``.
 
 Plain asyncio streams (no framework), so each misbehaviour is exactly what it says. Every
 generate request is counted; ``GET /stats`` answers ``{"requests": N, "open": M, "request_ids":
@@ -48,7 +50,8 @@ import signal
 from collections.abc import Sequence
 
 MODES = ("hang", "huge", "slow", "error", "close", "midstream", "silent-stream", "status",
-         "usage", "twice", "poison", "killer", "draining", "slow-health", "comment-first")
+         "usage", "twice", "poison", "killer", "draining", "slow-health", "comment-first",
+         "error-event")
 GENERATE = (b"/v1/completions", b"/v1/chat/completions")
 
 
@@ -158,6 +161,16 @@ class Misbehaving:
                 writer.write(b"%x\r\n%s\r\n" % (len(event), event))
                 await writer.drain()
                 return False
+            if self.mode == "error-event":
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                             b"transfer-encoding: chunked\r\n\r\n")
+                for event in (b'data: {"error": {"message": "misbehaving upstream: '
+                              b'deliberate error event", "code": 500}}\n\n',
+                              b"data: [DONE]\n\n"):
+                    writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+                writer.write(b"0\r\n\r\n")
+                await writer.drain()
+                return True
             if self.mode == "comment-first":
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
                              b"transfer-encoding: chunked\r\n\r\n")
