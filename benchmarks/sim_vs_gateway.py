@@ -22,28 +22,29 @@ rate, 5 ms per output token, ``--max-tokens`` output tokens) and compares, per p
 
 ``kvreuse:NAME`` rows are simulated with policy NAME (``block_size=16`` where the policy takes
 one, as the gateway run passed it; trees bounded by the gateway's index budget, 2 x the engines'
-cache, where the policy keeps its own: :func:`gateway_options`); ``sglang-router``, ``smg`` and
-``vllm-router`` with ``cache_aware_smg``, the rule their Rust code runs; other peers have no
-simulator rule and are skipped. The simulator's fleet counts queues as the gateway does
-(``load_view="router"``) and hears of each first token ``--first-byte-lag-ms`` (2) after the
-engine made it, the HTTP hop back to the router: with 0, ``cost`` on belgavi is predicted at
-80.8 % hit rate and a 93 ms p95 against the 83.0–83.1 % and 68–74 ms the gateway measured in
-five runs; lags of 1, 2, 3 and 5 ms predict 83.1–83.2 % and 68 ms; of the nine other rows it
-moves, every hit rate moving by more than half a point moves toward the gateway's, and two p95s
-move 4–5 % away (surge ``exact``, ``cost``; docs/performance.md). It hears of each response's
-end ``--last-byte-lag-ms`` (4) after the engine's last token: a router counting requests in
-flight sees them that much longer (the real engines' event loops, the HTTP hops). On recorded
-runs the gateway's own total time per request exceeds the simulator's on the same placements by
-a median of 8-12 ms, and the lag was 8 ms until the session of 2026-12-04. On the eighteen
-streams measured that day (docs/performance.md, "The simulator's two misses on contracts"),
-4 ms put 66 of 66 rows within range and 18 of 18 rankings at tau >= 0.8, against 63 and 16
-with 8 ms. Only rows of routers sending misses to the fewest requests in flight move: whether a
-request that ended a few ms ago still counts decides those misses. On contracts at seed 1 that
-rule is chaotic at that scale, 70.9-76.6 % over twenty replays jittered by 5 ms.
-``--replays N`` simulates each row N times, all but the first with every
-arrival moved by up to ``--jitter-ms`` (5), and compares the medians: on contracts at 12,288
-tokens a policy's hit rate moves by up to 6 points between such replays, as it does between
-gateway runs.
+cache, where the policy keeps its own: :func:`gateway_options`; on the engines' prefill speed,
+which the gateway measures, unless the run was ``--fixed-prefill``: :func:`gateway_cost`);
+``sglang-router``, ``smg`` and ``vllm-router`` with ``cache_aware_smg``, the rule their Rust
+code runs; other peers have no simulator rule and are skipped. The simulator's fleet counts
+queues as the gateway does (``load_view="router"``) and hears of each first token
+``--first-byte-lag-ms`` (2) after the engine made it, the HTTP hop back to the router: with 0,
+``cost`` on belgavi is predicted at 80.8 % hit rate and a 93 ms p95 against the 83.0–83.1 % and
+68–74 ms the gateway measured in five runs; lags of 1, 2, 3 and 5 ms predict 83.1–83.2 % and 68
+ms; of the nine other rows it moves, every hit rate moving by more than half a point moves
+toward the gateway's, and two p95s move 4–5 % away (surge ``exact``, ``cost``;
+docs/performance.md). It hears of each response's end ``--last-byte-lag-ms`` (4) after the
+engine's last token: a router counting requests in flight sees them that much longer (the real
+engines' event loops, the HTTP hops). On recorded runs the gateway's own total time per request
+exceeds the simulator's on the same placements by a median of 8-12 ms, and the lag was 8 ms
+until the session of 2026-12-04. On the eighteen streams measured that day (docs/performance.md,
+"The simulator's two misses on contracts"), 4 ms put 66 of 66 rows within range and 18 of 18
+rankings at tau >= 0.8, against 63 and 16 with 8 ms. Only rows of routers sending misses to the
+fewest requests in flight move: whether a request that ended a few ms ago still counts decides
+those misses. On contracts at seed 1 that rule is chaotic at that scale, 70.9-76.6 % over twenty
+replays jittered by 5 ms. ``--replays N`` simulates each row N times, all but the first with
+every arrival moved by up to ``--jitter-ms`` (5), and compares the medians: on contracts at
+12,288 tokens a policy's hit rate moves by up to 6 points between such replays, as it does
+between gateway runs.
 
 Why the bound and the lag (docs/performance.md): replaying a recorded gateway run's placements
 and asking the simulator's policy, fed the same history, where it would have sent each
