@@ -28,10 +28,10 @@ its current contents again under the new names. LoRA adapters (``/v1/models`` en
 Prefill speed. A policy that predicts time (:class:`~kvreuse.routing.PredictsTime`) is given,
 before each request, the cost model the gateway has measured for the request's model
 (:class:`~kvreuse.routing.cost_fit.PrefillFit`, fed by :meth:`Router.first_token` with every
-streamed answer's first chunk), starting from ``cost`` (by default the policy's own);
-``learn_prefill=False`` leaves the policy's alone.
-One fit per served model (models run at their own speeds), one for requests no known upstream
-serves; they are bounded by the names upstreams list.
+streamed answer's first token), starting from ``cost`` (by default the policy's own);
+``learn_prefill=False`` leaves the policy's alone. One fit per served model (models run at their
+own speeds), one for requests no known upstream serves; they are bounded by the names upstreams
+list.
 """
 
 from __future__ import annotations
