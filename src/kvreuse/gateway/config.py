@@ -412,7 +412,7 @@ class GatewayConfig:
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not _is_real(self.prefill_tokens_per_s) or not (
                 0 < self.prefill_tokens_per_s < math.inf):
-            raise ConfigError(f"prefill_tokens_per_s must be a number > 0, got "
+            raise ConfigError(f"prefill_tokens_per_s must be a finite number > 0, got "
                               f"{self.prefill_tokens_per_s!r}")
         if not _is_real(self.prefill_overhead_s) or not 0 <= self.prefill_overhead_s <= 60:
             raise ConfigError(f"prefill_overhead_s must be a number of seconds in [0, 60], "
