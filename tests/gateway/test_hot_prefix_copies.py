@@ -84,17 +84,18 @@ def hot_prefix_stream() -> list[str]:
             for i in range(REQUESTS)]
 
 
-async def send_stream(url: str, prompts: list[str]) -> list[tuple[int, str]]:
-    """Send ``prompts`` at ``RATE`` a second, each without waiting for earlier answers; the
+async def send_stream(url: str, prompts: list[str], rate: float = RATE,
+                      max_tokens: int = 3) -> list[tuple[int, str]]:
+    """Send ``prompts`` at ``rate`` a second, each without waiting for earlier answers; the
     status and serving upstream (``x-kvreuse-upstream``) of each, in sending order."""
-    async with httpx.AsyncClient(base_url=url, timeout=30,
+    async with httpx.AsyncClient(base_url=url, timeout=60,
                                  limits=httpx.Limits(max_connections=len(prompts))) as client:
         start = time.monotonic()
 
         async def one(i: int, prompt: str) -> tuple[int, str]:
-            await asyncio.sleep(max(0.0, start + i / RATE - time.monotonic()))
+            await asyncio.sleep(max(0.0, start + i / rate - time.monotonic()))
             response = await client.post("/v1/completions", json={
-                "model": "sim", "prompt": prompt, "max_tokens": 3})
+                "model": "sim", "prompt": prompt, "max_tokens": max_tokens})
             return response.status_code, response.headers.get("x-kvreuse-upstream", "")
 
         return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))

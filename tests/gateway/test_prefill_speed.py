@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -23,7 +22,7 @@ from kvreuse.testing.processes import Fleet
 from kvreuse.testing.tiny_tokenizer import corpus_words
 
 from .fleet import Engine, RunningGateway, start_engine
-from .test_hot_prefix_copies import decisions, text_of
+from .test_hot_prefix_copies import decisions, send_stream, text_of
 
 Factory = Callable[..., RunningGateway]
 
@@ -117,17 +116,7 @@ async def hot_burst(url: str) -> list[tuple[int, str]]:
     prefix = text_of(PREFIX_TOKENS, [run, *words], 0)
     prompts = [prefix + text_of(SUFFIX_TOKENS, [f"{i:04d}", run, *words], 0)
                for i in range(BURST)]
-    async with httpx.AsyncClient(base_url=url, timeout=60,
-                                 limits=httpx.Limits(max_connections=BURST)) as client:
-        start = time.monotonic()
-
-        async def one(i: int, prompt: str) -> tuple[int, str]:
-            await asyncio.sleep(max(0.0, start + i / BURST_RATE - time.monotonic()))
-            response = await client.post("/v1/completions", json={
-                "model": "sim", "prompt": prompt, "max_tokens": 2})
-            return response.status_code, response.headers.get("x-kvreuse-upstream", "")
-
-        return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+    return await send_stream(url, prompts, rate=BURST_RATE, max_tokens=2)
 
 
 @pytest.mark.parametrize("learn", [True, False])
