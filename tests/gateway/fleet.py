@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from kvreuse.engine.replica import EngineConfig
@@ -39,6 +39,17 @@ def start_engine(name: str, *, model: str = "sim", events: bool = True, shape: s
     upstream = UpstreamConfig(server.url, name=name, events=endpoint, replay=replay_endpoint,
                               topic="kv-events")
     return Engine(server, engine, upstream)
+
+
+def slow_engines(prefill_tokens_per_s: float, overhead_s: float) -> Iterator[list[Engine]]:
+    """Two fresh engines without KV events, e0 and e1, at that prefill speed (decode 1 ms a
+    token, 65,536 tokens of KV); stopped when the generator is closed (a fixture's body)."""
+    pair = [start_engine(name, events=False, prefill_tokens_per_s=prefill_tokens_per_s,
+                         overhead_s=overhead_s, time_per_output_token_s=0.001,
+                         num_blocks=16_384) for name in ("e0", "e1")]
+    yield pair
+    for engine in pair:
+        engine.server.stop()
 
 
 @dataclass

@@ -40,7 +40,7 @@ import pytest
 from kvreuse.gateway.router import Candidate, Plan, Sent
 from kvreuse.testing.tiny_tokenizer import corpus_words
 
-from .fleet import Engine, RunningGateway, start_engine
+from .fleet import Engine, RunningGateway, slow_engines
 
 Factory = Callable[..., RunningGateway]
 
@@ -55,12 +55,7 @@ ENGINE_OVERHEAD_S = 0.02
 @pytest.fixture
 def slow_pair() -> Iterator[list[Engine]]:
     """Two fresh engines, each serving a hit of this stream in 0.04 s (a miss in 0.14 s)."""
-    pair = [start_engine(name, events=False, prefill_tokens_per_s=ENGINE_RATE,
-                         overhead_s=ENGINE_OVERHEAD_S, time_per_output_token_s=0.001,
-                         num_blocks=16_384) for name in ("e0", "e1")]
-    yield pair
-    for engine in pair:
-        engine.server.stop()
+    yield from slow_engines(ENGINE_RATE, ENGINE_OVERHEAD_S)
 
 
 def text_of(tokens: int, words: list[str], start: int) -> str:

@@ -21,7 +21,7 @@ from kvreuse.gateway.config import UpstreamConfig
 from kvreuse.testing.processes import Fleet
 from kvreuse.testing.tiny_tokenizer import corpus_words
 
-from .fleet import Engine, RunningGateway, start_engine
+from .fleet import Engine, RunningGateway, slow_engines, start_engine
 from .test_hot_prefix_copies import decisions, send_stream, text_of
 
 Factory = Callable[..., RunningGateway]
@@ -37,12 +37,7 @@ BURST_RATE = 20.0  # requests a second: 1.4 engines' worth of hits (0.07 s each)
 
 @pytest.fixture
 def slow_pair() -> Iterator[list[Engine]]:
-    pair = [start_engine(name, events=False, prefill_tokens_per_s=ENGINE_RATE,
-                         overhead_s=ENGINE_OVERHEAD_S, time_per_output_token_s=0.001,
-                         num_blocks=16_384) for name in ("e0", "e1")]
-    yield pair
-    for engine in pair:
-        engine.server.stop()
+    yield from slow_engines(ENGINE_RATE, ENGINE_OVERHEAD_S)
 
 
 def unique_prompt(tokens: int) -> str:
