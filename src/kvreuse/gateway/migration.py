@@ -467,10 +467,12 @@ def opens_with_choices(chunk: bytes) -> bool:
     """Whether a stream's first chunk starts with a whole event whose data is a completion or
     chat chunk (``choices``, no ``error``): an answer's first token, not a comment, a
     keep-alive or an error sent in its place. O(bytes of that event)."""
-    end = _last_event_end(chunk)
-    if not chunk.startswith(b"data:") or end < 0:
+    if not chunk.startswith(b"data:"):
         return False
-    payload = _data_of(_split_events(chunk[:end])[0])
+    ends = [at for at in (chunk.find(b"\n\n"), chunk.find(b"\r\n\r\n")) if at >= 0]
+    if not ends:
+        return False
+    payload = _data_of(chunk[: min(ends)].replace(b"\r\n", b"\n"))
     if payload is None or payload == b"[DONE]":
         return False
     try:
