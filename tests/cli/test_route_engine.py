@@ -135,6 +135,7 @@ def test_route_and_engine_announce_themselves_and_log_each_request(tmp_path: Pat
         assert gateway.url in line and "policy round_robin" in line
         assert f"engine0={engine.url} (sim)" in line and f"dead={dead} (sim)" in line
         assert f"/metrics on port {metrics_port}" in line and "access log json" in line
+        assert "prefill speed measured from first tokens, from 10000 tokens/s" in line
         assert gateway.log_path.read_text().count("kvreuse route: serving") == 1
         assert httpx.get(gateway.url + "/metrics").status_code == 404
         page = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics")

@@ -712,8 +712,8 @@ class Gateway:
                                        for u in self.upstreams}))
 
     def startup_summary(self, models: dict[str, list[str]]) -> str:
-        """Policy, upstreams (with their models and events endpoint), tenants, metrics and
-        access log, in one line."""
+        """Policy, upstreams (with their models and events endpoint), tenants, the prefill
+        speed routed on, metrics and access log, in one line."""
         config = self.config
         parts = []
         for upstream in config.upstreams:
@@ -728,9 +728,13 @@ class Gateway:
         admin = "on" if self._admin_key is not None else "off"
         found = "".join(f"; discovering {d.source} every {d.interval_s:g} s"
                         for d in config.discovery)
+        speed = (f"{config.prefill_tokens_per_s:g} tokens/s and {config.prefill_overhead_s:g} s "
+                 "a request")
+        prefill = (f"measured from first tokens, from {speed}" if config.learn_prefill
+                   else f"fixed at {speed}")
         return (f"policy {self.policy.name}; upstreams {', '.join(parts) or 'none configured'}"
-                f"{found}; tenants {tenants}; /metrics on {metrics}; access log "
-                f"{config.access_log}; admin API {admin}")
+                f"{found}; tenants {tenants}; prefill speed {prefill}; /metrics on {metrics}; "
+                f"access log {config.access_log}; admin API {admin}")
 
     async def _probe_loop(self, upstream: UpstreamState) -> None:
         while True:
