@@ -26,22 +26,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import re
+import json
 import statistics
 import sys
-import time
 import uuid
 from collections.abc import Sequence
 
 import httpx
 
+from kvreuse.hitrate.prometheus import parse_exposition
+from kvreuse.sim.summary import percentile
+from kvreuse.testing.loadgen import Call, Result, fleet_hits, run_calls, scrape
 from kvreuse.testing.processes import EngineSpec, Fleet, Process, wait_http
 
-PREFILL_SERIES = re.compile(
-    r'^kvreuse_gateway_prefill_(tokens_per_second|overhead_seconds)\{model="sim"\} (\S+)$',
-    re.MULTILINE)
-ENGINE_COUNTER = re.compile(r'^vllm:(prefix_cache_hits|prefix_cache_queries)(?:_total)?'
-                            r'\{[^}]*\} (\S+)$', re.MULTILINE)
+PREFILL_SERIES = ("kvreuse_gateway_prefill_tokens_per_second",
+                  "kvreuse_gateway_prefill_overhead_seconds")
 
 
 def text_of(tokens: int, seed: str) -> str:
@@ -65,57 +64,25 @@ async def warm_up(url: str, requests: int) -> None:
             await asyncio.gather(*(one(size) for size in sizes[start:start + 4]))
 
 
-async def burst(url: str, args: argparse.Namespace) -> list[tuple[float, str]]:
-    """Each burst request's TTFT (client side) and serving engine."""
+def burst_calls(args: argparse.Namespace) -> list[Call]:
+    """``--burst`` streamed completions at ``--burst-rate`` a second sharing one prefix."""
     run = uuid.uuid4().hex
     prefix = text_of(args.prefix_tokens, run)
-    prompts = [prefix + text_of(args.suffix_tokens, f"{i:04d}{run[:6]}")
-               for i in range(args.burst)]
-    async with httpx.AsyncClient(base_url=url, timeout=120,
-                                 limits=httpx.Limits(max_connections=args.burst)) as client:
-        start = time.monotonic()
-
-        async def one(i: int, prompt: str) -> tuple[float, str]:
-            await asyncio.sleep(max(0.0, start + i / args.burst_rate - time.monotonic()))
-            sent = time.monotonic()
-            first: float | None = None
-            body = {"model": "sim", "prompt": prompt, "max_tokens": 2, "stream": True}
-            async with client.stream("POST", "/v1/completions", json=body) as response:
-                response.raise_for_status()
-                async for _ in response.aiter_bytes():
-                    if first is None:
-                        first = time.monotonic() - sent
-                engine = response.headers.get("x-kvreuse-upstream", "?")
-            assert first is not None, "an empty stream"
-            return first, engine
-
-        return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
-
-
-def engine_counters(engines: Sequence[Process]) -> tuple[float, float]:
-    """The fleet's prefix-cache hits and queries, in tokens."""
-    hits = queries = 0.0
-    for engine in engines:
-        for name, value in ENGINE_COUNTER.findall(httpx.get(engine.url + "/metrics",
-                                                            timeout=5).text):
-            if name == "prefix_cache_hits":
-                hits += float(value)
-            else:
-                queries += float(value)
-    return hits, queries
+    return [Call(i / args.burst_rate, "/v1/completions", json.dumps({
+        "model": "sim", "prompt": prefix + text_of(args.suffix_tokens, f"{i:04d}{run[:6]}"),
+        "max_tokens": 2, "stream": True}).encode())
+        for i in range(args.burst)]
 
 
 def routed_speed(gateway: Process) -> str:
-    series = dict(PREFILL_SERIES.findall(httpx.get(gateway.url + "/metrics", timeout=5).text))
+    text = httpx.get(gateway.url + "/metrics", timeout=5).text
+    series = {s.name: s.value for s in parse_exposition(text, "gateway /metrics",
+                                                         only=PREFILL_SERIES, strict=False)
+              if s.label("model") == "sim"}
     if not series:
         return "10,000 tokens/s, 15.0 ms (assumed)"
-    return (f"{float(series['tokens_per_second']):,.0f} tokens/s, "
-            f"{float(series['overhead_seconds']) * 1000:.1f} ms (measured)")
-
-
-def percentile(values: Sequence[float], share: float) -> float:
-    ordered = sorted(values)
-    return ordered[max(round(share * len(ordered)) - 1, 0)]
+    return (f"{series[PREFILL_SERIES[0]]:,.0f} tokens/s, "
+            f"{series[PREFILL_SERIES[1]] * 1000:.1f} ms (measured)")
 
 
 def one_run(fleet: Fleet, fixed: bool, args: argparse.Namespace) -> str:
@@ -129,22 +96,26 @@ def one_run(fleet: Fleet, fixed: bool, args: argparse.Namespace) -> str:
     name = f"gateway-{'fixed' if fixed else 'measuring'}-{uuid.uuid4().hex[:6]}"
     gateway = fleet.start_gateway(name, engines, policy="relative_spill", events=False,
                                   extra_args=["--fixed-prefill"] if fixed else [])
+    urls = [engine.url for engine in engines]
     try:
         asyncio.run(warm_up(gateway.url, args.warmup))
         speed = routed_speed(gateway)
-        before = engine_counters(engines)
-        results = asyncio.run(burst(gateway.url, args))
-        after = engine_counters(engines)
+        before = scrape(urls)
+        results: list[Result] = asyncio.run(run_calls(burst_calls(args),
+                                                      lambda i, call: gateway.url))
+        hits = fleet_hits(before, scrape(urls))
     finally:
         for proc in (gateway, *engines):
             fleet.forget(proc)
-    ttfts = [ttft for ttft, _ in results]
-    placed = sorted(engine for _, engine in results)
+    failed = [r for r in results if r.status != 200 or r.error or r.ttft_s is None]
+    if failed:
+        raise RuntimeError(f"{len(failed)} burst requests failed, first: {failed[0].status} "
+                           f"{failed[0].error[:200]}")
+    ttfts = [r.ttft_s for r in results if r.ttft_s is not None]
+    placed = sorted(r.upstream for r in results)
     per_engine = ", ".join(f"{placed.count(e)}" for e in sorted(set(placed)))
-    queries = after[1] - before[1]
-    hit_rate = (after[0] - before[0]) / queries if queries else float("nan")
     return (f"| {'--fixed-prefill' if fixed else 'measuring'} | {speed} | {per_engine} | "
-            f"{hit_rate:.1%} | {statistics.median(ttfts) * 1000:.0f} ms | "
+            f"{hits.hit_rate:.1%} | {statistics.median(ttfts) * 1000:.0f} ms | "
             f"{percentile(ttfts, 0.95) * 1000:.0f} ms | {max(ttfts) * 1000:.0f} ms |")
 
 

@@ -52,7 +52,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -65,6 +64,7 @@ from typing import Any
 
 import httpx
 
+from kvreuse.hitrate.prometheus import parse_exposition
 from kvreuse.routing import DESCRIPTIONS
 from kvreuse.routing.registry import policy_option_names
 from kvreuse.sim.workloads import ChatWorkload, DocumentWorkload, RateStep, Tenant
@@ -288,9 +288,9 @@ def measure(fleet: Fleet, engines: Sequence[Process], router: str, scenario: str
                   surge_hit_rate=surge, router_ms=router_ms, recording=recording)
 
 
-PREFILL_SERIES = re.compile(
-    r'^kvreuse_gateway_prefill_(tokens_per_second|overhead_seconds|samples_total)'
-    r'\{model="([^"]*)"\} (\S+)$', re.MULTILINE)
+PREFILL_SERIES = ("kvreuse_gateway_prefill_tokens_per_second",
+                  "kvreuse_gateway_prefill_overhead_seconds",
+                  "kvreuse_gateway_prefill_samples_total")
 
 
 def report_prefill_speed(router: str, url: str) -> None:
@@ -302,13 +302,15 @@ def report_prefill_speed(router: str, url: str) -> None:
         print(f"# {router}: /metrics unreadable ({exc})", file=sys.stderr)
         return
     by_model: dict[str, dict[str, float]] = {}
-    for name, model, value in PREFILL_SERIES.findall(text):
-        by_model.setdefault(model, {})[name] = float(value)
+    for sample in parse_exposition(text, f"{router} /metrics", only=PREFILL_SERIES,
+                                   strict=False):
+        by_model.setdefault(sample.label("model") or "", {})[sample.name] = sample.value
+    rate, overhead, samples = PREFILL_SERIES
     for model, series in sorted(by_model.items()):
         print(f"# {router} measured model {model}: "
-              f"{series.get('tokens_per_second', float('nan')):,.0f} prefill tokens/s, "
-              f"{series.get('overhead_seconds', float('nan')) * 1000:.1f} ms a request, "
-              f"{series.get('samples_total', 0):.0f} first chunks", flush=True)
+              f"{series.get(rate, float('nan')):,.0f} prefill tokens/s, "
+              f"{series.get(overhead, float('nan')) * 1000:.1f} ms a request, "
+              f"{series.get(samples, 0):.0f} first tokens timed", flush=True)
 
 
 # ---------------------------------------------------------------------------- gateway cost

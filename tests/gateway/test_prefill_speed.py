@@ -9,7 +9,6 @@ measured otherwise.
 from __future__ import annotations
 
 import asyncio
-import re
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -18,6 +17,7 @@ import httpx
 import pytest
 
 from kvreuse.gateway.config import UpstreamConfig
+from kvreuse.hitrate.prometheus import parse_exposition
 from kvreuse.testing.processes import Fleet
 from kvreuse.testing.tiny_tokenizer import corpus_words
 
@@ -61,15 +61,12 @@ async def warm_up(url: str, *, stream: bool = True, requests: int = WARMUP) -> N
 
 
 def prefill_metrics(gateway: RunningGateway) -> dict[str, float]:
-    """The gateway's prefill-speed series for model ``sim``, by metric name."""
+    """The gateway's prefill-speed series for model ``sim``, by metric name less its prefix."""
     text = httpx.get(gateway.url + "/metrics", timeout=5).text
-    found = {}
-    for name in ("tokens_per_second", "overhead_seconds", "samples_total"):
-        match = re.search(rf'^kvreuse_gateway_prefill_{name}\{{model="sim"\}} (\S+)$', text,
-                          re.MULTILINE)
-        if match is not None:
-            found[name] = float(match.group(1))
-    return found
+    names = [f"kvreuse_gateway_prefill_{name}"
+             for name in ("tokens_per_second", "overhead_seconds", "samples_total")]
+    return {sample.name.removeprefix("kvreuse_gateway_prefill_"): sample.value
+            for sample in parse_exposition(text, only=names) if sample.label("model") == "sim"}
 
 
 def test_streamed_first_chunks_measure_the_engines_prefill_speed(

@@ -146,7 +146,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--prefill-rate", type=float, metavar="TOKENS_PER_S",
                         help="engines' prefill tokens per second the policies start from "
                         "(default 10000); the gateway then measures it from each streamed "
-                        "answer's first chunk, per model (/metrics: "
+                        "answer's first token, per model (/metrics: "
                         "kvreuse_gateway_prefill_tokens_per_second)")
     parser.add_argument("--prefill-overhead", type=float, metavar="S",
                         help="engines' fixed prefill seconds per request to start from "

@@ -56,7 +56,7 @@ The engines' prefill speed, which the policies that predict time route on
 
     prefill_tokens_per_s = 10000.0  # where measuring starts (or, unlearned, the value)
     prefill_overhead_s = 0.015
-    learn_prefill = true            # measured from each streamed answer's first chunk
+    learn_prefill = true            # measured from each streamed answer's first token
 """
 
 from __future__ import annotations

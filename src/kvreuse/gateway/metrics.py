@@ -36,7 +36,7 @@ ejected an upstream but for ``--max-ejected-share``. The series of an upstream r
 runtime are dropped (:meth:`GatewayMetrics.forget_upstream`).
 
 The prefill speed the policies route on, measured per model from streamed answers' first
-chunks (:mod:`kvreuse.routing.cost_fit`): ``kvreuse_gateway_prefill_tokens_per_second{model}``,
+tokens (:mod:`kvreuse.routing.cost_fit`): ``kvreuse_gateway_prefill_tokens_per_second{model}``,
 ``kvreuse_gateway_prefill_overhead_seconds{model}`` and ``kvreuse_gateway_prefill_samples``
 (``model`` is a name an upstream lists, or ``*`` for the others; absent before the first sample).
 
@@ -227,13 +227,13 @@ class _StateCollector:
     def _prefill(state: GatewayState) -> Iterable[Metric]:
         rate = GaugeMetricFamily(
             "kvreuse_gateway_prefill_tokens_per_second",
-            "prefill speed the policies route on, measured from streamed first chunks "
+            "prefill speed the policies route on, measured from streamed first tokens "
             "(model *: models no upstream lists)", labels=["model"])
         overhead = GaugeMetricFamily(
             "kvreuse_gateway_prefill_overhead_seconds",
             "fixed prefill seconds per request the policies route on", labels=["model"])
         samples = CounterMetricFamily(
-            "kvreuse_gateway_prefill_samples", "first chunks timed", labels=["model"])
+            "kvreuse_gateway_prefill_samples", "first tokens timed", labels=["model"])
         for model, fit in sorted(state.prefill_fits().items()):
             label = [model or "*"]
             measured = fit.model()
