@@ -185,3 +185,48 @@ def test_each_model_is_timed_on_its_own(gateway_factory: Factory) -> None:
     finally:
         for engine in engines:
             engine.server.stop()
+
+
+def upstream_speeds(gateway: RunningGateway) -> dict[str, float]:
+    """``kvreuse_gateway_upstream_prefill_speed`` by upstream."""
+    text = httpx.get(gateway.url + "/metrics", timeout=5).text
+    return {sample.label("upstream"): sample.value for sample in parse_exposition(
+        text, only=["kvreuse_gateway_upstream_prefill_speed"])}
+
+
+@pytest.fixture
+def one_slow_of_three() -> Iterator[list[Engine]]:
+    """Engines f0 and f1 at 8,000 tokens a second, s2 at 2,000 (a degraded replica)."""
+    engines = [start_engine(name, events=False, prefill_tokens_per_s=rate, overhead_s=0.005,
+                            time_per_output_token_s=0.001, num_blocks=16_384)
+               for name, rate in (("f0", 8_000.0), ("f1", 8_000.0), ("s2", 2_000.0))]
+    yield engines
+    for engine in engines:
+        engine.server.stop()
+
+
+def test_a_replica_slower_than_the_others_is_measured_and_weighed(
+        one_slow_of_three: list[Engine], gateway_factory: Factory) -> None:
+    """After 96 streamed answers the slow engine's measured speed is under half the others',
+    /metrics and the admin API's listing say so, and its load is divided by it."""
+    gateway = gateway_factory(one_slow_of_three)
+    asyncio.run(warm_up(gateway.url, requests=96))
+    speeds = upstream_speeds(gateway)
+    assert set(speeds) == {"f0", "f1", "s2"}, speeds
+    assert speeds["s2"] < 0.5 * min(speeds["f0"], speeds["f1"]), speeds
+    listed = {u["name"]: u["prefill_speed"] for u in gateway.gateway.describe_upstreams()}
+    assert listed == speeds
+    slow = gateway.gateway.router.upstreams["s2"]
+    slow.queued_prefill_tokens += 1000  # as if a request of 1,000 uncached tokens waited
+    try:
+        assert slow.load().queued_prefill_tokens == int(1000 / slow.speed)
+    finally:
+        slow.queued_prefill_tokens -= 1000
+
+
+def test_fixed_prefill_measures_no_replicas_speed(
+        one_slow_of_three: list[Engine], gateway_factory: Factory) -> None:
+    """With learn_prefill off every upstream keeps speed 1: its configured weight alone."""
+    gateway = gateway_factory(one_slow_of_three, learn_prefill=False)
+    asyncio.run(warm_up(gateway.url, requests=24))
+    assert upstream_speeds(gateway) == {"f0": 1.0, "f1": 1.0, "s2": 1.0}

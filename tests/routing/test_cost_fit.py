@@ -1,4 +1,5 @@
-"""PrefillFit: a fleet's prefill speed from timed first tokens (kvreuse.routing.cost_fit)."""
+"""PrefillFit and RelativeSpeeds: a fleet's prefill speed, and each replica's over the fleet's,
+from timed first tokens (kvreuse.routing.cost_fit)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,16 @@ from hypothesis import strategies as st
 from kvreuse.errors import ConfigError
 from kvreuse.routing.base import CostModel
 from kvreuse.routing.cost_fit import (
+    MAX_LOG_STEP,
     MAX_OVERHEAD_S,
+    MAX_RELATIVE_SPEED,
     MAX_STEP,
     MAX_TOKENS_PER_S,
     MIN_TOKENS_PER_S,
     PrefillFit,
     PrefillSample,
+    RelativeSpeeds,
+    prediction,
 )
 
 PRIOR = CostModel()  # 10,000 tokens/s, 15 ms
@@ -148,3 +153,159 @@ def test_whatever_it_is_fed_the_model_stays_within_bounds(fed: list[PrefillSampl
         model = fit.model()
         assert MIN_TOKENS_PER_S <= model.prefill_tokens_per_s <= MAX_TOKENS_PER_S, model
         assert 0.0 <= model.overhead_s <= MAX_OVERHEAD_S, model
+
+
+# ---------------------------------------------------------------------------- RelativeSpeeds
+
+
+def serve_fleet(true_speeds: dict[str, float], answers: int, seed: int = 11,
+                noise: float = 0.1) -> tuple[PrefillFit, RelativeSpeeds]:
+    """Replicas at ``true_speeds`` times 8,000 tokens/s (20 ms overhead), timed as the gateway
+    times them: each request's queue and prompt in weighted units (divided by the speed
+    believed when it was sent), the fit and the speeds both fed its first token."""
+    rng = random.Random(seed)
+    fit, speeds = PrefillFit(PRIOR), RelativeSpeeds()
+    names = sorted(true_speeds)
+    for _ in range(answers):
+        replica = rng.choice(names)
+        believed = speeds.speed(replica)
+        ahead = rng.randint(0, 4)
+        raw_ahead = sum(rng.randint(50, 3000) for _ in range(ahead))
+        raw_uncached = rng.randint(50, 3000)
+        seconds = 0.02 * (ahead + 1) + (raw_ahead + raw_uncached) / (8000.0 * true_speeds[replica])
+        sample = PrefillSample(ahead, int(raw_ahead / believed), int(raw_uncached / believed),
+                               seconds * rng.uniform(1 - noise, 1 + noise))
+        predicted_s, share = prediction(fit.model(), sample)
+        fit.observe(sample)
+        speeds.observe(replica, predicted_s, share, sample.seconds)
+        speeds.check_invariants()
+    return fit, speeds
+
+
+def test_an_unobserved_replica_runs_at_the_fleets_speed() -> None:
+    """Before any sample, and for a replica never timed, the speed is 1."""
+    speeds = RelativeSpeeds()
+    assert speeds.speed("a") == 1.0 and dict(speeds.speeds()) == {}
+
+
+def test_one_replica_four_times_slower_is_found() -> None:
+    """Among four replicas, one at a quarter of the others' speed is measured within 15 %."""
+    _, speeds = serve_fleet({"slow": 0.25, "a": 1.0, "b": 1.0, "c": 1.0}, 2000)
+    ratios = [speeds.speed("slow") / speeds.speed(fast) for fast in "abc"]
+    assert all(ratio == pytest.approx(0.25, rel=0.15) for ratio in ratios), speeds.speeds()
+
+
+def test_the_fit_and_the_speeds_predict_each_replicas_answers() -> None:
+    """On a fleet of three speeds, the fit times a replica's speed predicts its time."""
+    truth = {"half": 0.5, "one": 1.0, "double": 2.0}
+    fit, speeds = serve_fleet(truth, 3000, noise=0.0)
+    model = fit.model()
+    for name, true in truth.items():
+        measured = model.prefill_tokens_per_s * speeds.speed(name)
+        assert measured == pytest.approx(8000.0 * true, rel=0.15), (name, model, speeds.speeds())
+
+
+def test_alike_replicas_stay_alike() -> None:
+    """Four replicas of one speed, noisy answers: every speed stays within 10 % of 1."""
+    _, speeds = serve_fleet({"a": 1.0, "b": 1.0, "c": 1.0, "d": 1.0}, 3000, noise=0.3)
+    assert all(0.9 < speed < 1.1 for speed in speeds.speeds().values()), speeds.speeds()
+
+
+def test_a_replica_that_recovers_is_followed() -> None:
+    """A replica slow for 1,500 answers, then back to speed, returns within 15 % of the others
+    in 1,500 more."""
+    _, speeds = serve_fleet({"sick": 0.25, "a": 1.0, "b": 1.0}, 1500)
+    assert speeds.speed("sick") < 0.5
+    rng = random.Random(2)
+    for _ in range(1500):
+        replica = rng.choice(["sick", "a", "b"])
+        # Recovered: every replica now answers as predicted for its speed's units.
+        share = 0.9
+        predicted_s = 0.2
+        speeds.observe(replica, predicted_s, share,
+                       predicted_s * speeds.speed(replica) * rng.uniform(0.9, 1.1))
+    assert speeds.speed("sick") / speeds.speed("a") == pytest.approx(1.0, rel=0.15)
+
+
+def test_one_stalled_answer_moves_a_speed_a_bounded_step() -> None:
+    """After 40 answers on time, one a million times late lowers the speed by at most
+    exp(MAX_LOG_STEP / 32)."""
+    speeds = RelativeSpeeds()
+    for _ in range(40):
+        speeds.observe("a", 0.1, 1.0, 0.1)
+        speeds.observe("b", 0.1, 1.0, 0.1)
+    speeds.observe("a", 0.1, 1.0, 1e5)
+    ratio = speeds.speed("b") / speeds.speed("a")
+    assert 1.0 < ratio <= math.exp(MAX_LOG_STEP / 32) + 1e-12, ratio
+
+
+def test_a_replicas_first_answer_moves_it_at_most_half_a_step() -> None:
+    """A replica's very first answer, however late, lowers its speed by at most
+    exp(MAX_LOG_STEP / 2) against the fleet."""
+    speeds = RelativeSpeeds()
+    speeds.observe("b", 0.1, 1.0, 0.1)
+    speeds.observe("a", 0.1, 1.0, 1e5)
+    ratio = speeds.speed("b") / speeds.speed("a")
+    assert 1.0 < ratio <= math.exp(MAX_LOG_STEP / 2) + 1e-12, ratio
+
+
+def test_a_slow_replica_is_found_within_its_first_forty_answers() -> None:
+    """One replica of four at a quarter speed is measured within 25 % after 160 answers."""
+    _, speeds = serve_fleet({"slow": 0.25, "a": 1.0, "b": 1.0, "c": 1.0}, 160)
+    ratio = speeds.speed("slow") / speeds.speed("a")
+    assert ratio == pytest.approx(0.25, rel=0.25), speeds.speeds()
+
+
+def test_overhead_only_answers_say_nothing_of_speed() -> None:
+    """A first token predicted as all overhead (share 0) leaves the speed alone, however
+    late."""
+    speeds = RelativeSpeeds()
+    for _ in range(50):
+        speeds.observe("a", 0.02, 0.0, 2.0)
+        speeds.observe("b", 0.02, 0.0, 0.02)
+    assert speeds.speed("a") == speeds.speed("b") == 1.0
+
+
+def test_speeds_stay_within_bounds() -> None:
+    """A replica a thousand times slower is held at MAX_RELATIVE_SPEED below the fleet."""
+    _, speeds = serve_fleet({"dead": 0.001, "a": 1.0}, 3000, noise=0.0)
+    assert speeds.speed("a") / speeds.speed("dead") <= MAX_RELATIVE_SPEED ** 2 + 1e-9
+    assert speeds.speed("dead") >= 1 / MAX_RELATIVE_SPEED - 1e-12
+
+
+def test_forgetting_a_replica_renormalises_the_others() -> None:
+    """A replica removed leaves the others centred on 1; a newcomer starts at 1."""
+    _, speeds = serve_fleet({"slow": 0.25, "a": 1.0, "b": 1.0}, 1500)
+    speeds.forget("slow")
+    speeds.check_invariants()
+    assert set(speeds.speeds()) == {"a", "b"}
+    assert speeds.speed("a") * speeds.speed("b") == pytest.approx(1.0)
+    speeds.observe("new", 0.1, 1.0, 0.1)
+    speeds.check_invariants()
+    assert speeds.speed("new") == pytest.approx(1.0, rel=0.05)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("abcd"),
+                          st.floats(allow_nan=True, allow_infinity=True),
+                          st.floats(allow_nan=True, allow_infinity=True),
+                          st.floats(allow_nan=True, allow_infinity=True)), max_size=60),
+       st.lists(st.sampled_from("abcd"), max_size=3))
+def test_whatever_it_is_fed_speeds_stay_finite_and_bounded(
+        fed: list[tuple[str, float, float, float]], forgotten: list[str]) -> None:
+    """Any samples, and any replicas forgotten, leave finite speeds within bounds."""
+    speeds = RelativeSpeeds()
+    for replica, predicted_s, share, seconds in fed:
+        speeds.observe(replica, predicted_s, share, seconds)
+        speeds.check_invariants()
+    for replica in forgotten:
+        speeds.forget(replica)
+        speeds.check_invariants()
+    for speed in speeds.speeds().values():
+        assert 1 / MAX_RELATIVE_SPEED - 1e-12 <= speed <= MAX_RELATIVE_SPEED + 1e-12
+
+
+def test_a_memory_under_one_sample_is_refused() -> None:
+    """RelativeSpeeds(memory_samples=0.5) is a ConfigError."""
+    with pytest.raises(ConfigError):
+        RelativeSpeeds(memory_samples=0.5)

@@ -153,7 +153,8 @@ def register(subparsers: Any) -> None:
                         "(default 0.015)")
     parser.add_argument("--fixed-prefill", dest="learn_prefill", action="store_false",
                         default=None,
-                        help="do not measure: route on --prefill-rate and --prefill-overhead")
+                        help="do not measure: route on --prefill-rate and --prefill-overhead, "
+                        "every upstream at its configured weight")
     parser.add_argument("--index-budget-factor", type=float, metavar="F",
                         help="bound every index kept per upstream to its KV capacity (vLLM's "
                         "vllm:cache_config_info, else capacity_tokens=) times F (default 2)")

@@ -607,7 +607,7 @@ class Gateway:
         return [{"name": u.name, "url": u.config.url, "healthy": u.healthy,
                  "probed": u.probed_ok, "in_flight": u.in_flight,
                  "models": sorted(u.models) if u.models is not None else None,
-                 "events": u.config.events, "weight": u.config.weight,
+                 "events": u.config.events, "weight": u.config.weight, "prefill_speed": u.speed,
                  "backup": u.config.backup, "ejection_withheld": u.ejection_withheld,
                  "discovered_by": discovered.get(u.name)}
                 for u in self.upstreams]
@@ -730,8 +730,8 @@ class Gateway:
                         for d in config.discovery)
         speed = (f"{config.prefill_tokens_per_s:g} tokens/s and {config.prefill_overhead_s:g} s "
                  "a request")
-        prefill = (f"measured from first tokens, from {speed}" if config.learn_prefill
-                   else f"fixed at {speed}")
+        prefill = (f"measured from first tokens, from {speed}, and each upstream's over "
+                   "its model's" if config.learn_prefill else f"fixed at {speed}")
         return (f"policy {self.policy.name}; upstreams {', '.join(parts) or 'none configured'}"
                 f"{found}; tenants {tenants}; prefill speed {prefill}; /metrics on {metrics}; "
                 f"access log {config.access_log}; admin API {admin}")

@@ -56,7 +56,8 @@ The engines' prefill speed, which the policies that predict time route on
 
     prefill_tokens_per_s = 10000.0  # where measuring starts (or, unlearned, the value)
     prefill_overhead_s = 0.015
-    learn_prefill = true            # measured from each streamed answer's first token
+    learn_prefill = true            # measured from each streamed answer's first token,
+                                    # per model, and each upstream's speed over its model's
 """
 
 from __future__ import annotations
@@ -354,7 +355,8 @@ class GatewayConfig:
     # always may go); failed probes eject whatever the share (gateway/upstreams.py).
     max_ejected_share: float = 0.5
     # The policies' CostModel: where measuring the engines' prefill speed starts, or with
-    # learn_prefill off the speed itself (gateway/router.py, routing/cost_fit.py).
+    # learn_prefill off the speed itself (gateway/router.py, routing/cost_fit.py). Off, no
+    # upstream's own speed is measured either: each keeps its configured weight.
     prefill_tokens_per_s: float = 10_000.0
     prefill_overhead_s: float = 0.015
     learn_prefill: bool = True

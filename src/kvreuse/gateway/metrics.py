@@ -39,6 +39,9 @@ The prefill speed the policies route on, measured per model from streamed answer
 tokens (:mod:`kvreuse.routing.cost_fit`): ``kvreuse_gateway_prefill_tokens_per_second{model}``,
 ``kvreuse_gateway_prefill_overhead_seconds{model}`` and ``kvreuse_gateway_prefill_samples``
 (``model`` is a name an upstream lists, or ``*`` for the others; absent before the first sample).
+``kvreuse_gateway_upstream_prefill_speed{upstream}`` is each upstream's speed measured over
+the fleet's (:class:`~kvreuse.routing.RelativeSpeeds`; 1 until measured): a replica at 0.25
+is four times slower than the others and is sent a quarter of the queued tokens.
 
 Also exported: ejections per upstream, the Redis sync counters of a shared index and of a
 shared quarantine (:class:`~kvreuse.gateway.shared_index.SyncStats`, as
@@ -179,6 +182,9 @@ class _StateCollector:
                                "vllm:prefix_cache_queries_total since the gateway's first scrape")
         kv_usage = _gauge("kvreuse_gateway_upstream_kv_usage",
                           "the engine's vllm:kv_cache_usage_perc at the last scrape")
+        speed = _gauge("kvreuse_gateway_upstream_prefill_speed",
+                       "prefill speed measured over the fleet's (1: the fleet's; loads are "
+                       "divided by it and the configured weight)")
         predicted = _counter("kvreuse_gateway_predicted_cached_tokens",
                              "cached tokens the gateway predicted")
         realized = _counter("kvreuse_gateway_realized_cached_tokens",
@@ -188,6 +194,7 @@ class _StateCollector:
             name = [upstream.name]
             healthy.add_metric(name, 1.0 if upstream.healthy else 0.0)
             in_flight.add_metric(name, upstream.in_flight)
+            speed.add_metric(name, upstream.speed)
             queued.add_metric(name, upstream.queued_prefill_tokens)
             size = state.index_size(upstream.name)
             blocks.add_metric(name, size.blocks)
@@ -211,7 +218,7 @@ class _StateCollector:
         for upstream in state.upstreams:
             ejections.add_metric([upstream.name], upstream.ejections)
         yield from (healthy, in_flight, queued, blocks, tokens, rate, engine_rate, predicted,
-                    realized, prompt, engine_cached, engine_prompt, kv_usage, ejections)
+                    realized, prompt, engine_cached, engine_prompt, kv_usage, speed, ejections)
         yield from self._events(state)
         if state.shared_sync is not None:
             yield from self._shared_sync(state.shared_sync, "kvreuse_gateway_shared_index_",

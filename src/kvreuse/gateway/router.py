@@ -31,7 +31,12 @@ before each request, the cost model the gateway has measured for the request's m
 streamed answer's first token), starting from ``cost`` (by default the policy's own);
 ``learn_prefill=False`` leaves the policy's alone. One fit per served model (models run at their
 own speeds), one for requests no known upstream serves; they are bounded by the names upstreams
-list.
+list. The same first tokens measure each upstream's speed relative to the other upstreams of
+the model (:class:`~kvreuse.routing.RelativeSpeeds`, one per fit, so that a model's fit keeps
+its own absolute speed): an upstream slower than its model's fit predicts (other hardware, or
+one degraded) has its load divided by that speed, as a configured ``weight`` would, and is
+sent fewer queued tokens. An upstream serving several models has one load: it is divided by
+the speed its last timed model measured.
 """
 
 from __future__ import annotations
@@ -60,11 +65,13 @@ from kvreuse.routing import (
     PredictsTime,
     PrefillFit,
     PrefillSample,
+    RelativeSpeeds,
     RequestView,
     RoutingDecision,
     RoutingPolicy,
 )
 from kvreuse.routing.approx_trees import ApproxTrees
+from kvreuse.routing.cost_fit import prediction
 from kvreuse.routing.event_index import EventIndex
 from kvreuse.routing.index_health import SUSPECT, HealthSettings, IndexHealth
 from kvreuse.tokens import TokenBuffer, num_tokens
@@ -100,6 +107,7 @@ class Sent:
     tokens_ahead: int
     uncached_tokens: int
     fit: str  # which PrefillFit: the request's model, or "" (Router.fit_key)
+    upstream: str  # whose speed relative to its model's fleet it measures (Router.speeds)
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +164,8 @@ class Router:
         self.cost = cost
         self.learn_prefill = learn_prefill
         self.fits: dict[str, PrefillFit] = {}
+        # Each model's upstreams' speeds over that model's (keys as self.fits).
+        self.speeds: dict[str, RelativeSpeeds] = {}
         # The policy holding a cache estimator (a shared index may replace it), if any.
         self.estimating = inner if isinstance(inner, EstimatorPolicy) else None
         self._healable = (self.estimating if self.estimating is not None
@@ -209,6 +219,9 @@ class Router:
             self.policy.on_kv_event(KvCleared(name, self.clock()))
         for table in (self.streams, self.health, self.budgets, self.silent_since):
             table.pop(name, None)
+        for speeds in self.speeds.values():
+            speeds.forget(name)
+            self._apply_speeds(speeds)
         self._rebuild_models()
         return upstream
 
@@ -475,8 +488,8 @@ class Router:
         upstream = candidate.upstream
         load = upstream.load()  # before this request joins the queue
         sent = Sent(now, load.queued_requests, load.queued_prefill_tokens,
-                    int(uncached / upstream.config.weight),
-                    self.fit_key(plan.request.identity.model))
+                    int(uncached / upstream.weight()),
+                    self.fit_key(plan.request.identity.model), upstream.name)
         upstream.request_sent(uncached)
         return sent
 
@@ -504,9 +517,28 @@ class Router:
             if len(self.fits) > len(self._by_model):  # names upstreams no longer list
                 self.fits = {key: kept for key, kept in self.fits.items()
                              if key == "" or key in self._by_model}
+                self.speeds = {key: kept for key, kept in self.speeds.items()
+                               if key in self.fits}
             fit = self.fits[sent.fit] = PrefillFit(self.cost)
-        fit.observe(PrefillSample(sent.requests_ahead, sent.tokens_ahead,
-                                  sent.uncached_tokens, seconds))
+            self.speeds[sent.fit] = RelativeSpeeds()
+        sample = PrefillSample(sent.requests_ahead, sent.tokens_ahead, sent.uncached_tokens,
+                               seconds)
+        predicted, token_share = prediction(fit.model(), sample)
+        fit.observe(sample)
+        upstream = self.upstreams.get(sent.upstream)
+        if upstream is not None and not upstream.removed:
+            speeds = self.speeds[sent.fit]
+            speeds.observe(sent.upstream, predicted, token_share, seconds)
+            self._apply_speeds(speeds)
+
+    def _apply_speeds(self, speeds: RelativeSpeeds) -> None:
+        """The upstreams ``speeds`` has measured have their loads divided by those speeds from
+        now on (an upstream of several models: by the speed its last timed model measured).
+        O(upstreams of that model)."""
+        for name, speed in speeds.speeds().items():
+            upstream = self.upstreams.get(name)
+            if upstream is not None:
+                upstream.speed = speed
 
     def first_byte(self, plan: Plan, candidate: Candidate) -> None:
         uncached = plan.request.prompt_tokens - candidate.predicted_cached_tokens

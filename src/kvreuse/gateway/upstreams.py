@@ -26,7 +26,8 @@ difference is added with this gateway's mean uncached prompt size until the next
 comparison is with the gateway's own count *at the scrape*, not now: a replica that was busy
 when scraped and has drained since would otherwise carry its own finished queue as phantom load
 for a whole scrape interval (5 s by default) and be avoided while idle. Loads are divided by the
-upstream's weight.
+upstream's weight times its measured ``speed`` relative to the fleet (1 until the router has
+timed first tokens, and with ``--fixed-prefill``; :class:`~kvreuse.routing.RelativeSpeeds`).
 
 Served models: declared (``models=a|b``), or learned from the upstream's ``GET /v1/models``
 when the gateway starts and after each successful health probe (so a model that appears or
@@ -184,6 +185,8 @@ class UpstreamState:
         self.probed_ok = False  # a probe has passed at least once
         self.answered_at: float | None = None  # clock time of its last byte of an answer
         self.in_flight = 0
+        # Prefill speed over the fleet's, measured by the router (RelativeSpeeds).
+        self.speed = 1.0
         self.queued_requests = 0
         self.queued_prefill_tokens = 0
         self.sent_uncached_tokens = 0
@@ -317,6 +320,11 @@ class UpstreamState:
         self.in_flight -= 1
         assert self.in_flight >= 0, f"{self.name}: in_flight went negative"
 
+    def weight(self) -> float:
+        """How much faster than the fleet's average this upstream drains its queue: the
+        configured weight times the measured speed. O(1)."""
+        return self.config.weight * self.speed
+
     def load(self) -> ReplicaLoad:
         """The load policies see (see the module docstring). O(1)."""
         queued = self.queued_requests
@@ -326,7 +334,7 @@ class UpstreamState:
             mean = self.sent_uncached_tokens / self.sent_requests if self.sent_requests else 0
             tokens += int(others * mean)
             queued += others
-        weight = self.config.weight
+        weight = self.weight()
         return ReplicaLoad(
             self.name,
             queued_prefill_tokens=int(tokens / weight),

@@ -23,7 +23,7 @@ from kvreuse.routing.base import (
 )
 from kvreuse.routing.cache_aware import CacheAware, CacheAwareSGLang, Exact
 from kvreuse.routing.cost import CostRouting
-from kvreuse.routing.cost_fit import PrefillFit, PrefillSample
+from kvreuse.routing.cost_fit import PrefillFit, PrefillSample, RelativeSpeeds
 from kvreuse.routing.events import KvCleared, KvEvent, KvRemoved, KvStored
 from kvreuse.routing.mirror import CacheMirror
 from kvreuse.routing.peers import DynamoKvCost, LlmdScorers
@@ -69,6 +69,7 @@ __all__ = [
     "PrefillSample",
     "PrefixHash",
     "RandomChoice",
+    "RelativeSpeeds",
     "RelativeSpill",
     "ReplicaId",
     "ReplicaLoad",

@@ -42,11 +42,26 @@ after about::
 The fitted values are kept within ``[0, MAX_OVERHEAD_S]`` and ``[MIN_TOKENS_PER_S,
 MAX_TOKENS_PER_S]``.
 
-Pure: no clock; the caller measures the seconds. O(1) per sample and per read.
+**One replica slower than the others.** One fit per model assumes its replicas alike. A fleet
+of mixed hardware, or one replica degraded (a GPU at low clocks, a noisy neighbour, a failing
+link), is not: a replica four times slower, seen as average, is sent as many queued tokens
+as the others and makes its requests wait four times as long. :class:`RelativeSpeeds` learns
+each replica's speed relative to the fleet from how its first tokens compare with the fit's
+prediction (a stochastic approximation of the log ratio, weighted by the share of the
+prediction that tokens make up, since the speed scales only that part; a running mean over a
+replica's first 32 answers, then a memory of 32), normalised to a
+geometric mean of 1 over the replicas so that the fit and the speeds do not trade a common
+factor. A gateway multiplies each upstream's weight by it: the load the policies see is
+queued tokens over speed.
+
+Pure: no clock; the caller measures the seconds. O(1) per sample and per read, except
+:meth:`RelativeSpeeds.observe`, O(replicas) to renormalise.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvreuse.errors import ConfigError
@@ -71,6 +86,15 @@ class PrefillSample:
     tokens_ahead: int
     uncached_tokens: int
     seconds: float
+
+
+def prediction(model: CostModel, sample: PrefillSample) -> tuple[float, float]:
+    """What ``model`` predicts for ``sample``'s first token, in seconds, and the share of that
+    which is tokens over the rate (0 when it predicts nothing). O(1)."""
+    overhead_part = model.overhead_s * (sample.requests_ahead + 1)
+    token_part = (sample.tokens_ahead + sample.uncached_tokens) / model.prefill_tokens_per_s
+    total = overhead_part + token_part
+    return total, (token_part / total if total > 0 else 0.0)
 
 
 class PrefillFit:
@@ -111,10 +135,7 @@ class PrefillFit:
         if predicted <= 0:  # a zero overhead and nothing to prefill: says nothing of either
             return
         u, v = overhead_part / predicted, token_part / predicted
-        current = self._model
-        expected = (current.overhead_s * (sample.requests_ahead + 1)
-                    + (sample.tokens_ahead + sample.uncached_tokens)
-                    / current.prefill_tokens_per_s)
+        expected, _ = prediction(self._model, sample)
         if expected > 0:
             seconds = min(max(seconds, expected / MAX_STEP), expected * MAX_STEP)
         z = seconds / predicted
@@ -152,3 +173,90 @@ class PrefillFit:
         rate = (MAX_TOKENS_PER_S if seconds_per_token <= 1 / MAX_TOKENS_PER_S
                 else max(1.0 / seconds_per_token, MIN_TOKENS_PER_S))
         return CostModel(prefill_tokens_per_s=rate, overhead_s=overhead)
+
+
+MAX_RELATIVE_SPEED = 8.0
+"""A replica's learned speed stays within [1/8, 8] times the fleet's (geometric mean)."""
+MAX_LOG_STEP = math.log(4.0)
+"""One answer's log ratio counts as at most this much (a stalled request moves a replica's
+speed by at most ``rate × log 4``)."""
+
+
+class RelativeSpeeds:
+    """Each replica's prefill speed relative to the fleet's: see the module docstring.
+
+    ``observe(replica, predicted_s, token_share, seconds)`` after each timed first token;
+    ``speed(replica)`` is 1.0 for a replica never observed, and for every replica until some
+    differ. Not thread-safe, like the policies it feeds."""
+
+    __slots__ = ("_log_speed", "_rate", "_seen", "_speed")
+
+    def __init__(self, *, memory_samples: float = 32.0) -> None:
+        if not memory_samples >= 1:
+            raise ConfigError(f"memory_samples must be >= 1, got {memory_samples!r}")
+        self._rate = 1.0 / memory_samples
+        self._log_speed: dict[str, float] = {}  # not normalised
+        self._speed: dict[str, float] = {}  # normalised: what speed() answers
+        self._seen: dict[str, int] = {}  # samples per replica
+
+    def observe(self, replica: str, predicted_s: float, token_share: float,
+                seconds: float) -> None:
+        """Fold in one first token of ``replica``: it came after ``seconds``, where the
+        fleet's model (with this replica's speed then) predicted ``predicted_s``, of which the
+        share ``token_share`` (0 to 1) was tokens over speed. Samples with nothing to compare
+        (a non-positive or non-finite time) are ignored. O(replicas)."""
+        if not (0 < seconds < math.inf and 0 < predicted_s < math.inf):
+            return
+        # NaN fails both comparisons: it says nothing, like a share of 0.
+        share = token_share if 0.0 <= token_share <= 1.0 else float(token_share > 1.0)
+        step = min(max(math.log(predicted_s) - math.log(seconds), -MAX_LOG_STEP), MAX_LOG_STEP)
+        logs = self._log_speed
+        if replica not in logs:  # a newcomer starts at the fleet's speed
+            logs[replica] = sum(logs.values()) / len(logs) if logs else 0.0
+        # A replica's first answers average (1/2, 1/3, ...), so a slow one is found within a
+        # few dozen of them; later ones decay at the configured memory.
+        seen = self._seen[replica] = self._seen.get(replica, 0) + 1
+        logs[replica] += max(1.0 / (seen + 1), self._rate) * share * step
+        self._normalise()
+
+    def speed(self, replica: str) -> float:
+        """The replica's learned speed over the fleet's (1.0 when never observed). O(1)."""
+        return self._speed.get(replica, 1.0)
+
+    def speeds(self) -> Mapping[str, float]:
+        """Every observed replica's speed (a view, for metrics)."""
+        return self._speed
+
+    def forget(self, replica: str) -> None:
+        """``replica`` left the fleet: the others' speeds are renormalised without it.
+        O(replicas)."""
+        self._seen.pop(replica, None)
+        if self._log_speed.pop(replica, None) is not None:
+            self._normalise()
+
+    def check_invariants(self) -> None:
+        """Speeds within bounds, each the exponential of its stored log, and those logs
+        centred (mean 0) unless one is held at a bound. O(replicas)."""
+        speeds, logs = self._speed, self._log_speed
+        assert speeds.keys() == logs.keys(), "speeds and their logs name other replicas"
+        bound = math.log(MAX_RELATIVE_SPEED)
+        for replica, value in logs.items():
+            assert -bound <= value <= bound, f"{replica}: log speed {value} out of bounds"
+            assert speeds[replica] == math.exp(value), f"{replica}: speed not its log's"
+        if logs and all(abs(value) < bound for value in logs.values()):
+            mean = sum(logs.values()) / len(logs)
+            assert abs(mean) < 1e-9, f"log speeds not centred: mean {mean}"
+
+    def _normalise(self) -> None:
+        logs = self._log_speed
+        if not logs:
+            self._speed = {}
+            return
+        mean = sum(logs.values()) / len(logs)
+        bound = math.log(MAX_RELATIVE_SPEED)
+        for replica, value in logs.items():
+            # Centre the logs so the fleet and the speeds cannot trade a common factor, and
+            # keep each within bounds (stored clipped, so a replica recovers at once).
+            centred = min(max(value - mean, -bound), bound)
+            logs[replica] = centred
+        self._speed = {replica: math.exp(value) for replica, value in logs.items()}
