@@ -32,10 +32,12 @@ Upstreams can also be found in DNS and kept in step with it (:class:`DiscoveryCo
     events_port = 5557
 
 ``weight`` scales the load the policies see (load / weight): an upstream of weight 2 is taken
-to drain its queue twice as fast. ``capacity_tokens`` is the engine's KV capacity when its
-``/metrics`` has no ``vllm:cache_config_info``: the gateway's indexes for it are bounded to
-``index_budget_factor`` times that. ``models`` declares the served model names; without it the
-gateway learns them from the upstream's ``/v1/models`` (see :mod:`kvreuse.gateway.upstreams`).
+to prefill twice as fast, its queue and each request's own prefill (the gateway multiplies it
+by the speed it measures, unless ``learn_prefill`` is off). ``capacity_tokens`` is the
+engine's KV capacity when its ``/metrics`` has no ``vllm:cache_config_info``: the gateway's
+indexes for it are bounded to ``index_budget_factor`` times that. ``models`` declares the
+served model names; without it the gateway learns them from the upstream's ``/v1/models``
+(see :mod:`kvreuse.gateway.upstreams`).
 
 Production limits, in ``[gateway]`` as on the command line (README, "Running the gateway in
 production")::

@@ -341,6 +341,7 @@ class UpstreamState:
             queued_requests=int(queued / weight),
             in_flight=int(self.in_flight / weight),
             kv_capacity_tokens=self.kv_capacity_tokens or self.config.capacity_tokens,
+            prefill_speed=weight,
         )
 
     def update_engine(self, scraped: dict[str, float]) -> None:

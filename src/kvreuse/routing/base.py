@@ -53,7 +53,11 @@ class ReplicaLoad:
     ``queued_requests``: requests waiting for or in prefill; ``in_flight``: every request the
     replica holds (queued, prefilling or decoding) — SGLang's router calls this the load;
     ``kv_capacity_tokens``: how many tokens of KV its cache holds (None: not known), the
-    simulator's pool or what a gateway scraped from the engine.
+    simulator's pool or what a gateway scraped from the engine; ``prefill_speed``: how many
+    times the cost model's rate this replica prefills at (a gateway's configured weight times
+    its measured speed, :class:`~kvreuse.routing.RelativeSpeeds`; 1 in the simulator's fleets
+    of alike replicas). The queue counts are already divided by it; the policies that predict
+    time divide a request's own uncached prefill by it too (:meth:`CostModel.prefill_s`).
     """
 
     replica_id: ReplicaId
@@ -61,6 +65,7 @@ class ReplicaLoad:
     queued_requests: int = 0
     in_flight: int = 0
     kv_capacity_tokens: int | None = None
+    prefill_speed: float = 1.0
 
 
 REPLICA_ID = operator.attrgetter("replica_id")
@@ -120,8 +125,10 @@ class CostModel:
         return queue_delay_s(load.queued_prefill_tokens, load.queued_requests,
                              self.prefill_tokens_per_s, self.overhead_s)
 
-    def prefill_s(self, uncached_tokens: int) -> float:
-        return prefill_s(uncached_tokens, self.prefill_tokens_per_s, self.overhead_s)
+    def prefill_s(self, uncached_tokens: int, speed: float = 1.0) -> float:
+        """A request's own prefill on a replica of ``speed`` (``ReplicaLoad.prefill_speed``)
+        times this model's rate."""
+        return prefill_s(uncached_tokens, self.prefill_tokens_per_s * speed, self.overhead_s)
 
 
 @runtime_checkable

@@ -42,7 +42,7 @@ def bounded_rule(
         rid = load.replica_id
         hit = matched[rid]
         delay = queue_delay_s(load.queued_prefill_tokens, load.queued_requests, rate, overhead)
-        ttft = delay + prefill_s(prompt_tokens - hit, rate, overhead)
+        ttft = delay + prefill_s(prompt_tokens - hit, rate * load.prefill_speed, overhead)
         if hit > best_hit or (hit == best_hit and ttft < best_ttft):
             best_id, best_hit, best_ttft = rid, hit, ttft
         if ttft < fastest_ttft:
@@ -59,7 +59,7 @@ def bounded_rule(
     for load in loads:
         hit = matched[load.replica_id]
         delay = queue_delay_s(load.queued_prefill_tokens, load.queued_requests, rate, overhead)
-        ttft = delay + prefill_s(prompt_tokens - hit, rate, overhead)
+        ttft = delay + prefill_s(prompt_tokens - hit, rate * load.prefill_speed, overhead)
         if ttft <= limit and (hit > spill_hit or (hit == spill_hit and ttft < spill_ttft)):
             spill_id, spill_hit, spill_ttft = load.replica_id, hit, ttft
     return RoutingDecision(spill_id, "spill", spill_hit)
@@ -78,7 +78,8 @@ def min_ttft_rule(
     for load in loads:
         rid = load.replica_id
         delay = queue_delay_s(load.queued_prefill_tokens, load.queued_requests, rate, overhead)
-        ttft = delay + prefill_s(max(prompt_tokens - matched[rid], 0), rate, overhead)
+        ttft = delay + prefill_s(max(prompt_tokens - matched[rid], 0),
+                                 rate * load.prefill_speed, overhead)
         if ttft < best_ttft:
             best_id, best_ttft = rid, ttft
     return RoutingDecision(best_id, "min_ttft", matched[best_id])

@@ -6,7 +6,7 @@ For each eligible replica ``r`` (the candidates of :class:`FleetView`, whatever 
 caller allows: tenant pins, a model's replicas)::
 
     hit(r)   = predicted cached prefix (the router's approximate trees, or KV events)
-    ttft(r)  = queue_delay(r) + overhead + (prompt - hit(r)) / rate        (CostModel)
+    ttft(r)  = queue_delay(r) + overhead + (prompt - hit(r)) / (rate × speed(r))   (CostModel)
     R        = mean queue_delay over the candidates + overhead + prompt / rate
     R_else   = the same over the candidates holding less than the longest match
     limit    = min ttft + min(slack × R, ALTERNATIVE_SLACK × R_else)
@@ -349,7 +349,8 @@ def relative_spill_rule(
         hit = matched[rid]
         delay = cost.queue_delay_s(load)
         delays.append(delay)
-        rows.append((rid, hit, delay + cost.prefill_s(prompt_tokens - hit), load.in_flight))
+        rows.append((rid, hit, delay + cost.prefill_s(prompt_tokens - hit, load.prefill_speed),
+                     load.in_flight))
     fastest = min(row[2] for row in rows)
     longest = max(row[1] for row in rows)
     reference = sum(delays) / len(rows) + overhead + prompt_tokens / rate
