@@ -208,7 +208,8 @@ def one_slow_of_three() -> Iterator[list[Engine]]:
 def test_a_replica_slower_than_the_others_is_measured_and_weighed(
         one_slow_of_three: list[Engine], gateway_factory: Factory) -> None:
     """After 96 streamed answers the slow engine's measured speed is under half the others',
-    /metrics and the admin API's listing say so, and its load is divided by it."""
+    /metrics and the admin API's listing say so, and its queue and own prefill are divided by
+    it."""
     gateway = gateway_factory(one_slow_of_three)
     asyncio.run(warm_up(gateway.url, requests=96))
     speeds = upstream_speeds(gateway)
@@ -219,7 +220,9 @@ def test_a_replica_slower_than_the_others_is_measured_and_weighed(
     slow = gateway.gateway.router.upstreams["s2"]
     slow.queued_prefill_tokens += 1000  # as if a request of 1,000 uncached tokens waited
     try:
-        assert slow.load().queued_prefill_tokens == int(1000 / slow.speed)
+        load = slow.load()
+        assert load.queued_prefill_tokens == int(1000 / slow.speed)
+        assert load.prefill_speed == slow.speed  # its own requests' prefill too
     finally:
         slow.queued_prefill_tokens -= 1000
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvreuse.routing import CostModel, ReplicaLoad
-from kvreuse.routing.load_rules import bounded_rule, sglang_rule
+from kvreuse.routing.load_rules import bounded_rule, min_ttft_rule, sglang_rule
 
 COST = CostModel(10_000.0, 0.0)
 
@@ -84,3 +84,23 @@ def test_sglang_needs_both_thresholds_for_imbalance() -> None:
     assert decision.branch == "affinity"
     decision = sglang_rule(matched, loads(0, 0, in_flight=flights), 100, lambda r: 0, 0.3, 64, 1.5)
     assert (decision.replica, decision.branch) == ("r1", "imbalance")
+
+
+def test_bounded_rule_weighs_each_replicas_own_prefill_at_its_speed() -> None:
+    """r0 holds 500 of 1000 at a quarter speed (0.2 s of prefill), r1 holds 450 at full speed
+    (0.055 s): past a 0.1 s spill threshold the request goes to r1; at alike speeds r0 keeps
+    it (0.05 s against 0.055 s)."""
+    matched = {"r0": 500, "r1": 450}
+    alike = bounded_rule(matched, loads(0, 0), 1000, COST, 0.3, 0.1)
+    slow = (ReplicaLoad("r0", prefill_speed=0.25), ReplicaLoad("r1"))
+    assert (alike.replica, alike.branch) == ("r0", "affinity")
+    assert bounded_rule(matched, slow, 1000, COST, 0.3, 0.1).replica == "r1"
+
+
+def test_min_ttft_counts_a_slow_replicas_prefill_at_its_speed() -> None:
+    """r0 caches 1,000 of 3,000 tokens but prefills at a quarter speed (0.8 s), r1 nothing at
+    full speed (0.3 s): r1; at alike speeds r0 (0.2 s)."""
+    matched = {"r0": 1000, "r1": 0}
+    assert min_ttft_rule(matched, loads(0, 0), 3000, COST).replica == "r0"
+    slow = (ReplicaLoad("r0", prefill_speed=0.25), ReplicaLoad("r1"))
+    assert min_ttft_rule(matched, slow, 3000, COST).replica == "r1"

@@ -425,3 +425,31 @@ def test_the_eviction_model_never_holds_more_than_its_bound() -> None:
     assert model.lru.tree_tokens("r0") <= 500
     assert model.has_room("r0", 1000)  # the reported capacity still says what fits
     model.lru.check_invariants()
+
+
+def test_a_miss_avoids_a_replica_whose_own_prefill_is_slow() -> None:
+    """Two idle replicas, the one caching less prefilling at a quarter speed (4 s for 1,000
+    tokens, outside the miss window of 0.2 x R = 0.2 s): the miss goes to the other; at alike
+    speeds it goes to the smaller cache."""
+    names = {"r0": 10, "r1": 500}
+    alike = relative_spill_rule({"r0": 0, "r1": 0}, loads(0, 0), 1000, COST, names.__getitem__,
+                                0.1, 2.0)
+    slow = (ReplicaLoad("r0", prefill_speed=0.25), ReplicaLoad("r1"))
+    degraded = relative_spill_rule({"r0": 0, "r1": 0}, slow, 1000, COST, names.__getitem__,
+                                   0.1, 2.0)
+    assert (alike.replica, degraded.replica) == ("r0", "r1")
+    assert degraded.branch == "miss"
+
+
+def test_affinity_weighs_the_holders_prefill_at_its_speed() -> None:
+    """r0 holds 900 of 10,000 tokens at a tenth of the speed (91 s of prefill), r1 holds 800
+    at full speed (9.2 s): slack 1 (R = 10 s) lets the request go to r1; at alike speeds the
+    longest match r0 keeps it."""
+    matched = {"r0": 900, "r1": 800}
+    sizes = {"r0": 0, "r1": 0}
+    alike = relative_spill_rule(matched, loads(0, 0), 10_000, COST, sizes.__getitem__, 0.0,
+                                1.0)
+    slow = (ReplicaLoad("r0", prefill_speed=0.1), ReplicaLoad("r1"))
+    spilled = relative_spill_rule(matched, slow, 10_000, COST, sizes.__getitem__, 0.0, 1.0)
+    assert (alike.replica, alike.branch) == ("r0", "affinity")
+    assert (spilled.replica, spilled.branch) == ("r1", "spill")
