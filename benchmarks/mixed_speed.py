@@ -38,6 +38,7 @@ import sys
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 
@@ -46,15 +47,11 @@ from kvreuse.sim.summary import percentile
 from kvreuse.testing.loadgen import Call, fleet_hits, run_calls, scrape
 from kvreuse.testing.processes import PEERS_VENV, EngineSpec, Fleet, Process, free_port, wait_http
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from prefill_speed import text_of, warm_up  # the prompts and warm-up it times
+
 SPEED_SERIES = "kvreuse_gateway_upstream_prefill_speed"
 ROUTERS = ("kvreuse", "kvreuse --fixed-prefill", "kvreuse weight=")
-
-
-def text_of(tokens: int, seed: str) -> str:
-    """``tokens`` tokens of 4 bytes (the engines' and gateway's approximation), from
-    ``seed``."""
-    unit = (seed + " ") * (tokens * 4 // (len(seed) + 1) + 1)
-    return unit[: tokens * 4]
 
 
 def workload(seed: int, requests: int, rps: float) -> list[Call]:
@@ -70,20 +67,6 @@ def workload(seed: int, requests: int, rps: float) -> list[Call]:
         calls.append(Call(at, "/v1/completions", json.dumps({
             "model": "sim", "prompt": prompt, "max_tokens": 8, "stream": True}).encode()))
     return calls
-
-
-async def warm_up(url: str, requests: int = 48) -> None:
-    sizes = [100 + (i * 137) % 700 for i in range(requests)]
-    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
-        async def one(size: int) -> None:
-            body = {"model": "sim", "prompt": text_of(size, uuid.uuid4().hex[:11]),
-                    "max_tokens": 2, "stream": True}
-            async with client.stream("POST", "/v1/completions", json=body) as response:
-                response.raise_for_status()
-                await response.aread()
-
-        for start in range(0, requests, 4):
-            await asyncio.gather(*(one(size) for size in sizes[start:start + 4]))
 
 
 def with_weights(argv: list[str], weights: dict[str, float]) -> list[str]:
@@ -145,7 +128,7 @@ def one_run(fleet: Fleet, router: str, seed: int, args: argparse.Namespace) -> R
     urls = [engine.url for engine in engines]
     try:
         wait_http(gateway)
-        asyncio.run(warm_up(gateway.url))
+        asyncio.run(warm_up(gateway.url, 48))
         before = scrape(urls)
         results = asyncio.run(run_calls(workload(seed, args.requests, args.rps),
                                         lambda i, call: gateway.url))
