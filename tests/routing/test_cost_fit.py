@@ -22,7 +22,7 @@ from kvreuse.routing.cost_fit import (
     PrefillFit,
     PrefillSample,
     RelativeSpeeds,
-    prediction,
+    prediction_parts,
 )
 
 PRIOR = CostModel()  # 10,000 tokens/s, 15 ms
@@ -175,7 +175,9 @@ def serve_fleet(true_speeds: dict[str, float], answers: int, seed: int = 11,
         seconds = 0.02 * (ahead + 1) + (raw_ahead + raw_uncached) / (8000.0 * true_speeds[replica])
         sample = PrefillSample(ahead, int(raw_ahead / believed), int(raw_uncached / believed),
                                seconds * rng.uniform(1 - noise, 1 + noise))
-        predicted_s, share = prediction(fit.model(), sample)
+        overhead_part, token_part = prediction_parts(fit.model(), sample)
+        predicted_s = overhead_part + token_part
+        share = token_part / predicted_s
         fit.observe(sample)
         speeds.observe(replica, predicted_s, share, sample.seconds)
         speeds.check_invariants()

@@ -71,7 +71,7 @@ from kvreuse.routing import (
     RoutingPolicy,
 )
 from kvreuse.routing.approx_trees import ApproxTrees
-from kvreuse.routing.cost_fit import prediction
+from kvreuse.routing.cost_fit import prediction_parts
 from kvreuse.routing.event_index import EventIndex
 from kvreuse.routing.index_health import SUSPECT, HealthSettings, IndexHealth
 from kvreuse.tokens import TokenBuffer, num_tokens
@@ -523,12 +523,13 @@ class Router:
             self.speeds[sent.fit] = RelativeSpeeds()
         sample = PrefillSample(sent.requests_ahead, sent.tokens_ahead, sent.uncached_tokens,
                                seconds)
-        predicted, token_share = prediction(fit.model(), sample)
+        overhead_part, token_part = prediction_parts(fit.model(), sample)
         fit.observe(sample)
-        upstream = self.upstreams.get(sent.upstream)
-        if upstream is not None and not upstream.removed:
+        if sent.upstream in self.upstreams:  # not removed since (removal forgets its speed)
+            predicted = overhead_part + token_part
             speeds = self.speeds[sent.fit]
-            speeds.observe(sent.upstream, predicted, token_share, seconds)
+            speeds.observe(sent.upstream, predicted,
+                           token_part / predicted if predicted > 0 else 0.0, seconds)
             self._apply_speeds(speeds)
 
     def _apply_speeds(self, speeds: RelativeSpeeds) -> None:

@@ -321,8 +321,8 @@ class UpstreamState:
         assert self.in_flight >= 0, f"{self.name}: in_flight went negative"
 
     def weight(self) -> float:
-        """How much faster than the fleet's average this upstream drains its queue: the
-        configured weight times the measured speed. O(1)."""
+        """How many times the policies' prefill rate this upstream prefills at: the configured
+        weight times the measured speed. O(1)."""
         return self.config.weight * self.speed
 
     def load(self) -> ReplicaLoad:

@@ -88,13 +88,11 @@ class PrefillSample:
     seconds: float
 
 
-def prediction(model: CostModel, sample: PrefillSample) -> tuple[float, float]:
-    """What ``model`` predicts for ``sample``'s first token, in seconds, and the share of that
-    which is tokens over the rate (0 when it predicts nothing). O(1)."""
-    overhead_part = model.overhead_s * (sample.requests_ahead + 1)
-    token_part = (sample.tokens_ahead + sample.uncached_tokens) / model.prefill_tokens_per_s
-    total = overhead_part + token_part
-    return total, (token_part / total if total > 0 else 0.0)
+def prediction_parts(model: CostModel, sample: PrefillSample) -> tuple[float, float]:
+    """What ``model`` predicts for ``sample``'s first token, in seconds, as its two parts:
+    the requests' overheads and the tokens over the rate. O(1)."""
+    return (model.overhead_s * (sample.requests_ahead + 1),
+            (sample.tokens_ahead + sample.uncached_tokens) / model.prefill_tokens_per_s)
 
 
 class PrefillFit:
@@ -128,14 +126,12 @@ class PrefillFit:
         if not (seconds >= 0 and seconds < float("inf")) or min(
                 sample.requests_ahead, sample.tokens_ahead, sample.uncached_tokens) < 0:
             return
-        prior = self._prior
-        overhead_part = prior.overhead_s * (sample.requests_ahead + 1)
-        token_part = (sample.tokens_ahead + sample.uncached_tokens) / prior.prefill_tokens_per_s
+        overhead_part, token_part = prediction_parts(self._prior, sample)
         predicted = overhead_part + token_part
         if predicted <= 0:  # a zero overhead and nothing to prefill: says nothing of either
             return
         u, v = overhead_part / predicted, token_part / predicted
-        expected, _ = prediction(self._model, sample)
+        expected = sum(prediction_parts(self._model, sample))
         if expected > 0:
             seconds = min(max(seconds, expected / MAX_STEP), expected * MAX_STEP)
         z = seconds / predicted
