@@ -155,14 +155,19 @@ def row_text(row: Row, label: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--engines", type=int, default=4)
-    parser.add_argument("--slow", type=int, default=1)
-    parser.add_argument("--rate", type=float, default=10_000.0)
-    parser.add_argument("--slow-rate", type=float, default=2_500.0)
-    parser.add_argument("--requests", type=int, default=240)
-    parser.add_argument("--rps", type=float, default=12.0)
-    parser.add_argument("--seeds", default="1,2,3")
-    parser.add_argument("--peers", default="smg", help="comma-separated; '' for none")
+    parser.add_argument("--engines", type=int, default=4, help="kvreuse engines per run")
+    parser.add_argument("--slow", type=int, default=1, help="of them, how many are slow")
+    parser.add_argument("--rate", type=float, default=10_000.0,
+                        help="the other engines' prefill tokens/s")
+    parser.add_argument("--slow-rate", type=float, default=2_500.0,
+                        help="the slow engines' prefill tokens/s")
+    parser.add_argument("--requests", type=int, default=240,
+                        help="streamed requests per run, after 48 of warm-up")
+    parser.add_argument("--rps", type=float, default=12.0, help="Poisson arrivals a second")
+    parser.add_argument("--seeds", default="1,2,3",
+                        help="comma-separated: one workload and fresh engines per seed")
+    parser.add_argument("--peers", default="smg",
+                        help="peer routers, comma-separated ('' for none; needs make peers)")
     args = parser.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",") if s]
     if not 1 <= args.slow < args.engines or min(args.rate, args.slow_rate, args.rps) <= 0 \

@@ -92,7 +92,9 @@ def wait_http(proc: Process, path: str = "/health", timeout_s: float = 60.0) -> 
         if not proc.alive():
             raise RuntimeError(f"{proc.name} exited early:\n{proc.log_tail()}")
         with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(proc.url + path, timeout=1.0).status_code == 200:
+            # 2 s a probe: an upstream that answers /health 1 s late (misbehaving
+            # slow-health --delay 1) raced a 1 s timeout and failed a CI run.
+            if httpx.get(proc.url + path, timeout=2.0).status_code == 200:
                 return
         time.sleep(0.1)
     raise RuntimeError(f"{proc.name} did not answer {path} in {timeout_s} s:\n{proc.log_tail()}")
