@@ -24,6 +24,16 @@ Per run it prints the slow engines' measured speed over the others' (from ``/met
 share of prompt tokens the slow engines received, the engines' token hit rate and the
 client's TTFT percentiles, then per router the mean over seeds.
 
+Then the simulator's prediction of the same runs (``--replays`` per seed, 0 for none): each
+seed's stream through ``kvreuse.sim`` as ``benchmarks/sim_vs_gateway.py`` models a gateway
+(its :func:`gateway_fleet`, :func:`gateway_options`, :func:`sim_requests`), the engines'
+parameters, the warm-up as 48 unmeasured requests four at a time, and the fleet's speeds
+(``FleetConfig.prefill_speeds``) seen as each router sees them: measured from first tokens
+(``kvreuse``), alike (``--fixed-prefill`` and the peers, whose rule, smg's
+``cache_aware_smg``, knows no speeds) or known (``weight=``). A router is predicted within
+range when the mean hit rate is within 3 points and the mean p95 within 25 % of the gateway's
+(issue 15's bounds).
+
     PYTHONPATH=src .venv/bin/python benchmarks/mixed_speed.py --seeds 1,2,3
 """
 
@@ -31,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import random
 import statistics
@@ -48,10 +59,27 @@ from kvreuse.testing.loadgen import Call, fleet_hits, run_calls, scrape
 from kvreuse.testing.processes import PEERS_VENV, EngineSpec, Fleet, Process, free_port, wait_http
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kvreuse.routing import build_policy
+from kvreuse.sim import FleetSimulator, SimRequest, summarize
 from prefill_speed import text_of, warm_up  # the prompts and warm-up it times
+from sim_vs_gateway import (
+    HIT_POINTS,
+    P95_SHARE,
+    gateway_fleet,
+    gateway_options,
+    kendall_tau,
+    sim_requests,
+)
 
 SPEED_SERIES = "kvreuse_gateway_upstream_prefill_speed"
 ROUTERS = ("kvreuse", "kvreuse --fixed-prefill", "kvreuse weight=")
+SIMULATED = {"kvreuse": ("relative_spill", "measured"),
+             "kvreuse --fixed-prefill": ("relative_spill", "alike"),
+             "kvreuse weight=": ("relative_spill", "known"),
+             "smg": ("cache_aware_smg", "alike"), "sglang-router": ("cache_aware_smg", "alike"),
+             "vllm-router": ("cache_aware_smg", "alike")}
+"""Per router: the simulator's policy for its rule and what it knows of the speeds."""
+WARM_UP_GAP_S = 0.25  # the warm-up's groups of four, this far apart (each takes 0.05-0.3 s)
 
 
 def workload(seed: int, requests: int, rps: float) -> list[Call]:
@@ -147,6 +175,63 @@ def one_run(fleet: Fleet, router: str, seed: int, args: argparse.Namespace) -> R
                percentile(ttfts, 0.95) * 1000 if ttfts else float("nan"), failed)
 
 
+def simulated_stream(seed: int, args: argparse.Namespace) -> list[SimRequest]:
+    """The warm-up (unmeasured, 48 prompts of 100 to 800 unique tokens, four at a time) and
+    ``seed``'s stream, as the engines see them."""
+    warm = [Call((i // 4) * WARM_UP_GAP_S, "/v1/completions", json.dumps({
+        "model": "sim", "prompt": text_of(100 + (i * 137) % 700, uuid.uuid4().hex[:11]),
+        "max_tokens": 2}).encode(), measured=False) for i in range(48)]
+    start = 12 * WARM_UP_GAP_S + 0.5
+    stream = [dataclasses.replace(call, at_s=start + call.at_s)
+              for call in workload(seed, args.requests, args.rps)]
+    warm_requests = sim_requests(warm, 2)
+    return warm_requests + [dataclasses.replace(request, request_id=48 + i)
+                            for i, request in enumerate(sim_requests(stream, 8))]
+
+
+def simulate_run(router: str, seed: int, requests: Sequence[SimRequest],
+                 args: argparse.Namespace, replay: int) -> Row:
+    """One simulated run of ``router`` on ``requests`` (replays > 0 move every arrival by up
+    to 5 ms, seeded, as gateway runs differ)."""
+    policy, view = SIMULATED[router]
+    if replay:
+        rng = random.Random(seed * 1000 + replay)
+        moved = [dataclasses.replace(r, arrival_s=r.arrival_s + rng.uniform(0, 0.005))
+                 for r in requests]
+        requests = sorted(moved, key=lambda r: r.arrival_s)
+    speeds = ((args.slow_rate / args.rate,) * args.slow + (1.0,) * (args.engines - args.slow))
+    fleet = gateway_fleet(args.engines, 32_768, args.rate)
+    fleet = dataclasses.replace(
+        fleet, replica=dataclasses.replace(fleet.replica, time_per_output_token_s=0.002),
+        prefill_speeds=speeds, speed_view=view)
+    label = f"kvreuse:{policy}" if router.startswith("kvreuse") else router
+    built = build_policy(policy, rng=random.Random(seed),
+                         **gateway_options(label, policy, 32_768))
+    simulator = FleetSimulator(fleet, built)
+    run = simulator.run(requests)
+    summary = summarize(run)
+    measured = [r for r in run.records if r.measured]
+    slow_tokens = sum(r.prompt_tokens for r in measured if r.replica < args.slow)
+    speeds_seen = simulator.measured_speeds()
+    ids = [replica.replica_id for replica in simulator.replicas]
+    ratio = (statistics.fmean(speeds_seen[i] for i in ids[:args.slow])
+             / statistics.fmean(speeds_seen[i] for i in ids[args.slow:]))
+    return Row(router, seed, ratio if view == "measured" else None,
+               slow_tokens / (sum(r.prompt_tokens for r in measured) or 1),
+               summary.token_hit_rate, summary.ttft_p50_s * 1000, summary.ttft_p95_s * 1000, 0)
+
+
+def mean_row(router: str, rows: Sequence[Row]) -> Row:
+    """``router``'s rows averaged (failures summed)."""
+    mine = [row for row in rows if row.router == router]
+    measured = [row.measured for row in mine if row.measured is not None]
+    return Row(router, 0, statistics.fmean(measured) if measured else None,
+               statistics.fmean(r.slow_share for r in mine),
+               statistics.fmean(r.hit_rate for r in mine),
+               statistics.fmean(r.p50_ms for r in mine),
+               statistics.fmean(r.p95_ms for r in mine), sum(r.failed for r in mine))
+
+
 def row_text(row: Row, label: str) -> str:
     measured = "" if row.measured is None else f"{row.measured:.2f}"
     return (f"| {row.router} | {label} | {measured} | {row.slow_share:.1%} | "
@@ -166,6 +251,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rps", type=float, default=12.0, help="Poisson arrivals a second")
     parser.add_argument("--seeds", default="1,2,3",
                         help="comma-separated: one workload and fresh engines per seed")
+    parser.add_argument("--replays", type=int, default=3,
+                        help="simulated runs per seed and router to compare (0: none)")
     parser.add_argument("--peers", default="smg",
                         help="peer routers, comma-separated ('' for none; needs make peers)")
     args = parser.parse_args(argv)
@@ -196,15 +283,47 @@ def main(argv: Sequence[str] | None = None) -> int:
           "share of prompt tokens | hit rate | p50 TTFT ms | p95 TTFT ms | failed |")
     print("|---|---|---|---|---|---|---|---|")
     for router in routers:
-        mine = [row for row in rows if row.router == router]
-        measured = [row.measured for row in mine if row.measured is not None]
-        mean = Row(router, 0, statistics.fmean(measured) if measured else None,
-                   statistics.fmean(r.slow_share for r in mine),
-                   statistics.fmean(r.hit_rate for r in mine),
-                   statistics.fmean(r.p50_ms for r in mine),
-                   statistics.fmean(r.p95_ms for r in mine), sum(r.failed for r in mine))
-        print(row_text(mean, "mean"))
+        print(row_text(mean_row(router, rows), "mean"))
+    if args.replays:
+        predicted_all_within = print_predictions(routers, seeds, rows, args)
+        print(f"\n# the simulator predicted {predicted_all_within} of "
+              f"{sum(r in SIMULATED for r in routers)} routers within range")
     return 1 if any(row.failed for row in rows) else 0
+
+
+def print_predictions(routers: Sequence[str], seeds: Sequence[int], rows: Sequence[Row],
+                      args: argparse.Namespace) -> int:
+    """The simulator's means over ``--replays`` per seed against the gateway's; returns how
+    many routers it predicted within range."""
+    simulated: list[Row] = []
+    for seed in seeds:
+        requests = simulated_stream(seed, args)
+        for router in [r for r in routers if r in SIMULATED]:
+            simulated += [simulate_run(router, seed, requests, args, replay)
+                          for replay in range(args.replays)]
+    print(f"\n# the simulator's prediction: means over {len(seeds)} seeds x {args.replays} "
+          "replays, against the gateway's means")
+    print("| router | simulated: slow engines' measured speed over the others' | slow engines' "
+          "share of prompt tokens | hit rate | p95 TTFT ms | gateway: hit rate | p95 TTFT ms "
+          "| hit rate within 3 points | p95 within 25 % |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    within = 0
+    compared = [r for r in routers if r in SIMULATED]
+    p95s: list[tuple[float, float]] = []
+    for router in compared:
+        sim, real = mean_row(router, simulated), mean_row(router, rows)
+        p95s.append((sim.p95_ms, real.p95_ms))
+        hit_ok = abs(sim.hit_rate - real.hit_rate) <= HIT_POINTS
+        p95_ok = abs(sim.p95_ms - real.p95_ms) <= P95_SHARE * real.p95_ms
+        within += hit_ok and p95_ok
+        measured = "" if sim.measured is None else f"{sim.measured:.2f}"
+        print(f"| {router} | {measured} | {sim.slow_share:.1%} | {sim.hit_rate:.1%} | "
+              f"{sim.p95_ms:,.0f} | {real.hit_rate:.1%} | {real.p95_ms:,.0f} | "
+              f"{'yes' if hit_ok else 'NO'} | {'yes' if p95_ok else 'NO'} |", flush=True)
+    if len(p95s) > 1:
+        tau = kendall_tau([a for a, _ in p95s], [b for _, b in p95s])
+        print(f"\n# routers ranked by p95 TTFT, simulator against gateway: Kendall tau {tau:.2f}")
+    return within
 
 
 if __name__ == "__main__":

@@ -135,6 +135,12 @@ RUN_DIGEST = textwrap.dedent(
             h.update(repr((run.evicted_tokens, run.prefill_busy_s, run.events_processed,
                            run.end_time_s)).encode())
             out["runs"][f"{name}/{kind}"] = h.hexdigest()
+    for view in ("measured", "known"):
+        fleet = dataclasses.replace(scenario.fleet(3, ""), prefill_speeds=(0.25, 1.0, 1.0),
+                                    speed_view=view, load_view="router", first_byte_lag_s=0.002)
+        run = FleetSimulator(fleet, build_policy("relative_spill")).run(requests)
+        h = hashlib.sha256(repr([dataclasses.astuple(r) for r in run.records]).encode())
+        out["runs"][f"relative_spill/speeds {view}"] = h.hexdigest()
     print(json.dumps(out))
     """
 )
@@ -153,12 +159,13 @@ def run_digests(pure: bool) -> dict[str, object]:
 
 @pytest.mark.skipif(not native.decide().compiled, reason=native.decide().reason)
 def test_compiled_and_pure_cores_give_identical_runs() -> None:
-    """Seeded belgavi runs (five policies, radix and block caches, lagged KV events) are
-    bit-identical with the compiled core and with the source."""
+    """Seeded belgavi runs (five policies, radix and block caches, lagged KV events; the
+    default on a fleet of mixed speeds, measured and known) are bit-identical with the compiled
+    core and with the source."""
     compiled, pure = run_digests(pure=False), run_digests(pure=True)
     assert compiled["compiled"] is True and pure["compiled"] is False
     assert compiled["runs"] == pure["runs"]
-    assert len(set(compiled["runs"].values())) == 10  # type: ignore[attr-defined]
+    assert len(set(compiled["runs"].values())) == 12  # type: ignore[attr-defined]
 
 
 def test_forcing_pure_loads_every_core_module_from_source() -> None:

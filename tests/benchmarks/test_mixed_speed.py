@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 from types import ModuleType
 
@@ -15,7 +16,7 @@ def test_a_tiny_run_prints_every_kvreuse_router_and_their_means(
     """Two engines, one slow, 12 requests: three rows and three means, nothing failed, the
     measuring gateway's speed ratio printed and under 1."""
     assert bench.main(["--engines", "2", "--slow", "1", "--requests", "12", "--rps", "20",
-                       "--seeds", "1", "--peers", ""]) == 0
+                       "--seeds", "1", "--peers", "", "--replays", "0"]) == 0
     lines = capsys.readouterr().out.splitlines()
     rows = [line.split("|") for line in lines if line.startswith("| kvreuse")]
     assert [row[1].strip() for row in rows] == [*bench.ROUTERS, *bench.ROUTERS], lines
@@ -41,3 +42,30 @@ def test_the_workload_is_the_seeds_shape(bench: ModuleType) -> None:
     assert [c.at_s for c in first] == [c.at_s for c in second]
     assert [len(c.body) for c in first] == [len(c.body) for c in second]
     assert [c.at_s for c in bench.workload(4, 50, 10.0)] != [c.at_s for c in first]
+
+
+def test_the_simulated_stream_is_the_warm_up_then_the_seeds_stream(bench: ModuleType) -> None:
+    """48 unmeasured warm-up requests, then the seed's stream, measured, in arrival order."""
+    args = argparse.Namespace(requests=30, rps=10.0)
+    requests = bench.simulated_stream(2, args)
+    assert [r.measured for r in requests] == [False] * 48 + [True] * 30
+    assert [r.request_id for r in requests] == list(range(78))
+    arrivals = [r.arrival_s for r in requests]
+    assert arrivals == sorted(arrivals)
+    assert [r.output_len for r in requests[47:49]] == [2, 8]
+
+
+def test_the_simulator_finds_the_slow_engine_as_the_measuring_gateway_would(
+        bench: ModuleType) -> None:
+    """Simulated, the measuring router's speed ratio lands near the true 0.25 and it sends
+    the slow engine a smaller share of tokens than the router that sees the engines alike;
+    known weights send it less still."""
+    args = argparse.Namespace(engines=4, slow=1, rate=10_000.0, slow_rate=2_500.0,
+                              requests=120, rps=12.0)
+    requests = bench.simulated_stream(1, args)
+    rows = {router: bench.simulate_run(router, 1, requests, args, 0)
+            for router in ("kvreuse", "kvreuse --fixed-prefill", "kvreuse weight=")}
+    assert 0.15 < rows["kvreuse"].measured < 0.45
+    assert rows["kvreuse --fixed-prefill"].measured is None
+    assert (rows["kvreuse weight="].slow_share <= rows["kvreuse"].slow_share
+            < rows["kvreuse --fixed-prefill"].slow_share)

@@ -210,3 +210,40 @@ def test_a_100_column_terminal_gets_whole_figures(mission_four: dict[str, Any]) 
     for run in mission_four["runs"]:
         line = next(line for line in text.splitlines() if f"{run['label']} x4" in line)
         assert all(cell in line for cell in _cells(run)), (line, _cells(run))
+
+
+def test_prefill_speeds_reach_the_fleet_padded_to_its_size(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """--prefill-speeds 0.25 slows the first replica of any fleet size (the rest at 1): the
+    run's parameters record it, its p95 rises over the same run without it, and the out-of-range
+    lines name the flag."""
+    args = ["simulate", "--scenario", "belgavi", "--scale", "0.1", "--policy", "round_robin",
+            "--replicas", "3", "--no-baseline", "--json", "-"]
+    assert main(args) == 0
+    even = json.loads(capsys.readouterr().out)
+    assert main([*args, "--prefill-speeds", "0.25", "--speed-view", "known"]) == 0
+    slow = json.loads(capsys.readouterr().out)
+    assert slow["parameters"]["prefill_speeds"] == [0.25]
+    assert slow["parameters"]["speed_view"] == "known"
+    assert slow["runs"][0]["ttft_p95_s"] > even["runs"][0]["ttft_p95_s"]
+    assert main(["simulate", "--scenario", "belgavi", "--scale", "0.1", "--no-baseline",
+                 "--prefill-speeds", "0.25"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "OUT OF RANGE" in out
+    assert "--prefill-speeds 0.25 makes replicas prefill at other speeds" in out
+
+
+@pytest.mark.parametrize("given", ["0", "-1", "nan", "inf", "fast", "1,,2"])
+def test_a_speed_that_is_not_a_positive_number_is_refused(
+        capsys: pytest.CaptureFixture[str], given: str) -> None:
+    """argparse names the bad speed; nothing runs."""
+    with pytest.raises(SystemExit):
+        main(["simulate", "--scenario", "belgavi", "--prefill-speeds", given])
+    assert "--prefill-speeds" in capsys.readouterr().err
+
+
+def test_a_speed_view_without_speeds_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """--speed-view alone says nothing: the error says to give --prefill-speeds."""
+    assert main(["simulate", "--scenario", "belgavi", "--scale", "0.05", "--policy",
+                 "round_robin", "--speed-view", "known"]) == 1
+    assert "give --prefill-speeds too" in capsys.readouterr().err

@@ -40,7 +40,14 @@ from kvreuse.errors import ConfigError, require_at_least
 from kvreuse.routing import POLICIES, policy_option_names
 from kvreuse.routing.base import CostModel
 from kvreuse.routing.relative_spill import SLACKS
-from kvreuse.sim.config import CACHE_KINDS, LOAD_VIEWS, SCHEDULERS, FleetConfig, ReplicaConfig
+from kvreuse.sim.config import (
+    CACHE_KINDS,
+    LOAD_VIEWS,
+    SCHEDULERS,
+    SPEED_VIEWS,
+    FleetConfig,
+    ReplicaConfig,
+)
 from kvreuse.sim.requests import SimRequest
 from kvreuse.sim.runner import ScenarioRun, Verdict, check, run_spec
 from kvreuse.sim.scenarios import SPILLS, RunSpec, Scenario, get_scenario
@@ -145,7 +152,33 @@ def register(subparsers: Any) -> None:
         "hears the response end and stops counting it in flight (0.008 models kvreuse route "
         "on one host)",
     )
+    parser.add_argument(
+        "--prefill-speeds", type=speed_list, metavar="S1,S2,...",
+        help="replicas of other speeds: the first replicas' prefill rates as multiples of the "
+        "configured one (0.25,1: the first at a quarter, the second at the full rate); "
+        "replicas beyond the list run at 1",
+    )
+    parser.add_argument(
+        "--speed-view", choices=SPEED_VIEWS,
+        help="with --prefill-speeds, what the router knows of them: measured from first tokens "
+        "as kvreuse route does (the default), known (upstreams given weight=), or alike "
+        "(kvreuse route --fixed-prefill)",
+    )
     parser.set_defaults(func=run)
+
+
+def speed_list(text: str) -> tuple[float, ...]:
+    """``--prefill-speeds``: comma-separated finite numbers > 0."""
+    speeds = []
+    for part in text.split(","):
+        try:
+            speed = float(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part.strip()!r} is not a number") from None
+        if not (math.isfinite(speed) and speed > 0):
+            raise argparse.ArgumentTypeError(f"each speed must be a finite number > 0, got {part}")
+        speeds.append(speed)
+    return tuple(speeds)
 
 
 def _split(text: str | None) -> list[str]:
@@ -245,9 +278,17 @@ def _adjust(config: FleetConfig, args: argparse.Namespace, variant: str = "") ->
         replica = replace(replica, prefix_caching=False)
     replica = replace(replica, **_given(pool_tokens=args.cache_tokens, scheduling=args.scheduling,
                                         cache_kind=args.cache_kind, block_size=args.block_size))
+    speeds: tuple[float, ...] | None = None
+    if args.prefill_speeds is not None:
+        given = args.prefill_speeds[:config.replicas]
+        speeds = given + (1.0,) * (config.replicas - len(given))
+    elif args.speed_view is not None:
+        raise ConfigError("--speed-view says what the router knows of --prefill-speeds: "
+                          "give --prefill-speeds too")
     return replace(config, replica=replica, **_given(
         load_lag_s=args.load_lag, kv_event_lag_s=args.kv_lag, load_view=args.load_view,
-        first_byte_lag_s=args.first_byte_lag, last_byte_lag_s=args.last_byte_lag))
+        first_byte_lag_s=args.first_byte_lag, last_byte_lag_s=args.last_byte_lag,
+        prefill_speeds=speeds, speed_view=args.speed_view))
 
 
 def _trace_scenario(args: argparse.Namespace, requests: list[SimRequest]) -> Scenario:
@@ -320,9 +361,10 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_baseline:
         specs = _with_baselines(specs)
     for option in ("cache_kind", "block_size", "scheduling", "load_lag", "kv_lag", "load_view",
-                   "first_byte_lag", "last_byte_lag"):
+                   "first_byte_lag", "last_byte_lag", "prefill_speeds", "speed_view"):
         if getattr(args, option) is not None:
-            parameters[option] = getattr(args, option)
+            value = getattr(args, option)
+            parameters[option] = list(value) if isinstance(value, tuple) else value
     if args.cache_tokens is not None and args.trace is None:
         parameters["pool_tokens"] = args.cache_tokens
 
@@ -393,7 +435,8 @@ def run(args: argparse.Namespace) -> int:
             # the lab's replicas are radix trees with no information delays
             showable=args.cache_kind in (None, "radix") and args.block_size is None
             and args.load_lag is None and args.kv_lag is None and args.load_view is None
-            and args.first_byte_lag is None and args.last_byte_lag is None,
+            and args.first_byte_lag is None and args.last_byte_lag is None
+            and args.prefill_speeds is None,
         )
         write_report(
             args.report, scenario, rows, every_bounds, sweep, parameters, seed=args.seed,
@@ -479,6 +522,8 @@ CHANGE_REASONS: dict[str, str] = {
     "load_view": "--load-view {value} changes what the router knows of the queues",
     "first_byte_lag": "--first-byte-lag {value} delays when the router hears of first tokens",
     "last_byte_lag": "--last-byte-lag {value} delays when the router hears of finished requests",
+    "prefill_speeds": "--prefill-speeds {value} makes replicas prefill at other speeds",
+    "speed_view": "--speed-view {value} changes what the router knows of the replicas' speeds",
     "seed": "--seed {value} draws other traffic (the ranges were checked with seed 0)",
 }
 """Why a figure may leave the range the scenario states: the flags that change the setup."""
@@ -492,8 +537,10 @@ def _changed_flags(args: argparse.Namespace) -> list[str]:
             CHANGE_REASONS["scale"].format(value=f"{args.scale:g}", percent=f"{args.scale:.0%}")
         )
     for name in ("cache_tokens", "cache_kind", "block_size", "scheduling", "load_lag", "kv_lag",
-                 "load_view", "first_byte_lag", "last_byte_lag"):
+                 "load_view", "first_byte_lag", "last_byte_lag", "prefill_speeds", "speed_view"):
         value = getattr(args, name)
+        if isinstance(value, tuple):
+            value = ",".join(f"{v:g}" for v in value)
         if value is not None:
             reasons.append(CHANGE_REASONS[name].format(value=value))
     if args.seed != defaults.SEED:

@@ -71,7 +71,7 @@ from kvreuse.routing import (
     RoutingPolicy,
 )
 from kvreuse.routing.approx_trees import ApproxTrees
-from kvreuse.routing.cost_fit import prediction_parts
+from kvreuse.routing.cost_fit import observe_first_token
 from kvreuse.routing.event_index import EventIndex
 from kvreuse.routing.index_health import SUSPECT, HealthSettings, IndexHealth
 from kvreuse.tokens import TokenBuffer, num_tokens
@@ -523,13 +523,11 @@ class Router:
             self.speeds[sent.fit] = RelativeSpeeds()
         sample = PrefillSample(sent.requests_ahead, sent.tokens_ahead, sent.uncached_tokens,
                                seconds)
-        overhead_part, token_part = prediction_parts(fit.model(), sample)
-        fit.observe(sample)
-        if sent.upstream in self.upstreams:  # not removed since (removal forgets its speed)
-            predicted = overhead_part + token_part
-            speeds = self.speeds[sent.fit]
-            speeds.observe(sent.upstream, predicted,
-                           token_part / predicted if predicted > 0 else 0.0, seconds)
+        # Not removed since (removal forgets its speed)?
+        present = sent.upstream if sent.upstream in self.upstreams else None
+        speeds = self.speeds[sent.fit]
+        observe_first_token(fit, speeds, present, sample)
+        if present is not None:
             self._apply_speeds(speeds)
 
     def _apply_speeds(self, speeds: RelativeSpeeds) -> None:

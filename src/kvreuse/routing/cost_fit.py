@@ -256,3 +256,17 @@ class RelativeSpeeds:
             centred = min(max(value - mean, -bound), bound)
             logs[replica] = centred
         self._speed = {replica: math.exp(value) for replica, value in logs.items()}
+
+
+def observe_first_token(fit: PrefillFit, speeds: RelativeSpeeds, replica: str | None,
+                        sample: PrefillSample) -> None:
+    """One first token of a model's fleet, folded into its fit and (unless ``replica`` is
+    ``None``: it left the fleet since) its replica's relative speed, judged against what the
+    fit predicted before this sample. What ``kvreuse route`` does per timed answer and the
+    simulator's measuring router does per prefill (``FleetConfig.speed_view``). O(replicas)."""
+    overhead_part, token_part = prediction_parts(fit.model(), sample)
+    fit.observe(sample)
+    if replica is not None:
+        predicted = overhead_part + token_part
+        speeds.observe(replica, predicted, token_part / predicted if predicted > 0 else 0.0,
+                       sample.seconds)

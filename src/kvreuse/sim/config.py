@@ -18,6 +18,7 @@ from kvreuse.sim.memory import KvSink, RadixMemory, ReplicaMemory
 
 SCHEDULERS = ("fcfs", "lpm")
 LOAD_VIEWS = ("replica", "router")
+SPEED_VIEWS = ("measured", "known", "alike")
 
 MAX_REPLICAS = 100_000
 """The largest fleet a simulation builds. Each replica holds its own queue and cache, and most
@@ -94,7 +95,17 @@ class FleetConfig:
     policy's ``on_finished`` comes that much later (what a router balancing on requests in
     flight sees). Measured through ``kvreuse route`` on ``kvreuse engine`` replicas, one host:
     the gateway's own total time per request exceeds the simulator's on the same placements by
-    a median of 8–12 ms (``benchmarks/sim_vs_gateway.py``, docs/performance.md)."""
+    a median of 8–12 ms (``benchmarks/sim_vs_gateway.py``, docs/performance.md).
+
+    ``prefill_speeds``: per replica, its prefill rate as a multiple of
+    ``replica.prefill_tokens_per_s`` (a fleet of mixed hardware, or one replica degraded);
+    ``None``: every replica at 1. The per-request overhead is the same on all. ``speed_view``
+    (with ``prefill_speeds`` only) is what the router knows of them, as a gateway's
+    ``ReplicaLoad.prefill_speed``, its loads divided by it: ``"measured"`` learns them from
+    each first token as ``kvreuse route`` does (:class:`~kvreuse.routing.RelativeSpeeds`, fed
+    at the instant the router hears the token, predictions on ``replica``'s rate and overhead),
+    ``"known"`` is handed the true ones (upstreams configured with ``weight=``), ``"alike"``
+    sees every replica at 1 (``kvreuse route --fixed-prefill``)."""
 
     replicas: int = 3
     replica: ReplicaConfig = field(default_factory=ReplicaConfig)
@@ -104,6 +115,8 @@ class FleetConfig:
     load_view: str = "replica"
     first_byte_lag_s: float = 0.0
     last_byte_lag_s: float = 0.0
+    prefill_speeds: tuple[float, ...] | None = None
+    speed_view: str = "measured"
 
     def __post_init__(self) -> None:
         require_at_least("replicas", self.replicas, 1)
@@ -125,5 +138,15 @@ class FleetConfig:
                                   "load_view='router' (--load-view router)")
         if self.load_view not in LOAD_VIEWS:
             raise ConfigError(f"load_view must be one of {LOAD_VIEWS}, got {self.load_view!r}")
+        if self.speed_view not in SPEED_VIEWS:
+            raise ConfigError(f"speed_view must be one of {SPEED_VIEWS}, got {self.speed_view!r}")
+        if self.prefill_speeds is not None:
+            if len(self.prefill_speeds) != self.replicas:
+                raise ConfigError(f"prefill_speeds lists {len(self.prefill_speeds)} speeds for "
+                                  f"{self.replicas} replicas; give one per replica")
+            for speed in self.prefill_speeds:
+                if not (isinstance(speed, int | float) and math.isfinite(speed) and speed > 0):
+                    raise ConfigError("each of prefill_speeds must be a finite number > 0 "
+                                      f"(a multiple of prefill_tokens_per_s), got {speed!r}")
         if self.kv_event_lag_s is not None and self.kv_event_lag_s < 0:
             raise ConfigError(f"kv_event_lag_s must be >= 0 or None, got {self.kv_event_lag_s}")

@@ -15,6 +15,19 @@ Models: with ``FleetConfig.models`` each replica serves some models, and a reque
 only the replicas serving its model (as the gateway's does), so every policy routes on that
 candidate subset; a policy choosing outside it breaks an invariant (an assertion).
 
+Speeds: with ``FleetConfig.prefill_speeds`` replicas prefill at different rates, and the
+router sees them as ``FleetConfig.speed_view`` says. Measured, the fleet keeps what a gateway
+keeps (gateway/router.py): per model (one for the whole fleet without ``models``), a
+:class:`~kvreuse.routing.PrefillFit` starting from the replicas' configured rate and overhead
+and a :class:`~kvreuse.routing.RelativeSpeeds`, both fed one sample per first token
+(:func:`~kvreuse.routing.cost_fit.observe_first_token`): the load the replica showed as the
+request was routed, against the time from its arrival until the router heard the token
+(``first_byte_lag_s`` after the prefill ended). A policy that predicts time
+(:class:`~kvreuse.routing.PredictsTime`) routes on its model's fit, which starts from the
+policy's own cost model, as a gateway's starts from its flags. The sample is taken as the
+prefill ends, with the lag added: its speed applies that lag early, one sample's step (at most
+1/33 of a log step once a replica has 32 answers) a few milliseconds sooner.
+
 Seeded and deterministic: the workload carries all randomness, policies get a seeded rng, and
 the event loop's tie rule (see :mod:`kvreuse.sim.event_loop`) fixes the order of simultaneous
 events.
@@ -28,7 +41,13 @@ from typing import Any
 
 from kvreuse.bulk import collector_paused
 from kvreuse.errors import ConfigError
-from kvreuse.routing.base import FleetView, RoutingPolicy
+from kvreuse.routing.base import CostModel, FleetView, PredictsTime, RoutingPolicy
+from kvreuse.routing.cost_fit import (
+    PrefillFit,
+    PrefillSample,
+    RelativeSpeeds,
+    observe_first_token,
+)
 from kvreuse.routing.events import KvEvent
 from kvreuse.sim.config import FleetConfig
 from kvreuse.sim.event_loop import (
@@ -40,7 +59,8 @@ from kvreuse.sim.event_loop import (
     LoadSnapshot,
     PrefillDone,
 )
-from kvreuse.sim.replica import Job, LoadBoard, Replica
+from kvreuse.sim.memory import Job
+from kvreuse.sim.replica import LoadBoard, Replica
 from kvreuse.sim.requests import FleetRun, RequestRecord, SimRequest
 
 PROMPT_LEN = operator.attrgetter("prompt_len")
@@ -66,12 +86,24 @@ class FleetSimulator:
         if lag is not None and wanted:
             sink = policy.on_kv_event if lag == 0 else self._publish
         self._board = LoadBoard()
+        speeds = config.prefill_speeds
+        self._measuring = speeds is not None and config.speed_view == "measured"
+        timed = self._first_token if self._measuring else None
         self.replicas = [
             Replica(i, config.replica, self.loop, self._finished, sink, self._board,
                     config.load_view == "router", config.first_byte_lag_s,
-                    config.last_byte_lag_s)
+                    config.last_byte_lag_s, 1.0 if speeds is None else speeds[i], timed)
             for i in range(config.replicas)
         ]
+        if speeds is not None and config.speed_view == "known":
+            for replica, speed in zip(self.replicas, speeds, strict=True):
+                replica.set_router_speed(speed)
+        # Measuring: per model key, the fleet's fit and its replicas' speeds over it; the fit
+        # starts where the policy's cost model does, as a gateway's starts from its flags.
+        self._meters: dict[str, tuple[PrefillFit, RelativeSpeeds]] = {}
+        self._timed = policy if isinstance(policy, PredictsTime) else None
+        self._prior = (self._timed.cost if self._timed is not None else
+                       CostModel(config.replica.prefill_tokens_per_s, config.replica.overhead_s))
         self._by_id = {r.replica_id: r for r in self.replicas}
         # With a last-byte lag the policy hears of a finish at LastByte, not at the engine's.
         self._finish_heard_late = config.last_byte_lag_s > 0
@@ -177,6 +209,10 @@ class FleetSimulator:
                 raise ConfigError(f"no replica serves the model {view.identity.model!r} of "
                                   f"request {request.request_id}; serving: {sorted(serving)}")
             fleet = fleet.restrict(allowed)
+        if self._measuring and self._timed is not None:
+            meter = self._meters.get(self._speed_key(request))
+            if meter is not None:  # routes on its model's measured speed, as behind a gateway
+                self._timed.cost = meter[0].model()
         decision = self.policy.route(view, fleet)
         if decision is None:
             raise ConfigError("the policy found no eligible replica; check tenant pins")
@@ -187,6 +223,8 @@ class FleetSimulator:
             f"{decision.replica}, which does not serve it")
         self.policy.on_routed(view, decision, now)
         job = Job(request, decision.branch, decision.predicted_cached_tokens)
+        if self._measuring:
+            job.sent = self._what_was_sent(request, replica, decision.predicted_cached_tokens)
         replica.enqueue(job, now)
 
     def _on_prefill_done(self, event: PrefillDone) -> None:
@@ -216,6 +254,43 @@ class FleetSimulator:
 
     def loop_has_work(self) -> bool:
         return len(self.loop) > 0
+
+    # ------------------------------------------------------------------ measured speeds
+
+    def _what_was_sent(self, request: SimRequest, replica: Replica,
+                       predicted: int) -> tuple[int, int, int, str]:
+        """What the router knew as it sent ``request`` to ``replica`` (the gateway's
+        ``Router.committed``): the load before it joins (requests, tokens), its own uncached
+        tokens, whose speeds it measures. O(1)."""
+        load = replica.load()
+        own = int(max(request.prompt_len - predicted, 0) / replica.router_speed)
+        return load.queued_requests, load.queued_prefill_tokens, own, self._speed_key(request)
+
+    def _speed_key(self, request: SimRequest) -> str:
+        """Whose speeds ``request`` is timed with: its model's (one for all without models)."""
+        return request.view.identity.model if self.config.models is not None else ""
+
+    def _first_token(self, job: Job, index: int, now: float) -> None:
+        """Replica ``index`` ended ``job``'s prefill at ``now``: one sample of its speed
+        (the gateway's ``Router.first_token``). O(replicas of the request's model)."""
+        request = job.request
+        assert job.sent is not None, f"request {request.request_id} was not timed as sent"
+        ahead, tokens_ahead, own, key = job.sent
+        seconds = now + self.config.first_byte_lag_s - request.arrival_s
+        meter = self._meters.get(key)
+        if meter is None:
+            meter = self._meters[key] = (PrefillFit(self._prior), RelativeSpeeds())
+        fit, speeds = meter
+        observe_first_token(fit, speeds, self.replicas[index].replica_id,
+                            PrefillSample(ahead, tokens_ahead, own, seconds))
+        by_id = self._by_id
+        for name, speed in speeds.speeds().items():
+            by_id[name].set_router_speed(speed)
+
+    def measured_speeds(self) -> dict[str, float]:
+        """Each replica's speed as the router believes it now (1.0 where it measured none).
+        O(replicas)."""
+        return {replica.replica_id: replica.router_speed for replica in self.replicas}
 
     # ------------------------------------------------------------------ callbacks
 

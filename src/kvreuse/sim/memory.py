@@ -52,7 +52,8 @@ class Job:
 
     ``estimate``: uncached prompt tokens counted in the replica's queue; ``cached``: prompt
     tokens found cached at admission; ``handle``: what the memory holds for the request;
-    ``private``: tokens of the pool reserved for it outside the cache (radix model)."""
+    ``private``: tokens of the pool reserved for it outside the cache (radix model); ``sent``:
+    what a router measuring speeds knew as it routed the request (the fleet's, or ``None``)."""
 
     __slots__ = (
         "branch",
@@ -64,6 +65,7 @@ class Job:
         "private",
         "prompt_cached",
         "request",
+        "sent",
     )
 
     def __init__(self, request: SimRequest, branch: str, predicted: int) -> None:
@@ -76,6 +78,7 @@ class Job:
         self.private = 0
         self.prompt_cached = False
         self.handle: object = None
+        self.sent: tuple[int, int, int, str] | None = None
 
 
 class ReplicaMemory(Protocol):

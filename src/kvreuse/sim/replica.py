@@ -29,6 +29,13 @@ first token reaches the router (what a gateway knows; ``FleetConfig.load_view``)
 ``in_flight`` counts a finished request ``last_byte_lag_s`` longer, until its response's end
 reaches the router (:meth:`Replica.last_byte`).
 
+Speeds. ``prefill_speed`` multiplies ``prefill_tokens_per_s`` (a replica of other hardware;
+``FleetConfig.prefill_speeds``). ``router_speed`` is the speed the router believes it has
+(``FleetConfig.speed_view``): like a gateway's upstream weight, the load it reports is divided
+by it, and ``ReplicaLoad.prefill_speed`` carries it; at 1 the load is as counted.
+``on_first_token(job, index, now)``, if given, is called as each prefill ends (where a router
+measuring speeds times the first token).
+
 Scheduling. ``fcfs``; or ``lpm``, longest cached prefix first (SGLang), which falls back to fcfs
 when more than ``lpm_max_waiting`` (128, SGLang's rule) requests wait.
 """
@@ -95,6 +102,8 @@ class Replica:
         router_view: bool = False,
         first_byte_lag_s: float = 0.0,
         last_byte_lag_s: float = 0.0,
+        prefill_speed: float = 1.0,
+        on_first_token: Callable[[Job, int, float], None] | None = None,
     ) -> None:
         self.index = index
         self.replica_id = f"r{index}"
@@ -112,7 +121,11 @@ class Replica:
         self.blocked_admissions = 0
         self.prefill_busy_s = 0.0
         self.requests_served = 0
-        self._rate = config.prefill_tokens_per_s
+        self._rate = config.prefill_tokens_per_s * prefill_speed
+        self.router_speed = 1.0
+        """The speed the router believes this replica has (see the module docstring); set it
+        with :meth:`set_router_speed`."""
+        self._on_first_token = on_first_token
         self._tpot = config.time_per_output_token_s
         self._overhead = config.overhead_s
         self._lpm = config.scheduling == "lpm" and config.prefix_caching
@@ -135,13 +148,21 @@ class Replica:
         return self.memory.private_tokens
 
     def load(self) -> ReplicaLoad:
-        return ReplicaLoad(
-            self.replica_id,
-            self.queued_prefill_tokens,
-            len(self.waiting) + (self.busy is not None),
-            self.in_flight,
-            self._capacity,
-        )
+        speed = self.router_speed
+        queued = len(self.waiting) + (self.busy is not None)
+        if speed == 1.0:
+            return ReplicaLoad(self.replica_id, self.queued_prefill_tokens, queued,
+                               self.in_flight, self._capacity)
+        # Divided as a gateway divides an upstream's load by its weight (gateway/upstreams.py).
+        return ReplicaLoad(self.replica_id, int(self.queued_prefill_tokens / speed),
+                           int(queued / speed), int(self.in_flight / speed), self._capacity,
+                           speed)
+
+    def set_router_speed(self, speed: float) -> None:
+        """The router now believes this replica's prefill speed is ``speed``. O(1)."""
+        if speed != self.router_speed:
+            self.router_speed = speed
+            self._stale.add(self.index)
 
     # ------------------------------------------------------------------ request life
 
@@ -214,6 +235,8 @@ class Replica:
             self.queued_prefill_tokens -= job.estimate
         job.estimate = 0
         job.prefill_end = now
+        if self._on_first_token is not None:
+            self._on_first_token(job, self.index, now)
         self.busy = None
         decode_s = request.output_len * self._tpot
         if decode_s > 0:

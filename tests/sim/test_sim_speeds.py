@@ -1,0 +1,153 @@
+"""Replicas of different prefill speeds, and what the router knows of them."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from kvreuse.errors import ConfigError
+from kvreuse.identity import CacheIdentity
+from kvreuse.routing import RequestView, build_policy
+from kvreuse.sim import FleetConfig, FleetSimulator, ReplicaConfig, SimRequest
+from kvreuse.sim.scenarios import get_scenario
+from kvreuse.tokens import pack
+
+REPLICA = ReplicaConfig(pool_tokens=1_000_000, prefill_tokens_per_s=10_000.0, overhead_s=0.01,
+                        time_per_output_token_s=0.0)
+
+
+def unique_requests(count: int, every_s: float, tokens: int = 1000,
+                    model: str = "") -> list[SimRequest]:
+    """``count`` requests of ``tokens`` unique tokens each, ``every_s`` apart."""
+    identity = CacheIdentity(model=model)
+    return [SimRequest(i, i * every_s, pack(range(i * tokens, (i + 1) * tokens)), tokens, 1,
+                       identity=identity)
+            for i in range(count)]
+
+
+class LoadWatcher:
+    """Wraps a policy and notes every candidate's load at each arrival."""
+
+    def __init__(self, name: str = "round_robin") -> None:
+        self.inner = build_policy(name, rng=random.Random(0))
+        self.loads: list[Any] = []
+
+    def route(self, request: RequestView, fleet: Any) -> Any:
+        self.loads.append(fleet.replicas)
+        return self.inner.route(request, fleet)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_a_slow_replica_prefills_at_its_multiple_of_the_rate() -> None:
+    """At speed 0.25, 1,000 tokens take 0.4 s after the overhead instead of 0.1 s."""
+    config = FleetConfig(2, REPLICA, prefill_speeds=(0.25, 1.0))
+    run = FleetSimulator(config, build_policy("round_robin")).run(unique_requests(2, 1.0))
+    assert [r.replica for r in run.records] == [0, 1]
+    assert [r.ttft_s for r in run.records] == pytest.approx([0.41, 0.11])
+
+
+@pytest.mark.parametrize("speeds", [(1.0,), (1.0, 1.0, 1.0), (1.0, 0.0), (1.0, -1.0),
+                                    (1.0, float("nan")), (1.0, float("inf"))])
+def test_speeds_must_be_one_positive_number_per_replica(speeds: tuple[float, ...]) -> None:
+    """The error says what to give."""
+    with pytest.raises(ConfigError, match="prefill_speeds"):
+        FleetConfig(2, REPLICA, prefill_speeds=speeds)
+
+
+def test_an_unknown_speed_view_is_a_config_error() -> None:
+    """The error names the choices."""
+    with pytest.raises(ConfigError, match="speed_view must be one of"):
+        FleetConfig(2, REPLICA, speed_view="guessed")
+
+
+def test_a_known_speed_divides_the_load_the_router_sees() -> None:
+    """The slow replica's queue shows as four times its tokens and carries its speed, as an
+    upstream declared with weight=0.25 does in the gateway."""
+    config = FleetConfig(2, REPLICA, prefill_speeds=(0.25, 1.0), speed_view="known")
+    watcher = LoadWatcher()
+    # Two requests at once on each replica: the second arrivals see the first still queued.
+    requests = [SimRequest(i, 0.0, pack(range(i * 1000, i * 1000 + 1000)), 1000, 1)
+                for i in range(3)]
+    FleetSimulator(config, watcher).run(requests)  # type: ignore[arg-type]
+    slow, fast = watcher.loads[2]
+    assert (slow.queued_prefill_tokens, slow.queued_requests, slow.prefill_speed) == (
+        4000, 4, 0.25)
+    assert (fast.queued_prefill_tokens, fast.prefill_speed) == (1000, 1.0)
+
+
+def test_the_alike_view_shows_loads_as_counted() -> None:
+    """With speed_view alike the router sees every replica at speed 1 (--fixed-prefill)."""
+    config = FleetConfig(2, REPLICA, prefill_speeds=(0.25, 1.0), speed_view="alike")
+    watcher = LoadWatcher()
+    requests = [SimRequest(i, 0.0, pack(range(i * 1000, i * 1000 + 1000)), 1000, 1)
+                for i in range(3)]
+    simulator = FleetSimulator(config, watcher)  # type: ignore[arg-type]
+    simulator.run(requests)
+    slow, _ = watcher.loads[2]
+    assert (slow.queued_prefill_tokens, slow.prefill_speed) == (1000, 1.0)
+    assert simulator.measured_speeds() == {"r0": 1.0, "r1": 1.0}
+
+
+@pytest.mark.parametrize("load_view", ["replica", "router"])
+def test_a_measuring_router_finds_the_slow_replica(load_view: str) -> None:
+    """Round robin over a replica at 0.25 and one at 1: after 100 answers the speeds the
+    router measured stand within 25 % of 0.25 to each other."""
+    lag = 0.002 if load_view == "router" else 0.0
+    config = FleetConfig(2, REPLICA, prefill_speeds=(0.25, 1.0), load_view=load_view,
+                         first_byte_lag_s=lag)
+    simulator = FleetSimulator(config, build_policy("round_robin"))
+    simulator.run(unique_requests(100, 0.3))
+    speeds = simulator.measured_speeds()
+    assert speeds["r0"] / speeds["r1"] == pytest.approx(0.25, rel=0.25)
+    assert speeds["r0"] * speeds["r1"] == pytest.approx(1.0)  # centred: geometric mean 1
+
+
+def test_each_model_measures_its_own_replicas() -> None:
+    """Two models on disjoint replicas: each model's pair is measured against itself, so
+    the fast replica of the slow pair is not dragged down by the other model's replicas."""
+    config = FleetConfig(4, REPLICA, prefill_speeds=(0.25, 1.0, 0.25, 0.25),
+                         models=(("a",), ("a",), ("b",), ("b",)))
+    requests = sorted(unique_requests(60, 0.6, model="a")
+                      + [SimRequest(1000 + r.request_id, r.arrival_s + 0.3, r.tokens,
+                                    r.prompt_len, 1, identity=CacheIdentity(model="b"))
+                         for r in unique_requests(60, 0.6, model="b")],
+                      key=lambda r: r.arrival_s)
+    simulator = FleetSimulator(config, build_policy("random", rng=random.Random(1)))
+    simulator.run(requests)
+    speeds = simulator.measured_speeds()
+    assert speeds["r0"] / speeds["r1"] == pytest.approx(0.25, rel=0.25)
+    assert speeds["r2"] == pytest.approx(1.0, rel=0.1)  # alike within model b
+    assert speeds["r3"] == pytest.approx(1.0, rel=0.1)
+
+
+@pytest.mark.parametrize("view", ["known", "measured"])
+def test_a_router_that_knows_sends_the_slow_replica_less(view: str) -> None:
+    """least_load on uniform unique prompts: knowing (or measuring) the slow replica's speed,
+    it sends it fewer requests than seeing it as alike, and the p95 wait drops."""
+    requests = unique_requests(400, 0.05)
+    served, waits = {}, {}
+    for seen in ("alike", view):
+        config = FleetConfig(3, REPLICA, prefill_speeds=(0.25, 1.0, 1.0), speed_view=seen)
+        run = FleetSimulator(config, build_policy("least_load")).run(requests)
+        served[seen] = run.requests_per_replica[0]
+        waits[seen] = sorted(r.ttft_s for r in run.records)[int(0.95 * len(run.records))]
+    assert served[view] < served["alike"]
+    assert waits[view] < waits["alike"]
+
+
+def test_a_fleet_of_speed_one_runs_as_before() -> None:
+    """Speeds of 1 seen alike give the very run of a fleet without speeds (belgavi, the
+    default policy, seeded): the old configurations stay bit-identical."""
+    scenario = get_scenario("belgavi")
+    requests = scenario.requests(0, "", 0.2)
+    base = scenario.fleet(3, "")
+    runs = []
+    for config in (base, FleetConfig(3, base.replica, prefill_speeds=(1.0, 1.0, 1.0),
+                                     speed_view="alike", kv_event_lag_s=base.kv_event_lag_s)):
+        policy = build_policy("relative_spill", rng=random.Random(0))
+        runs.append(FleetSimulator(config, policy).run(requests).records)
+    assert runs[0] == runs[1]
