@@ -169,3 +169,32 @@ def test_piped_table_honours_columns_and_cuts_no_number(
         for figure in (f"{cell['cache_tokens']:,}", f"{cell['token_hit_rate']:.1%}",
                        f"{cell['prefill_gpu_s']:,.1f}", f"{cell['ttft_p95_s']:.3f}s"):
             assert figure in table, (figure, table)
+
+
+def test_replicas_of_other_speeds_cost_more_and_reproduce(trace: Path, tmp_path: Path) -> None:
+    """Every fleet's first replica at half speed: each cell records the speeds and spends
+    more prefill time than the same fleet of alike replicas, and the printed commands carry
+    the flag and reproduce the winner."""
+    grid = [*GRID[:-1], "ttft_p95=1.0", "--serial", "--no-cache"]
+
+    def planned(out: Path, *extra: str) -> dict[str, Any]:
+        assert main(["plan", "--trace", str(trace), *grid, "--json", str(out), *extra]) == 0
+        data: dict[str, Any] = json.loads(out.read_text())
+        return data
+
+    alike = planned(tmp_path / "a.json")
+    slow = planned(tmp_path / "s.json", "--prefill-speeds", "0.5")
+    assert {c["prefill_speeds"] == [0.5] for c in slow["cells"]} == {True}
+    by_fleet = {(c["policy"], c["replicas"], c["cache_tokens"], c["knob_value"]): c
+                for c in alike["cells"]}
+    for cell in slow["cells"]:
+        even = by_fleet[(cell["policy"], cell["replicas"], cell["cache_tokens"],
+                         cell["knob_value"])]
+        assert cell["prefill_gpu_s"] > even["prefill_gpu_s"]
+    assert slow["winner"] is not None
+    assert "--prefill-speeds 0.5" in slow["command"]
+    assert "--prefill-speeds 0.5" in slow["simulate_command"]
+    argv = [*shlex.split(slow["command"])[1:], "--no-cache", "--json", str(tmp_path / "b.json")]
+    assert main(argv) == 0
+    again = json.loads((tmp_path / "b.json").read_text())
+    assert again["cells"] == [slow["winner"] | {"meets_slo": True}]

@@ -63,3 +63,17 @@ def test_run_cell_is_deterministic_and_round_trips() -> None:
     assert first.requests == 200 and 0 < first.token_hit_rate < 1
     assert first.ttft_p50_s <= first.ttft_p95_s <= first.ttft_p99_s
     assert 0 <= first.mean_queue_s <= first.ttft_p99_s
+
+
+def test_a_cell_of_mixed_speeds_is_its_own_cell_and_round_trips() -> None:
+    """Speeds name the cell (cache files, ties), reach the fleet (more prefill time than the
+    alike fleet's) and survive as_dict."""
+    lines = synthetic_mooncake(requests=200, requests_per_second=4.0)
+    requests, units = trace_requests(parse_trace_lines(lines), 512)
+    alike, mixed = Cell("relative_spill", 2, 100_000, 8.0), Cell("relative_spill", 2, 100_000,
+                                                                  8.0, (0.5,))
+    assert alike.key() != mixed.key() and mixed.key().endswith("speeds=0.5")
+    slow = run_cell(mixed, requests, units, ReplicaConfig())
+    assert slow.prefill_gpu_s > run_cell(alike, requests, units, ReplicaConfig()).prefill_gpu_s
+    assert CellResult.from_dict(slow.as_dict()) == slow
+    assert grid(["round_robin"], [3], [1000], prefill_speeds=(0.5,))[0].prefill_speeds == (0.5,)

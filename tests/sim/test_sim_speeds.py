@@ -12,6 +12,7 @@ from kvreuse.identity import CacheIdentity
 from kvreuse.routing import RequestView, build_policy
 from kvreuse.sim import FleetConfig, FleetSimulator, ReplicaConfig, SimRequest
 from kvreuse.sim.scenarios import get_scenario
+from kvreuse.sim.summary import prefill_cost_s
 from kvreuse.tokens import pack
 
 REPLICA = ReplicaConfig(pool_tokens=1_000_000, prefill_tokens_per_s=10_000.0, overhead_s=0.01,
@@ -151,3 +152,12 @@ def test_a_fleet_of_speed_one_runs_as_before() -> None:
         policy = build_policy("relative_spill", rng=random.Random(0))
         runs.append(FleetSimulator(config, policy).run(requests).records)
     assert runs[0] == runs[1]
+
+
+def test_prefill_time_is_counted_at_each_replica_s_speed() -> None:
+    """A request's prefill GPU-seconds in the summary are the time its replica took, so they
+    add up to each replica's busy time."""
+    config = FleetConfig(2, REPLICA, prefill_speeds=(0.25, 1.0))
+    run = FleetSimulator(config, build_policy("round_robin")).run(unique_requests(2, 1.0))
+    assert [prefill_cost_s(run, r) for r in run.records] == pytest.approx([0.41, 0.11])
+    assert [prefill_cost_s(run, r) for r in run.records] == pytest.approx(run.prefill_busy_s)

@@ -140,6 +140,11 @@ def positive_float(text: str) -> float:
     return value
 
 
+def speed_list(text: str) -> tuple[float, ...]:
+    """``--prefill-speeds``: comma-separated finite numbers > 0."""
+    return tuple(positive_float(part) for part in text.split(","))
+
+
 def non_negative_int(text: str) -> int:
     """An integer >= 0."""
     return _whole_number(text, 0)

@@ -33,11 +33,11 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvreuse import __version__
-from kvreuse.cli.args import non_negative_float, positive_float, positive_int
+from kvreuse.cli.args import non_negative_float, positive_float, positive_int, speed_list
 from kvreuse.cli.tables import make_console, print_table
 from kvreuse.errors import ConfigError
 from kvreuse.routing import POLICIES
-from kvreuse.sim.config import ReplicaConfig
+from kvreuse.sim.config import ReplicaConfig, speeds_for
 from kvreuse.sim.plan import (
     DEFAULT_POLICIES,
     KNOBS,
@@ -93,6 +93,12 @@ def register(subparsers: Any) -> None:
                         help="prefill overhead per request, seconds (0.015)")
     parser.add_argument("--tpot", type=non_negative_float, default=0.02,
                         help="decode seconds per output token (0.02)")
+    parser.add_argument(
+        "--prefill-speeds", type=speed_list, default=(), metavar="S1,S2,...",
+        help="replicas you already have of other speeds: every fleet's first replicas prefill "
+        "at these multiples of --prefill-rate (the rest at 1), and the router measures them "
+        "as kvreuse route does",
+    )
     parser.add_argument("--seed", type=int, default=0, help="policy seed (0)")
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--serial", action="store_true", help="run cells one after another")
@@ -257,6 +263,7 @@ def _command(args: argparse.Namespace, cell: Cell, slos: Sequence[Slo]) -> str:
               "--cache-tokens", str(cell.cache_tokens)]
     if cell.knob is not None:
         parts += ["--knob", f"{cell.knob:g}"]
+    parts += _speeds_flag(cell)
     for flag, value, default in (
         ("--trace-block-size", args.trace_block_size, DEFAULT_BLOCK_TOKENS),
         ("--trace-granularity", args.trace_granularity, "block"),
@@ -278,8 +285,16 @@ def _simulate_command(args: argparse.Namespace, cell: Cell) -> str:
              "--trace-block-size", str(args.trace_block_size),
              "--trace-granularity", args.trace_granularity,
              "--prefill-rate", f"{args.prefill_rate:g}", "--overhead", f"{args.overhead:g}",
-             "--tpot", f"{args.tpot:g}", "--seed", str(args.seed), "--no-baseline"]
+             "--tpot", f"{args.tpot:g}", "--seed", str(args.seed), "--no-baseline",
+             *_speeds_flag(cell)]
     return shlex.join(parts)
+
+
+def _speeds_flag(cell: Cell) -> list[str]:
+    """``--prefill-speeds`` as the cell was planned with (none for alike replicas)."""
+    if not cell.prefill_speeds:
+        return []
+    return ["--prefill-speeds", ",".join(f"{speed:g}" for speed in cell.prefill_speeds)]
 
 
 def _default_cache_dir() -> Path:
@@ -297,7 +312,8 @@ def run(args: argparse.Namespace) -> int:
     replicas = _split(args.replicas, "--replicas", positive_int)
     caches = _split(args.cache_tokens, "--cache-tokens", positive_int)
     knobs = _split(args.knob, "--knob", non_negative_float) if args.knob else None
-    grid(policies, replicas, caches, knobs)  # refuses a bad value before the trace is read
+    speeds: tuple[float, ...] = args.prefill_speeds
+    grid(policies, replicas, caches, knobs, speeds)  # refuses a bad value before reading
     try:
         data = args.trace.read_bytes()
     except OSError as exc:
@@ -315,7 +331,7 @@ def run(args: argparse.Namespace) -> int:
                           f"{too_small[max(caches)]}")
     for size, refusal in too_small.items():
         console.print(f"[yellow]left out --cache-tokens {size:,}[/yellow]: {refusal}")
-    cells = grid(policies, replicas, [c for c in caches if c not in too_small], knobs)
+    cells = grid(policies, replicas, [c for c in caches if c not in too_small], knobs, speeds)
     settings = (hashlib.sha256(data).hexdigest(), args.trace_block_size, args.trace_granularity,
                 replica, args.seed, __version__)
     cache = CellCache(None if args.no_cache else (args.cache_dir or _default_cache_dir()),
@@ -413,11 +429,16 @@ def _print(console: Console, args: argparse.Namespace, slos: Sequence[Slo],
         return
     cell = winner.cell
     knob = "" if cell.knob_name is None else f", {cell.knob_name}={cell.knob:g}"
+    speeds = ""
+    if cell.prefill_speeds:
+        shown = speeds_for(cell.prefill_speeds, cell.replicas) or ()
+        speeds = f" (prefill speeds {', '.join(f'{v:g}' for v in shown)})"
     console.print(
-        f"[bold]winner[/bold] for {wanted}: {cell.policy}{knob} on {cell.replicas} replicas of "
-        f"{cell.cache_tokens:,} cache tokens: token hit {winner.token_hit_rate:.1%}, TTFT p95 "
-        f"{winner.ttft_p95_s:.3f} s, p99 {winner.ttft_p99_s:.3f} s, mean queue "
-        f"{winner.mean_queue_s:.3f} s, prefill {winner.prefill_gpu_s:,.1f} GPU-s"
+        f"[bold]winner[/bold] for {wanted}: {cell.policy}{knob} on {cell.replicas} replicas"
+        f"{speeds} of {cell.cache_tokens:,} cache tokens: token hit "
+        f"{winner.token_hit_rate:.1%}, TTFT p95 {winner.ttft_p95_s:.3f} s, p99 "
+        f"{winner.ttft_p99_s:.3f} s, mean queue {winner.mean_queue_s:.3f} s, prefill "
+        f"{winner.prefill_gpu_s:,.1f} GPU-s"
     )
     console.print(f"reproduce: {_command(args, cell, slos)}", soft_wrap=True)
     console.print(f"or as a simulation: {_simulate_command(args, cell)}", soft_wrap=True)

@@ -33,6 +33,7 @@ from kvreuse.cli.args import (
     policy_spec,
     positive_float,
     positive_int,
+    speed_list,
     split_policies,
 )
 from kvreuse.cli.tables import make_console, print_table
@@ -47,6 +48,7 @@ from kvreuse.sim.config import (
     SPEED_VIEWS,
     FleetConfig,
     ReplicaConfig,
+    speeds_for,
 )
 from kvreuse.sim.requests import SimRequest
 from kvreuse.sim.runner import ScenarioRun, Verdict, check, run_spec
@@ -167,19 +169,6 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=run)
 
 
-def speed_list(text: str) -> tuple[float, ...]:
-    """``--prefill-speeds``: comma-separated finite numbers > 0."""
-    speeds = []
-    for part in text.split(","):
-        try:
-            speed = float(part)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{part.strip()!r} is not a number") from None
-        if not (math.isfinite(speed) and speed > 0):
-            raise argparse.ArgumentTypeError(f"each speed must be a finite number > 0, got {part}")
-        speeds.append(speed)
-    return tuple(speeds)
-
 
 def _split(text: str | None) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()] if text else []
@@ -278,11 +267,8 @@ def _adjust(config: FleetConfig, args: argparse.Namespace, variant: str = "") ->
         replica = replace(replica, prefix_caching=False)
     replica = replace(replica, **_given(pool_tokens=args.cache_tokens, scheduling=args.scheduling,
                                         cache_kind=args.cache_kind, block_size=args.block_size))
-    speeds: tuple[float, ...] | None = None
-    if args.prefill_speeds is not None:
-        given = args.prefill_speeds[:config.replicas]
-        speeds = given + (1.0,) * (config.replicas - len(given))
-    elif args.speed_view is not None:
+    speeds = speeds_for(args.prefill_speeds, config.replicas)
+    if speeds is None and args.speed_view is not None:
         raise ConfigError("--speed-view says what the router knows of --prefill-speeds: "
                           "give --prefill-speeds too")
     return replace(config, replica=replica, **_given(

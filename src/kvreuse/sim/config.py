@@ -150,3 +150,13 @@ class FleetConfig:
                                       f"(a multiple of prefill_tokens_per_s), got {speed!r}")
         if self.kv_event_lag_s is not None and self.kv_event_lag_s < 0:
             raise ConfigError(f"kv_event_lag_s must be >= 0 or None, got {self.kv_event_lag_s}")
+
+
+def speeds_for(given: tuple[float, ...] | None, replicas: int) -> tuple[float, ...] | None:
+    """``FleetConfig.prefill_speeds`` for a fleet of ``replicas`` from speeds given for its
+    first replicas (``--prefill-speeds``): the rest at 1, those beyond the fleet dropped;
+    ``None`` (every replica at 1, as before speeds existed) when none are given. O(replicas)."""
+    if not given:
+        return None
+    first = tuple(given[:replicas])
+    return first + (1.0,) * (replicas - len(first))

@@ -22,7 +22,7 @@ from typing import Any
 from kvreuse.errors import ConfigError, PoolTooSmallError, require_at_least
 from kvreuse.routing import DEFAULT_POLICY, POLICIES
 from kvreuse.routing.base import CostModel
-from kvreuse.sim.config import FleetConfig, ReplicaConfig
+from kvreuse.sim.config import FleetConfig, ReplicaConfig, speeds_for
 from kvreuse.sim.requests import SimRequest
 from kvreuse.sim.runner import check_fits, simulate
 from kvreuse.sim.summary import measured, percentile, prefill_cost_s, summarize
@@ -80,12 +80,15 @@ def parse_slo(text: str) -> Slo:
 
 @dataclass(frozen=True, slots=True)
 class Cell:
-    """One fleet to simulate. ``knob`` is ``None`` for policies without one."""
+    """One fleet to simulate. ``knob`` is ``None`` for policies without one;
+    ``prefill_speeds`` are its first replicas' speeds (``FleetConfig.prefill_speeds``: the rest
+    at 1, measured by the router as ``kvreuse route`` does), empty for a fleet of alike ones."""
 
     policy: str
     replicas: int
     cache_tokens: int
     knob: float | None = None
+    prefill_speeds: tuple[float, ...] = ()
 
     @property
     def knob_name(self) -> str | None:
@@ -99,7 +102,9 @@ class Cell:
     def key(self) -> str:
         """Stable text naming the cell (cache file names, tie-breaks)."""
         knob = "" if self.knob_name is None else f" {self.knob_name}={self.knob}"
-        return f"{self.policy} x{self.replicas} cache={self.cache_tokens}{knob}"
+        speeds = (f" speeds={','.join(map(repr, self.prefill_speeds))}"
+                  if self.prefill_speeds else "")
+        return f"{self.policy} x{self.replicas} cache={self.cache_tokens}{knob}{speeds}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +137,7 @@ class CellResult:
             "cache_tokens": self.cell.cache_tokens,
             "knob": self.cell.knob_name,
             "knob_value": self.cell.knob,
+            "prefill_speeds": list(self.cell.prefill_speeds),
             "requests": self.requests,
             "token_hit_rate": self.token_hit_rate,
             "prefill_gpu_s": self.prefill_gpu_s,
@@ -145,7 +151,8 @@ class CellResult:
     def from_dict(cls, data: dict[str, Any]) -> CellResult:
         knob = data["knob_value"]
         cell = Cell(data["policy"], int(data["replicas"]), int(data["cache_tokens"]),
-                    None if knob is None else float(knob))
+                    None if knob is None else float(knob),
+                    tuple(float(v) for v in data.get("prefill_speeds", ())))
         return cls(
             cell, int(data["requests"]), float(data["token_hit_rate"]),
             float(data["prefill_gpu_s"]), float(data["ttft_p50_s"]), float(data["ttft_p95_s"]),
@@ -158,9 +165,10 @@ def grid(
     replicas: Iterable[int],
     cache_tokens: Iterable[int],
     knob_values: Sequence[float] | None = None,
+    prefill_speeds: tuple[float, ...] = (),
 ) -> list[Cell]:
     """Every cell of the search, in a fixed order. ``knob_values`` replaces each knobbed
-    policy's default values."""
+    policy's default values; ``prefill_speeds`` are every fleet's first replicas' speeds."""
     cells = []
     for policy in policies:
         if policy not in POLICIES:
@@ -174,7 +182,7 @@ def grid(
             for cache in cache_tokens:
                 require_at_least("--cache-tokens", cache, 1)
                 for value in values:
-                    cells.append(Cell(policy, n, cache, value))
+                    cells.append(Cell(policy, n, cache, value, prefill_speeds))
     return cells
 
 
@@ -209,7 +217,8 @@ def run_cell(
     from dataclasses import replace
 
     config = FleetConfig(
-        cell.replicas, replace(replica, pool_tokens=cell.cache_tokens), kv_event_lag_s=0.0
+        cell.replicas, replace(replica, pool_tokens=cell.cache_tokens), kv_event_lag_s=0.0,
+        prefill_speeds=speeds_for(cell.prefill_speeds, cell.replicas),
     )
     cost = CostModel(
         prefill_tokens_per_s=replica.prefill_tokens_per_s, overhead_s=replica.overhead_s

@@ -69,8 +69,11 @@ def measured(run: FleetRun) -> list[RequestRecord]:
 
 
 def prefill_cost_s(run: FleetRun, record: RequestRecord) -> float:
+    """The seconds ``record``'s prefill took on its replica (at that replica's speed)."""
     replica = run.config.replica
-    return replica.overhead_s + record.prefilled_tokens / replica.prefill_tokens_per_s
+    speeds = run.config.prefill_speeds
+    rate = replica.prefill_tokens_per_s * (1.0 if speeds is None else speeds[record.replica])
+    return replica.overhead_s + record.prefilled_tokens / rate
 
 
 def summarize(run: FleetRun, label: str | None = None) -> RunSummary:
