@@ -65,6 +65,12 @@ a bound that counts the hot replica's own queue never spills.
     ... --jitter-runs 29 --jobs 2   # thirty runs, two simulations at a time
     ... --at-arrival --jobs 2       # each request's cached prefix against the fleet's longest
 
+``--prefill-speeds 0.25`` runs every workload on a fleet whose first replicas prefill at those
+multiples of its rate (the rest at 1; ``FleetConfig.prefill_speeds``): kvreuse's policies (the
+candidate and ``cache_aware``) route on speeds they measure from first tokens, as ``kvreuse
+route`` does; the peers' rules see the replicas alike (none of them measures prefill speed:
+their load signals, requests and tokens queued or in flight, are what reflect a slow replica).
+
 ``--jobs N`` runs N simulations at once in worker processes (each loads a workload once);
 every simulation is seeded and independent of the others, so the output is the same for any N.
 """
@@ -84,10 +90,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from kvreuse.cli.args import speed_list
 from kvreuse.errors import ConfigError
 from kvreuse.routing import build_policy
 from kvreuse.routing.base import FleetView, RequestView, RoutingDecision
-from kvreuse.sim.config import FleetConfig, ReplicaConfig
+from kvreuse.sim.config import FleetConfig, ReplicaConfig, speeds_for
 from kvreuse.sim.fleet import FleetSimulator
 from kvreuse.sim.requests import SimRequest, jittered
 from kvreuse.sim.scenarios import SCENARIOS, get_scenario
@@ -163,12 +170,20 @@ def hot_prefix_workload(name: str) -> Workload:
     return Workload(name, requests, FleetConfig(replicas, replica, kv_event_lag_s=0.0), {})
 
 
-def load(name: str, trace: Path) -> Workload | None:
+def load(name: str, trace: Path, prefill_speeds: tuple[float, ...] = ()) -> Workload | None:
+    """Workload ``name``, its fleet's first replicas at ``prefill_speeds`` (none: alike)."""
+    workload: Workload | None = None
     if name.startswith("hot-prefix-") and name.rsplit("-", 1)[1].isdigit():
-        return hot_prefix_workload(name)
-    if name.startswith("mooncake-"):
-        return trace_workload(name, trace) if trace.exists() else None
-    return scenario_workload(name) if name in SCENARIOS else None
+        workload = hot_prefix_workload(name)
+    elif name.startswith("mooncake-"):
+        workload = trace_workload(name, trace) if trace.exists() else None
+    elif name in SCENARIOS:
+        workload = scenario_workload(name)
+    if workload is None or not prefill_speeds:
+        return workload
+    fleet = workload.fleet
+    return replace(workload, fleet=replace(
+        fleet, prefill_speeds=speeds_for(prefill_speeds, fleet.replicas)))
 
 
 def options_for(policy: str, workload: Workload, extra: dict[str, Any]) -> dict[str, Any]:
@@ -182,9 +197,18 @@ def options_for(policy: str, workload: Workload, extra: dict[str, Any]) -> dict[
     return options
 
 
+def fleet_for(policy: str, workload: Workload) -> FleetConfig:
+    """``workload``'s fleet as ``policy`` sees its replicas' speeds: measured by kvreuse's
+    policies, alike for the peers' rules (module docstring)."""
+    fleet = workload.fleet
+    if fleet.prefill_speeds is not None and policy in PEERS:
+        return replace(fleet, speed_view="alike")
+    return fleet
+
+
 def simulate(policy: str, workload: Workload, options: dict[str, Any]) -> RunSummary:
     built = build_policy(policy, rng=random.Random(0), **options)
-    return summarize(FleetSimulator(workload.fleet, built).run(workload.requests))
+    return summarize(FleetSimulator(fleet_for(policy, workload), built).run(workload.requests))
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,7 +242,7 @@ def probe_arrivals(policy: str, workload: Workload, options: dict[str, Any]) -> 
     changes nothing: the run's figures are the plain run's). O(replicas x prompt) more per
     request."""
     built = build_policy(policy, rng=random.Random(0), **options)
-    simulator = FleetSimulator(workload.fleet, built)
+    simulator = FleetSimulator(fleet_for(policy, workload), built)
     by_view = {id(request.view): request for request in workload.requests}
     replicas = {replica.replica_id: replica for replica in simulator.replicas}
     decide = built.route
@@ -256,18 +280,19 @@ class Replay:
     jitter_s: float
     policy: str
     options: tuple[tuple[str, Any], ...]
+    prefill_speeds: tuple[float, ...] = ()
 
 
-_LOADED: dict[tuple[str, Path], Workload] = {}
+_LOADED: dict[tuple[str, Path, tuple[float, ...]], Workload] = {}
 """Workloads this process has loaded, so that a worker parses the Mooncake trace once."""
 
 
 def replayed_workload(task: Replay) -> Workload:
     """The stream :class:`Replay` ``task`` runs (loaded once per process)."""
-    key = (task.workload, task.trace)
+    key = (task.workload, task.trace, task.prefill_speeds)
     workload = _LOADED.get(key)
     if workload is None:
-        loaded = load(task.workload, task.trace)
+        loaded = load(task.workload, task.trace, task.prefill_speeds)
         assert loaded is not None, f"{task.workload} loaded in the parent but not here"
         workload = _LOADED[key] = loaded
     if task.seed:
@@ -481,6 +506,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="instead of verdicts: the seed-0 run of every policy, with the "
                              "cached prefix on the chosen replica at each arrival against the "
                              "longest any eligible replica held")
+    parser.add_argument("--prefill-speeds", type=speed_list, default=(), metavar="S1,S2,...",
+                        help="every fleet's first replicas at these multiples of its prefill "
+                             "rate (the rest at 1): kvreuse's policies measure them, the peers "
+                             "see the replicas alike")
     args = parser.parse_args(argv)
     if args.jitter_runs < 0 or not 0 <= args.jitter_s < math.inf:
         parser.error("--jitter-runs and --jitter-s must be >= 0 (and --jitter-s finite)")
@@ -496,11 +525,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--policy / --option: {exc}")
     workloads = []
     for name in [w.strip() for w in args.workloads.split(",") if w.strip()]:
-        workload = load(name, args.trace)
+        workload = load(name, args.trace, args.prefill_speeds)
         if workload is None:
             print(f"skipped {name}: no such scenario or trace here", file=sys.stderr)
             continue
-        _LOADED[(name, args.trace)] = workload
+        _LOADED[(name, args.trace, args.prefill_speeds)] = workload
         workloads.append(workload)
     if not workloads:
         parser.error(f"no workload of {args.workloads!r} could be loaded (names: "
@@ -508,7 +537,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     policies = list(dict.fromkeys((args.policy, REFERENCE, *PEERS)))
     candidate_options = tuple(sorted(extra.items()))
     tasks = [Replay(w.name, args.trace, seed, args.jitter_s, policy,
-                    candidate_options if policy == args.policy else ())
+                    candidate_options if policy == args.policy else (), args.prefill_speeds)
              for w in workloads for seed in range(args.jitter_runs + 1) for policy in policies]
     if args.at_arrival:
         print("At each measured request's arrival (seed-0 runs): prompt tokens cached on the "
@@ -549,6 +578,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             spreads.append((name, rows, Verdict(name, means[args.policy], means[REFERENCE],
                                                 {p: means[p] for p in PEERS}, bounds)))
     label = args.policy + "".join(f" {k}={v}" for k, v in extra.items())
+    if args.prefill_speeds:
+        print(f"Every fleet's first replicas prefill at {', '.join(map(str, args.prefill_speeds))}"
+              " of its rate, the rest at 1; kvreuse's policies measure the speeds from first "
+              "tokens, the peers see the replicas alike.")
     if args.jitter_runs:
         print("Seed 0:")
     report(verdicts, label, print)

@@ -216,3 +216,16 @@ def test_hot_prefix_queues_on_one_replica_only_without_both_bounds(
     assert bounded.ttft_p95_s < unbounded.ttft_p95_s / 3
     assert default.ttft_p95_s <= llm_d.ttft_p95_s < bounded.ttft_p95_s / 10
     assert default.token_hit_rate >= llm_d.token_hit_rate
+
+
+def test_prefill_speeds_slow_the_first_replicas_and_only_kvreuse_measures(
+        bench: ModuleType) -> None:
+    """--prefill-speeds puts every fleet's first replicas at those speeds (the rest at 1);
+    kvreuse's policies measure them, the peers' rules see the replicas alike."""
+    workload = bench.load("hot-prefix-4", bench.TRACE, (0.25, 0.5))
+    assert workload.fleet.prefill_speeds == (0.25, 0.5, 1.0, 1.0)
+    assert bench.load("hot-prefix-4", bench.TRACE).fleet.prefill_speeds is None
+    assert bench.fleet_for("relative_spill", workload).speed_view == "measured"
+    assert bench.fleet_for(bench.REFERENCE, workload).speed_view == "measured"
+    for peer in bench.PEERS:
+        assert bench.fleet_for(peer, workload).speed_view == "alike"
