@@ -45,13 +45,16 @@ def unique_prompt(tokens: int) -> str:
     return text_of(tokens, [uuid.uuid4().hex[:11]], 0)
 
 
-async def warm_up(url: str, *, stream: bool = True, requests: int = WARMUP) -> None:
-    """``requests`` completions of 100 to 800 unique tokens, four at a time."""
+async def warm_up(url: str, *, stream: bool = True, requests: int = WARMUP,
+                  models: tuple[str, ...] = ("sim",)) -> None:
+    """``requests`` completions of 100 to 800 unique tokens, four at a time, naming
+    ``models`` in turn."""
     sizes = [100 + (i * 137) % 700 for i in range(requests)]
+    turn = iter(range(requests))
     async with httpx.AsyncClient(base_url=url, timeout=30) as client:
         async def one(size: int) -> None:
-            body = {"model": "sim", "prompt": unique_prompt(size), "max_tokens": 2,
-                    "stream": stream}
+            body = {"model": models[next(turn) % len(models)], "prompt": unique_prompt(size),
+                    "max_tokens": 2, "stream": stream}
             async with client.stream("POST", "/v1/completions", json=body) as response:
                 assert response.status_code == 200
                 await response.aread()
@@ -233,3 +236,29 @@ def test_fixed_prefill_measures_no_replicas_speed(
     gateway = gateway_factory(one_slow_of_three, learn_prefill=False)
     asyncio.run(warm_up(gateway.url, requests=24))
     assert upstream_speeds(gateway) == {"f0": 1.0, "f1": 1.0, "s2": 1.0}
+
+
+def test_an_upstream_of_two_models_is_weighed_by_each_model_s_fleet(
+        gateway_factory: Factory) -> None:
+    """m1 (8,000 tokens/s) serves model a beside s0 (2,000) and model b beside f2 (8,000):
+    a's requests see it faster than a's fleet, b's see it average, and its load is divided by
+    the speed of the requesting model's fleet."""
+    rates = (("s0", 2_000.0, ("a",)), ("m1", 8_000.0, ("a", "b")), ("f2", 8_000.0, ("b",)))
+    engines = [start_engine(name, events=False, model=models[0], served_names=models,
+                            prefill_tokens_per_s=rate, overhead_s=0.005,
+                            time_per_output_token_s=0.001, num_blocks=16_384)
+               for name, rate, models in rates]
+    try:
+        gateway = gateway_factory(engines)
+        asyncio.run(warm_up(gateway.url, requests=160, models=("a", "b")))
+        shared = gateway.gateway.router.upstreams["m1"]
+        assert shared.model_speeds["a"] > 1.4, shared.model_speeds
+        assert 0.7 < shared.model_speeds["b"] < 1.4, shared.model_speeds
+        assert shared.load("a").prefill_speed == shared.model_speeds["a"]
+        assert shared.load("b").prefill_speed == shared.model_speeds["b"]
+        # People see one figure: the geometric mean over its models.
+        assert upstream_speeds(gateway)["m1"] == pytest.approx(
+            (shared.model_speeds["a"] * shared.model_speeds["b"]) ** 0.5)
+    finally:
+        for engine in engines:
+            engine.server.stop()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from kvreuse.routing import CostModel, ReplicaLoad
 from kvreuse.routing.load_rules import bounded_rule, min_ttft_rule, sglang_rule
 
@@ -104,3 +106,15 @@ def test_min_ttft_counts_a_slow_replicas_prefill_at_its_speed() -> None:
     assert min_ttft_rule(matched, loads(0, 0), 3000, COST).replica == "r0"
     slow = (ReplicaLoad("r0", prefill_speed=0.25), ReplicaLoad("r1"))
     assert min_ttft_rule(matched, slow, 3000, COST).replica == "r1"
+
+
+def test_a_load_at_a_speed_divides_its_queue_and_carries_the_speed() -> None:
+    """at_speed(0.5) doubles every queue count (rounded down) and keeps the capacity; at 1
+    it is the very load; weighting a weighted load is a broken invariant."""
+    load = ReplicaLoad("r", queued_prefill_tokens=1001, queued_requests=3, in_flight=5,
+                       kv_capacity_tokens=4096)
+    assert load.at_speed(0.5) == ReplicaLoad("r", 2002, 6, 10, 4096, 0.5)
+    assert load.at_speed(3.0) == ReplicaLoad("r", 333, 1, 1, 4096, 3.0)
+    assert load.at_speed(1.0) is load
+    with pytest.raises(AssertionError, match="weighted twice"):
+        load.at_speed(0.5).at_speed(0.5)

@@ -119,10 +119,34 @@ def test_each_model_measures_its_own_replicas() -> None:
                       key=lambda r: r.arrival_s)
     simulator = FleetSimulator(config, build_policy("random", rng=random.Random(1)))
     simulator.run(requests)
-    speeds = simulator.measured_speeds()
+    speeds = simulator.measured_speeds("a")
     assert speeds["r0"] / speeds["r1"] == pytest.approx(0.25, rel=0.25)
+    speeds = simulator.measured_speeds("b")
     assert speeds["r2"] == pytest.approx(1.0, rel=0.1)  # alike within model b
     assert speeds["r3"] == pytest.approx(1.0, rel=0.1)
+    assert speeds["r0"] == speeds["r1"] == 1.0  # model b never timed them
+
+
+def test_a_replica_of_two_models_is_seen_at_each_model_s_speed() -> None:
+    """r1 serves a (beside a slow r0) and b (beside a fast r2): a's requests see it faster
+    than average, b's see it average, and each model's loads carry its own speeds."""
+    config = FleetConfig(3, REPLICA, prefill_speeds=(0.25, 1.0, 1.0),
+                         models=(("a",), ("a", "b"), ("b",)))
+    requests = sorted(unique_requests(80, 0.6, model="a")
+                      + [SimRequest(1000 + r.request_id, r.arrival_s + 0.3, r.tokens,
+                                    r.prompt_len, 1, identity=CacheIdentity(model="b"))
+                         for r in unique_requests(80, 0.6, model="b")],
+                      key=lambda r: r.arrival_s)
+    watcher = LoadWatcher("random")
+    simulator = FleetSimulator(config, watcher)  # type: ignore[arg-type]
+    simulator.run(requests)
+    assert simulator.measured_speeds("a")["r1"] > 1.5
+    assert simulator.measured_speeds("b")["r1"] == pytest.approx(1.0, rel=0.1)
+    last_a = next(loads for loads in reversed(watcher.loads) if loads[0].replica_id == "r0")
+    last_b = next(loads for loads in reversed(watcher.loads) if loads[0].replica_id == "r1")
+    assert {load.replica_id: load.prefill_speed > 1.5 for load in last_a} == {
+        "r0": False, "r1": True}
+    assert last_b[0].prefill_speed == pytest.approx(1.0, rel=0.1)
 
 
 @pytest.mark.parametrize("view", ["known", "measured"])

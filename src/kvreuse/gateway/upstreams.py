@@ -26,8 +26,10 @@ difference is added with this gateway's mean uncached prompt size until the next
 comparison is with the gateway's own count *at the scrape*, not now: a replica that was busy
 when scraped and has drained since would otherwise carry its own finished queue as phantom load
 for a whole scrape interval (5 s by default) and be avoided while idle. Loads are divided by the
-upstream's weight times its measured ``speed`` relative to the fleet (1 until the router has
-timed first tokens, and with ``--fixed-prefill``; :class:`~kvreuse.routing.RelativeSpeeds`).
+upstream's weight times its measured speed relative to the fleet of the request's model
+(``model_speeds``: 1 until the router has timed first tokens, and with ``--fixed-prefill``;
+:class:`~kvreuse.routing.RelativeSpeeds`). ``speed`` summarises them for people (metrics, the
+admin listing): the geometric mean over the models it was measured for.
 
 Served models: declared (``models=a|b``), or learned from the upstream's ``GET /v1/models``
 when the gateway starts and after each successful health probe (so a model that appears or
@@ -185,7 +187,9 @@ class UpstreamState:
         self.probed_ok = False  # a probe has passed at least once
         self.answered_at: float | None = None  # clock time of its last byte of an answer
         self.in_flight = 0
-        # Prefill speed over the fleet's, measured by the router (RelativeSpeeds).
+        # Prefill speed over each model's fleet (keys: Router.fit_key), measured by the router
+        # (RelativeSpeeds), and their geometric mean, for people.
+        self.model_speeds: dict[str, float] = {}
         self.speed = 1.0
         self.queued_requests = 0
         self.queued_prefill_tokens = 0
@@ -320,13 +324,27 @@ class UpstreamState:
         self.in_flight -= 1
         assert self.in_flight >= 0, f"{self.name}: in_flight went negative"
 
-    def weight(self) -> float:
-        """How many times the policies' prefill rate this upstream prefills at: the configured
-        weight times the measured speed. O(1)."""
-        return self.config.weight * self.speed
+    def set_speed(self, model: str, speed: float | None) -> None:
+        """The router measured this upstream's prefill speed over ``model``'s fleet (``None``:
+        forget it). O(models it serves)."""
+        if speed is None:
+            self.model_speeds.pop(model, None)
+        else:
+            self.model_speeds[model] = speed
+        speeds = self.model_speeds
+        self.speed = (math.exp(math.fsum(map(math.log, speeds.values())) / len(speeds))
+                      if speeds else 1.0)
 
-    def load(self) -> ReplicaLoad:
-        """The load policies see (see the module docstring). O(1)."""
+    def weight(self, model: str | None = None) -> float:
+        """How many times the policies' prefill rate this upstream prefills at for requests of
+        ``model`` (a :meth:`Router.fit_key`): the configured weight times the speed measured
+        over that model's fleet (``None``: the summary ``speed``). O(1)."""
+        speed = self.speed if model is None else self.model_speeds.get(model, 1.0)
+        return self.config.weight * speed
+
+    def load(self, model: str | None = None) -> ReplicaLoad:
+        """The load policies see for a request of ``model`` (see the module docstring and
+        :meth:`weight`). O(1)."""
         queued = self.queued_requests
         tokens = self.queued_prefill_tokens
         others = self.others_waiting
@@ -334,15 +352,9 @@ class UpstreamState:
             mean = self.sent_uncached_tokens / self.sent_requests if self.sent_requests else 0
             tokens += int(others * mean)
             queued += others
-        weight = self.weight()
-        return ReplicaLoad(
-            self.name,
-            queued_prefill_tokens=int(tokens / weight),
-            queued_requests=int(queued / weight),
-            in_flight=int(self.in_flight / weight),
-            kv_capacity_tokens=self.kv_capacity_tokens or self.config.capacity_tokens,
-            prefill_speed=weight,
-        )
+        return ReplicaLoad(self.name, tokens, queued, self.in_flight,
+                           self.kv_capacity_tokens or self.config.capacity_tokens
+                           ).at_speed(self.weight(model))
 
     def update_engine(self, scraped: dict[str, float]) -> None:
         """Store a scrape; the first one becomes the baseline for counter deltas. Called as

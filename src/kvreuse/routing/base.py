@@ -67,6 +67,18 @@ class ReplicaLoad:
     kv_capacity_tokens: int | None = None
     prefill_speed: float = 1.0
 
+    def at_speed(self, speed: float) -> ReplicaLoad:
+        """This load, counted at speed 1, as policies see it on a replica of prefill speed
+        ``speed``: its queue counts divided by it (a gateway's weight, a measured speed). The
+        one place loads are weighted (the gateway's upstreams and the simulator's replicas).
+        O(1)."""
+        assert self.prefill_speed == 1.0, f"{self.replica_id}: load weighted twice"
+        if speed == 1.0:
+            return self
+        return ReplicaLoad(self.replica_id, int(self.queued_prefill_tokens / speed),
+                           int(self.queued_requests / speed), int(self.in_flight / speed),
+                           self.kv_capacity_tokens, speed)
+
 
 REPLICA_ID = operator.attrgetter("replica_id")
 """``ReplicaLoad -> ReplicaId`` at C speed (policies map it over ``FleetView.replicas``)."""

@@ -24,7 +24,8 @@ and a :class:`~kvreuse.routing.RelativeSpeeds`, both fed one sample per first to
 request was routed, against the time from its arrival until the router heard the token
 (``first_byte_lag_s`` after the prefill ended). A policy that predicts time
 (:class:`~kvreuse.routing.PredictsTime`) routes on its model's fit, which starts from the
-policy's own cost model, as a gateway's starts from its flags. The sample is taken as the
+policy's own cost model, as a gateway's starts from its flags. With models, a request sees each candidate
+at the speed measured over its model's fleet (a replica serving two models has two). The sample is taken as the
 prefill ends, with the lag added: its speed applies that lag early, one sample's step (at most
 1/33 of a log step once a replica has 32 answers) a few milliseconds sooner.
 
@@ -88,6 +89,9 @@ class FleetSimulator:
         self._board = LoadBoard()
         speeds = config.prefill_speeds
         self._measuring = speeds is not None and config.speed_view == "measured"
+        # With models, each model's requests see the replicas at that model's measured speeds
+        # (as a gateway's do); without, one set of speeds lives in the replicas' loads.
+        self._per_model = self._measuring and config.models is not None
         timed = self._first_token if self._measuring else None
         self.replicas = [
             Replica(i, config.replica, self.loop, self._finished, sink, self._board,
@@ -209,10 +213,15 @@ class FleetSimulator:
                 raise ConfigError(f"no replica serves the model {view.identity.model!r} of "
                                   f"request {request.request_id}; serving: {sorted(serving)}")
             fleet = fleet.restrict(allowed)
-        if self._measuring and self._timed is not None:
+        if self._measuring:
             meter = self._meters.get(self._speed_key(request))
-            if meter is not None:  # routes on its model's measured speed, as behind a gateway
-                self._timed.cost = meter[0].model()
+            if meter is not None:  # routes on its model's measured speeds, as behind a gateway
+                if self._timed is not None:
+                    self._timed.cost = meter[0].model()
+                if self._per_model:
+                    speed = meter[1].speed
+                    fleet = FleetView(tuple(load.at_speed(speed(load.replica_id))
+                                            for load in fleet.replicas), fleet.now)
         decision = self.policy.route(view, fleet)
         if decision is None:
             raise ConfigError("the policy found no eligible replica; check tenant pins")
@@ -262,9 +271,15 @@ class FleetSimulator:
         """What the router knew as it sent ``request`` to ``replica`` (the gateway's
         ``Router.committed``): the load before it joins (requests, tokens), its own uncached
         tokens, whose speeds it measures. O(1)."""
+        key = self._speed_key(request)
         load = replica.load()
-        own = int(max(request.prompt_len - predicted, 0) / replica.router_speed)
-        return load.queued_requests, load.queued_prefill_tokens, own, self._speed_key(request)
+        speed = replica.router_speed
+        if self._per_model:
+            meter = self._meters.get(key)
+            speed = 1.0 if meter is None else meter[1].speed(replica.replica_id)
+            load = load.at_speed(speed)
+        own = int(max(request.prompt_len - predicted, 0) / speed)
+        return load.queued_requests, load.queued_prefill_tokens, own, key
 
     def _speed_key(self, request: SimRequest) -> str:
         """Whose speeds ``request`` is timed with: its model's (one for all without models)."""
@@ -283,14 +298,19 @@ class FleetSimulator:
         fit, speeds = meter
         observe_first_token(fit, speeds, self.replicas[index].replica_id,
                             PrefillSample(ahead, tokens_ahead, own, seconds))
-        by_id = self._by_id
-        for name, speed in speeds.speeds().items():
-            by_id[name].set_router_speed(speed)
+        if not self._per_model:
+            by_id = self._by_id
+            for name, speed in speeds.speeds().items():
+                by_id[name].set_router_speed(speed)
 
-    def measured_speeds(self) -> dict[str, float]:
-        """Each replica's speed as the router believes it now (1.0 where it measured none).
-        O(replicas)."""
-        return {replica.replica_id: replica.router_speed for replica in self.replicas}
+    def measured_speeds(self, model: str = "") -> dict[str, float]:
+        """Each replica's speed as the router believes it now for requests of ``model``
+        (ignored without ``FleetConfig.models``; 1.0 where it measured none). O(replicas)."""
+        if not self._per_model:
+            return {replica.replica_id: replica.router_speed for replica in self.replicas}
+        meter = self._meters.get(model)
+        return {replica.replica_id: 1.0 if meter is None else meter[1].speed(replica.replica_id)
+                for replica in self.replicas}
 
     # ------------------------------------------------------------------ callbacks
 

@@ -150,13 +150,9 @@ class Replica:
     def load(self) -> ReplicaLoad:
         speed = self.router_speed
         queued = len(self.waiting) + (self.busy is not None)
-        if speed == 1.0:
-            return ReplicaLoad(self.replica_id, self.queued_prefill_tokens, queued,
-                               self.in_flight, self._capacity)
-        # Divided as a gateway divides an upstream's load by its weight (gateway/upstreams.py).
-        return ReplicaLoad(self.replica_id, int(self.queued_prefill_tokens / speed),
-                           int(queued / speed), int(self.in_flight / speed), self._capacity,
-                           speed)
+        load = ReplicaLoad(self.replica_id, self.queued_prefill_tokens, queued, self.in_flight,
+                           self._capacity)
+        return load if speed == 1.0 else load.at_speed(speed)
 
     def set_router_speed(self, speed: float) -> None:
         """The router now believes this replica's prefill speed is ``speed``. O(1)."""
