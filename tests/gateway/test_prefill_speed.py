@@ -259,6 +259,9 @@ def test_an_upstream_of_two_models_is_weighed_by_each_model_s_fleet(
         # People see one figure: the geometric mean over its models.
         assert upstream_speeds(gateway)["m1"] == pytest.approx(
             (shared.model_speeds["a"] * shared.model_speeds["b"]) ** 0.5)
+        listed = {u["name"]: u for u in gateway.gateway.describe_upstreams()}
+        assert listed["m1"]["prefill_speed_by_model"] == shared.model_speeds
+        assert set(listed["s0"]["prefill_speed_by_model"]) == {"a"}
     finally:
         for engine in engines:
             engine.server.stop()

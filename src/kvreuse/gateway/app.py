@@ -608,6 +608,7 @@ class Gateway:
                  "probed": u.probed_ok, "in_flight": u.in_flight,
                  "models": sorted(u.models) if u.models is not None else None,
                  "events": u.config.events, "weight": u.config.weight, "prefill_speed": u.speed,
+                 "prefill_speed_by_model": dict(u.model_speeds),
                  "backup": u.config.backup, "ejection_withheld": u.ejection_withheld,
                  "discovered_by": discovered.get(u.name)}
                 for u in self.upstreams]

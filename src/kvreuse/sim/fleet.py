@@ -24,10 +24,11 @@ and a :class:`~kvreuse.routing.RelativeSpeeds`, both fed one sample per first to
 request was routed, against the time from its arrival until the router heard the token
 (``first_byte_lag_s`` after the prefill ended). A policy that predicts time
 (:class:`~kvreuse.routing.PredictsTime`) routes on its model's fit, which starts from the
-policy's own cost model, as a gateway's starts from its flags. With models, a request sees each candidate
-at the speed measured over its model's fleet (a replica serving two models has two). The sample is taken as the
-prefill ends, with the lag added: its speed applies that lag early, one sample's step (at most
-1/33 of a log step once a replica has 32 answers) a few milliseconds sooner.
+policy's own cost model, as a gateway's starts from its flags. With models, a request sees each
+candidate at the speed measured over its model's fleet (a replica serving two models has two).
+The sample is taken as the prefill ends, with the lag added: its speed applies that lag early,
+one sample's step (at most 1/33 of a log step once a replica has 32 answers) a few
+milliseconds sooner.
 
 Seeded and deterministic: the workload carries all randomness, policies get a seeded rng, and
 the event loop's tie rule (see :mod:`kvreuse.sim.event_loop`) fixes the order of simultaneous
