@@ -97,7 +97,8 @@ def run(router: str, rate: float, args: argparse.Namespace, workdir: Path,
         def attacker() -> None:
             if stop.wait(args.attack_at):
                 return
-            while not stop.is_set():
+            # At least --min-attacks calls, past the ordinary traffic if the host is slow.
+            while not stop.is_set() or calls[0] < args.min_attacks:
                 calls[0] += 1
                 for _ in range(SDK_TRIES):
                     if 0 < post(front.url, "POISON: the same request of death") < 500:
@@ -140,6 +141,9 @@ def main() -> int:
     parser.add_argument("--attack-at", type=float, default=2.0)
     parser.add_argument("--attack-every", type=float, default=1.0,
                         help="seconds between the attacker's SDK calls")
+    parser.add_argument("--min-attacks", type=int, default=0,
+                        help="SDK calls the attacker makes at least, after the ordinary "
+                             "traffic if need be")
     args = parser.parse_args()
     routers, modes = args.routers.split(","), args.modes.split(",")
     if unknown := sorted(set(routers) - {"kvreuse", *PEERS}):
