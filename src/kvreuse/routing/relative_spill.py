@@ -34,10 +34,6 @@ that longest match. Then:
   that served the fewest cached tokens lately (decayed, ``HIT_VALUE_TAU_S`` 120 s), then the
   order above.
 
-In both miss windows a replica of another prefill speed (``ReplicaLoad.prefill_speed``) is
-judged by its queue at its speed plus the prompt's prefill at the fleet's: see "Why a slow
-replica still takes misses" below.
-
 Room and age come from :class:`EvictionModel`: per replica, an LRU tree of its KV capacity
 (``ReplicaLoad.kv_capacity_tokens``: the simulator's pool, the capacity a gateway scraped or was
 given) holding the prompts the router sent there. A replica whose capacity is unknown always
@@ -112,20 +108,6 @@ without the prefix has room, which cost Mooncake × 8 0.76 points (room says not
 whether the copy will be used again); the same by how often the prefix was the longest match
 alone (10 requests in 10 s), which cost belgavi and mission-3 0.2-0.6 points and multi-model
 1.6 (chat system prompts are asked often, by requests that cost little).
-
-Why a slow replica still takes misses. A miss starts a prefix: it is judged by where the prefix
-will serve later hits, which cost a slow replica little, not by its own prefill alone. Judged at
-the replica's own speed, a replica at a quarter speed sat outside every miss window, took no
-new prefixes and served from a cold cache: with one replica of each simulator fleet at a
-quarter speed (``benchmarks/default_vs_peers.py --prefill-speeds 0.25 --jitter-runs 9``, means
-of ten runs), the contract library's slow replica took 32 of 5,700 requests and the default
-fell 3.6 points of hit rate under smg's rule (whose p95 was 4.8 s higher), the Mooncake trace
-on 8 replicas 1.4, and it passed 5 of 12 workloads. Judging the prefill at the fleet's speed
-(its queue still at its own, so a busy slow replica stays outside): 8 of 12, the contract
-library +0.02 points over smg at a p95 4.1 s lower, Mooncake ×8 +0.45, multi-model +3.8 (it had
-been 38 s of p95 in one run); long-context is left 1.3 points under llm-d's scorers. Affinity
-and spills still weigh a request's prefill at the replica's speed: there the prefix is already
-placed, and the wait is this request's.
 
 Why a second bound, on the replicas without the prefix. ``R`` counts the hot replica's own
 queue: with one replica loaded and the rest idle, ``slack × R`` grows as fast as that queue
@@ -362,9 +344,6 @@ def relative_spill_rule(
     rate, overhead = cost.prefill_tokens_per_s, cost.overhead_s
     rows: list[tuple[ReplicaId, int, float, int]] = []
     delays: list[float] = []
-    # A miss's windows judge a replica of another speed at the fleet's: see the module
-    # docstring (None: every replica at speed 1, where the two are the same).
-    at_fleet_speed: dict[ReplicaId, float] | None = None
     for load in loads:
         rid = load.replica_id
         hit = matched[rid]
@@ -372,9 +351,6 @@ def relative_spill_rule(
         delays.append(delay)
         rows.append((rid, hit, delay + cost.prefill_s(prompt_tokens - hit, load.prefill_speed),
                      load.in_flight))
-        if load.prefill_speed != 1.0:
-            at_fleet_speed = at_fleet_speed or {}
-            at_fleet_speed[rid] = delay + cost.prefill_s(prompt_tokens - hit)
     fastest = min(row[2] for row in rows)
     longest = max(row[1] for row in rows)
     reference = sum(delays) / len(rows) + overhead + prompt_tokens / rate
@@ -392,14 +368,8 @@ def relative_spill_rule(
     within = [row for row in rows if row[2] <= limit]
     pick = min(within, key=lambda row: (-row[1], row[2], row[3]))
     if pick[1] / max(prompt_tokens, 1) <= cache_threshold:
-        if at_fleet_speed is None:
-            def miss_ttft(row: tuple[ReplicaId, int, float, int]) -> float:
-                return row[2]
-        else:
-            def miss_ttft(row: tuple[ReplicaId, int, float, int]) -> float:
-                return at_fleet_speed.get(row[0], row[2])
         window = fastest + MISS_WINDOW * reference
-        near = [row for row in rows if miss_ttft(row) <= window]
+        near = [row for row in rows if row[2] <= window]
 
         def room_order(row: tuple[ReplicaId, int, float, int]) -> int:
             size, bound = cache_size(row[0]), cache_capacity(row[0])
@@ -413,7 +383,7 @@ def relative_spill_rule(
                 wide = fastest + min(share * reference,
                                      prefills * (overhead + prompt_tokens / rate))
                 pick = min(
-                    (row for row in rows if miss_ttft(row) <= wide),
+                    (row for row in rows if row[2] <= wide),
                     key=lambda row: (row[0] in full, evictions.eviction_cost(row[0], now),
                                      room_order(row), row[3]),
                 )
