@@ -198,3 +198,17 @@ def test_replicas_of_other_speeds_cost_more_and_reproduce(trace: Path, tmp_path:
     assert main(argv) == 0
     again = json.loads((tmp_path / "b.json").read_text())
     assert again["cells"] == [slow["winner"] | {"meets_slo": True}]
+
+
+def test_the_printed_commands_keep_the_knob_in_brackets(
+        trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The console lines say the same commands as the JSON: the knob's brackets are not taken
+    for console styles."""
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--trace", str(trace), *GRID, "--serial", "--no-cache",
+                 "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    printed = capsys.readouterr().out
+    assert "[" in data["simulate_command"]
+    assert f"or as a simulation: {data['simulate_command']}" in printed
+    assert f"reproduce: {data['command']}" in printed

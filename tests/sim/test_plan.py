@@ -77,3 +77,5 @@ def test_a_cell_of_mixed_speeds_is_its_own_cell_and_round_trips() -> None:
     assert slow.prefill_gpu_s > run_cell(alike, requests, units, ReplicaConfig()).prefill_gpu_s
     assert CellResult.from_dict(slow.as_dict()) == slow
     assert grid(["round_robin"], [3], [1000], prefill_speeds=(0.5,))[0].prefill_speeds == (0.5,)
+    with pytest.raises(ConfigError, match="prefill_speeds must be a number from"):
+        grid(["round_robin"], [3], [1000], prefill_speeds=(1e5,))

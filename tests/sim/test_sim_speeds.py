@@ -52,7 +52,8 @@ def test_a_slow_replica_prefills_at_its_multiple_of_the_rate() -> None:
 
 
 @pytest.mark.parametrize("speeds", [(1.0,), (1.0, 1.0, 1.0), (1.0, 0.0), (1.0, -1.0),
-                                    (1.0, float("nan")), (1.0, float("inf"))])
+                                    (1.0, float("nan")), (1.0, float("inf")), (1.0, 1e-320),
+                                    (1.0, 1e4)])
 def test_speeds_must_be_one_positive_number_per_replica(speeds: tuple[float, ...]) -> None:
     """The error says what to give."""
     with pytest.raises(ConfigError, match="prefill_speeds"):

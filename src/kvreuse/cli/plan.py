@@ -440,8 +440,10 @@ def _print(console: Console, args: argparse.Namespace, slos: Sequence[Slo],
         f"{winner.ttft_p99_s:.3f} s, mean queue {winner.mean_queue_s:.3f} s, prefill "
         f"{winner.prefill_gpu_s:,.1f} GPU-s"
     )
-    console.print(f"reproduce: {_command(args, cell, slos)}", soft_wrap=True)
-    console.print(f"or as a simulation: {_simulate_command(args, cell)}", soft_wrap=True)
+    # markup=False: a policy's options are in brackets, which rich would take for styles.
+    console.print(f"reproduce: {_command(args, cell, slos)}", soft_wrap=True, markup=False)
+    console.print(f"or as a simulation: {_simulate_command(args, cell)}", soft_wrap=True,
+                  markup=False)
     if units.tokens_per_unit > 1:
         console.print(f"(simulated at block granularity: one unit = {units.tokens_per_unit} "
                       "tokens; --trace-granularity token for exact lengths)")

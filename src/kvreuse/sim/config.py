@@ -19,6 +19,10 @@ from kvreuse.sim.memory import KvSink, RadixMemory, ReplicaMemory
 SCHEDULERS = ("fcfs", "lpm")
 LOAD_VIEWS = ("replica", "router")
 SPEED_VIEWS = ("measured", "known", "alike")
+PREFILL_SPEED_BOUNDS = (1e-3, 1e3)
+"""The speeds a replica may have relative to the configured rate. Hardware differs by tens, not
+thousands; past these, a speed is a slip of the keyboard (``1e-320`` made every time infinite
+and the summary NaN)."""
 
 MAX_REPLICAS = 100_000
 """The largest fleet a simulation builds. Each replica holds its own queue and cache, and most
@@ -144,10 +148,7 @@ class FleetConfig:
             if len(self.prefill_speeds) != self.replicas:
                 raise ConfigError(f"prefill_speeds lists {len(self.prefill_speeds)} speeds for "
                                   f"{self.replicas} replicas; give one per replica")
-            for speed in self.prefill_speeds:
-                if not (isinstance(speed, int | float) and math.isfinite(speed) and speed > 0):
-                    raise ConfigError("each of prefill_speeds must be a finite number > 0 "
-                                      f"(a multiple of prefill_tokens_per_s), got {speed!r}")
+            check_prefill_speeds(self.prefill_speeds)
         if self.kv_event_lag_s is not None and self.kv_event_lag_s < 0:
             raise ConfigError(f"kv_event_lag_s must be >= 0 or None, got {self.kv_event_lag_s}")
 
@@ -160,3 +161,13 @@ def speeds_for(given: tuple[float, ...] | None, replicas: int) -> tuple[float, .
         return None
     first = tuple(given[:replicas])
     return first + (1.0,) * (replicas - len(first))
+
+
+def check_prefill_speeds(speeds: tuple[float, ...]) -> None:
+    """Raise :class:`ConfigError` unless every speed is a number within
+    :data:`PREFILL_SPEED_BOUNDS`. O(speeds)."""
+    low, high = PREFILL_SPEED_BOUNDS
+    for speed in speeds:
+        if not (isinstance(speed, int | float) and low <= speed <= high):
+            raise ConfigError(f"each of prefill_speeds must be a number from {low:g} to "
+                              f"{high:g} (a multiple of prefill_tokens_per_s), got {speed!r}")

@@ -22,7 +22,7 @@ from typing import Any
 from kvreuse.errors import ConfigError, PoolTooSmallError, require_at_least
 from kvreuse.routing import DEFAULT_POLICY, POLICIES
 from kvreuse.routing.base import CostModel
-from kvreuse.sim.config import FleetConfig, ReplicaConfig, speeds_for
+from kvreuse.sim.config import FleetConfig, ReplicaConfig, check_prefill_speeds, speeds_for
 from kvreuse.sim.requests import SimRequest
 from kvreuse.sim.runner import check_fits, simulate
 from kvreuse.sim.summary import measured, percentile, prefill_cost_s, summarize
@@ -169,6 +169,7 @@ def grid(
 ) -> list[Cell]:
     """Every cell of the search, in a fixed order. ``knob_values`` replaces each knobbed
     policy's default values; ``prefill_speeds`` are every fleet's first replicas' speeds."""
+    check_prefill_speeds(prefill_speeds)
     cells = []
     for policy in policies:
         if policy not in POLICIES:
