@@ -169,7 +169,6 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=run)
 
 
-
 def _split(text: str | None) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()] if text else []
 

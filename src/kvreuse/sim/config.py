@@ -106,8 +106,8 @@ class FleetConfig:
     ``None``: every replica at 1. The per-request overhead is the same on all. ``speed_view``
     (with ``prefill_speeds`` only) is what the router knows of them, as a gateway's
     ``ReplicaLoad.prefill_speed``, its loads divided by it: ``"measured"`` learns them from
-    each first token as ``kvreuse route`` does (:class:`~kvreuse.routing.RelativeSpeeds`, fed
-    at the instant the router hears the token, predictions on ``replica``'s rate and overhead),
+    each first token as ``kvreuse route`` does (:class:`~kvreuse.routing.RelativeSpeeds` and
+    a fit of the fleet's speed, fed as the router hears each token; :mod:`kvreuse.sim.fleet`),
     ``"known"`` is handed the true ones (upstreams configured with ``weight=``), ``"alike"``
     sees every replica at 1 (``kvreuse route --fixed-prefill``)."""
 

@@ -18,17 +18,17 @@ candidate subset; a policy choosing outside it breaks an invariant (an assertion
 Speeds: with ``FleetConfig.prefill_speeds`` replicas prefill at different rates, and the
 router sees them as ``FleetConfig.speed_view`` says. Measured, the fleet keeps what a gateway
 keeps (gateway/router.py): per model (one for the whole fleet without ``models``), a
-:class:`~kvreuse.routing.PrefillFit` starting from the replicas' configured rate and overhead
-and a :class:`~kvreuse.routing.RelativeSpeeds`, both fed one sample per first token
+:class:`~kvreuse.routing.PrefillFit` starting from the policy's cost model (the replicas'
+configured rate and overhead for a policy that predicts no time) and a
+:class:`~kvreuse.routing.RelativeSpeeds`, both fed one sample per first token
 (:func:`~kvreuse.routing.cost_fit.observe_first_token`): the load the replica showed as the
 request was routed, against the time from its arrival until the router heard the token
 (``first_byte_lag_s`` after the prefill ended). A policy that predicts time
-(:class:`~kvreuse.routing.PredictsTime`) routes on its model's fit, which starts from the
-policy's own cost model, as a gateway's starts from its flags. With models, a request sees each
-candidate at the speed measured over its model's fleet (a replica serving two models has two).
-The sample is taken as the prefill ends, with the lag added: its speed applies that lag early,
-one sample's step (at most 1/33 of a log step once a replica has 32 answers) a few
-milliseconds sooner.
+(:class:`~kvreuse.routing.PredictsTime`) routes on its model's fit, as behind a gateway. With
+models, a request sees each candidate at the speed measured over its model's fleet (a replica
+serving two models has two). The sample is taken as the prefill ends, with the lag added: its
+speed applies that lag early, one sample's step (at most 1/33 of a log step once a replica has
+32 answers) a few milliseconds sooner.
 
 Seeded and deterministic: the workload carries all randomness, policies get a seeded rng, and
 the event loop's tie rule (see :mod:`kvreuse.sim.event_loop`) fixes the order of simultaneous
