@@ -12,6 +12,7 @@ import asyncio
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -32,6 +33,7 @@ WARMUP = 48
 PREFIX_TOKENS = 2000
 SUFFIX_TOKENS = 100
 BURST = 60
+ADMIN_KEY = "admin-key-for-speed-tests-0123"
 BURST_RATE = 20.0  # requests a second: 1.4 engines' worth of hits (0.07 s each)
 
 
@@ -228,6 +230,33 @@ def test_a_replica_slower_than_the_others_is_measured_and_weighed(
         assert load.prefill_speed == slow.speed  # its own requests' prefill too
     finally:
         slow.queued_prefill_tokens -= 1000
+
+
+def test_an_upstream_added_after_the_speeds_are_measured_is_weighed_at_the_fastest(
+        one_slow_of_three: list[Engine], gateway_factory: Factory, tmp_path: Path) -> None:
+    """f1, added through the admin API once f0 and the slow s2 are timed, is weighed at f0's
+    speed until its own first tokens (not at the fleet's mean, half its true speed, which sent
+    it too little to be timed), is sent requests, and is then measured alike with f0."""
+    fast, added, slow = one_slow_of_three
+    key_file = tmp_path / "admin.key"
+    key_file.write_text(ADMIN_KEY)
+    gateway = gateway_factory([fast, slow], admin_key_file=str(key_file))
+    asyncio.run(warm_up(gateway.url, requests=64))
+    router = gateway.gateway.router
+    timed_fast, timed_slow = router.upstreams["f0"], router.upstreams["s2"]
+    assert timed_slow.weight("sim") < 0.5 * timed_fast.weight("sim"), router.assumed_speeds
+    answer = httpx.post(gateway.url + "/admin/upstreams", params={"wait": "10"}, timeout=30,
+                        json={"url": added.server.url, "name": "f1"},
+                        headers={"authorization": f"Bearer {ADMIN_KEY}"})
+    assert answer.status_code == 201 and answer.json()["healthy"] is True, answer.text
+    untimed = router.upstreams["f1"]
+    assert "sim" not in untimed.model_speeds
+    assert untimed.weight("sim") == timed_fast.weight("sim")
+    assert untimed.load("sim").prefill_speed == timed_fast.weight("sim")
+    asyncio.run(warm_up(gateway.url, requests=64))
+    speeds = upstream_speeds(gateway)
+    assert 0.6 < speeds["f1"] / speeds["f0"] < 1.6, speeds
+    assert speeds["s2"] < 0.5 * min(speeds["f0"], speeds["f1"]), speeds
 
 
 def test_fixed_prefill_measures_no_replicas_speed(

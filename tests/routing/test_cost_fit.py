@@ -184,10 +184,27 @@ def serve_fleet(true_speeds: dict[str, float], answers: int, seed: int = 11,
     return fit, speeds
 
 
-def test_an_unobserved_replica_runs_at_the_fleets_speed() -> None:
-    """Before any sample, and for a replica never timed, the speed is 1."""
+def test_before_any_sample_every_replica_runs_at_the_fleets_speed() -> None:
+    """With nothing timed, every speed, the untimed one's included, is 1."""
     speeds = RelativeSpeeds()
-    assert speeds.speed("a") == 1.0 and dict(speeds.speeds()) == {}
+    assert speeds.speed("a") == speeds.unmeasured_speed() == 1.0 and dict(speeds.speeds()) == {}
+
+
+def test_a_replica_never_timed_is_assumed_as_fast_as_the_fastest_timed() -> None:
+    """With a slow and a fast replica timed, a third never timed reads as the fast one, not
+    as their mean (which would send it too little to be timed)."""
+    _, speeds = serve_fleet({"slow": 0.25, "fast": 1.0}, 400)
+    assert speeds.speed("slow") < 0.5 * speeds.speed("fast")
+    assert speeds.speed("untimed") == speeds.unmeasured_speed() == speeds.speed("fast")
+
+
+def test_a_newcomer_starts_at_the_fastest_speed() -> None:
+    """A replica's first answer on time, after a slow and a fast one were timed, leaves it
+    level with the fast one."""
+    _, speeds = serve_fleet({"slow": 0.25, "fast": 1.0}, 400)
+    speeds.observe("new", 0.1, 1.0, 0.1)  # exactly as predicted at the speed assumed
+    speeds.check_invariants()
+    assert speeds.speed("new") == pytest.approx(speeds.speed("fast"))
 
 
 def test_one_replica_four_times_slower_is_found() -> None:

@@ -27,9 +27,12 @@ comparison is with the gateway's own count *at the scrape*, not now: a replica t
 when scraped and has drained since would otherwise carry its own finished queue as phantom load
 for a whole scrape interval (5 s by default) and be avoided while idle. Loads are divided by the
 upstream's weight times its measured speed relative to the fleet of the request's model
-(``model_speeds``: 1 until the router has timed first tokens, and with ``--fixed-prefill``;
-:class:`~kvreuse.routing.RelativeSpeeds`). ``speed`` summarises them for people (metrics, the
-admin listing): the geometric mean over the models it was measured for.
+(``model_speeds``; :class:`~kvreuse.routing.RelativeSpeeds`): 1 until the router has timed
+first tokens of that model, and with ``--fixed-prefill``; once some upstreams of the model are
+timed, one not yet timed is weighed at the fastest timed one's speed (``assumed_speeds``, one
+mapping the router owns and every upstream reads), so that it gets the traffic that times it.
+``speed`` summarises the measured ones for people (metrics, the admin listing): the geometric
+mean over the models it was measured for.
 
 Served models: declared (``models=a|b``), or learned from the upstream's ``GET /v1/models``
 when the gateway starts and after each successful health probe (so a model that appears or
@@ -43,7 +46,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -191,6 +194,9 @@ class UpstreamState:
         # (RelativeSpeeds), and their geometric mean, for people.
         self.model_speeds: dict[str, float] = {}
         self.speed = 1.0
+        # Per model, the speed an upstream not yet timed there is weighed at: the router's
+        # mapping (Router.assumed_speeds), shared by every upstream; empty until it measures.
+        self.assumed_speeds: Mapping[str, float] = {}
         self.queued_requests = 0
         self.queued_prefill_tokens = 0
         self.sent_uncached_tokens = 0
@@ -338,8 +344,13 @@ class UpstreamState:
     def weight(self, model: str | None = None) -> float:
         """How many times the policies' prefill rate this upstream prefills at for requests of
         ``model`` (a :meth:`Router.fit_key`): the configured weight times the speed measured
-        over that model's fleet (``None``: the summary ``speed``). O(1)."""
-        speed = self.speed if model is None else self.model_speeds.get(model, 1.0)
+        over that model's fleet (``None``: the summary ``speed``), or, not yet timed there,
+        the speed assumed for that model's untimed upstreams (1 before any). O(1)."""
+        if model is None:
+            return self.config.weight * self.speed
+        speed = self.model_speeds.get(model)
+        if speed is None:
+            speed = self.assumed_speeds.get(model, 1.0)
         return self.config.weight * speed
 
     def load(self, model: str | None = None) -> ReplicaLoad:

@@ -299,14 +299,16 @@ class FleetSimulator:
         fit, speeds = meter
         observe_first_token(fit, speeds, self.replicas[index].replica_id,
                             PrefillSample(ahead, tokens_ahead, own, seconds))
-        if not self._per_model:
-            by_id = self._by_id
-            for name, speed in speeds.speeds().items():
-                by_id[name].set_router_speed(speed)
+        if not self._per_model:  # every replica: one not yet timed is assumed the fastest
+            speed = speeds.speed
+            for replica in self.replicas:
+                replica.set_router_speed(speed(replica.replica_id))
 
     def measured_speeds(self, model: str = "") -> dict[str, float]:
         """Each replica's speed as the router believes it now for requests of ``model``
-        (ignored without ``FleetConfig.models``; 1.0 where it measured none). O(replicas)."""
+        (ignored without ``FleetConfig.models``; 1.0 before any first token, and the fastest
+        timed replica's for one not yet timed: :class:`~kvreuse.routing.RelativeSpeeds`).
+        O(replicas)."""
         if not self._per_model:
             return {replica.replica_id: replica.router_speed for replica in self.replicas}
         meter = self._meters.get(model)
