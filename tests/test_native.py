@@ -141,6 +141,12 @@ RUN_DIGEST = textwrap.dedent(
         run = FleetSimulator(fleet, build_policy("relative_spill")).run(requests)
         h = hashlib.sha256(repr([dataclasses.astuple(r) for r in run.records]).encode())
         out["runs"][f"relative_spill/speeds {view}"] = h.hexdigest()
+    fleet = dataclasses.replace(scenario.fleet(3, ""),
+                                speed_changes=((5.0, 0, 0.25), (12.0, 0, 1.0)))
+    run = FleetSimulator(fleet, build_policy("relative_spill")).run(requests)
+    h = hashlib.sha256(repr(([dataclasses.astuple(r) for r in run.records],
+                             sorted(run.prefill_s_by_request.items()))).encode())
+    out["runs"]["relative_spill/speed changes"] = h.hexdigest()
     print(json.dumps(out))
     """
 )
@@ -160,12 +166,12 @@ def run_digests(pure: bool) -> dict[str, object]:
 @pytest.mark.skipif(not native.decide().compiled, reason=native.decide().reason)
 def test_compiled_and_pure_cores_give_identical_runs() -> None:
     """Seeded belgavi runs (five policies, radix and block caches, lagged KV events; the
-    default on a fleet of mixed speeds, measured and known) are bit-identical with the compiled
-    core and with the source."""
+    default on a fleet of mixed speeds, measured and known, and on one whose speeds change
+    mid-run) are bit-identical with the compiled core and with the source."""
     compiled, pure = run_digests(pure=False), run_digests(pure=True)
     assert compiled["compiled"] is True and pure["compiled"] is False
     assert compiled["runs"] == pure["runs"]
-    assert len(set(compiled["runs"].values())) == 12  # type: ignore[attr-defined]
+    assert len(set(compiled["runs"].values())) == 13  # type: ignore[attr-defined]
 
 
 def test_forcing_pure_loads_every_core_module_from_source() -> None:

@@ -243,7 +243,43 @@ def test_a_speed_that_is_not_a_positive_number_is_refused(
 
 
 def test_a_speed_view_without_speeds_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
-    """--speed-view alone says nothing: the error says to give --prefill-speeds."""
+    """--speed-view alone says nothing: the error says to give --prefill-speeds or
+    --speed-change."""
     assert main(["simulate", "--scenario", "belgavi", "--scale", "0.05", "--policy",
                  "round_robin", "--speed-view", "known"]) == 1
-    assert "give --prefill-speeds too" in capsys.readouterr().err
+    assert "give --prefill-speeds or --speed-change too" in capsys.readouterr().err
+
+
+def test_speed_changes_run_and_are_reported(capsys: pytest.CaptureFixture[str],
+                                            tmp_path: Path) -> None:
+    """--speed-change throttles a replica mid-run: the run is slower than without it, and
+    the JSON's parameters list the changes."""
+    args = ["simulate", "--scenario", "belgavi", "--policy", "round_robin", "--replicas", "3",
+            "--no-baseline", "--scale", "0.5"]
+    plain, throttled = tmp_path / "plain.json", tmp_path / "throttled.json"
+    assert main([*args, "--json", str(plain)]) == 0
+    capsys.readouterr()
+    assert main([*args, "--json", str(throttled), "--speed-change", "25:r0:0.25",
+                 "--speed-change", "40:0:1"]) == 0
+    before, after = (json.loads(path.read_text()) for path in (plain, throttled))
+    assert after["parameters"]["speed_change"] == [[25.0, 0, 0.25], [40.0, 0, 1.0]]
+    assert after["runs"][0]["ttft_p95_s"] > before["runs"][0]["ttft_p95_s"]
+
+
+@pytest.mark.parametrize(("flag", "says"), [
+    ("25:r0", "give AT:REPLICA:SPEED"), ("-1:r0:0.5", "the time must be >= 0"),
+    ("25:gpu0:0.5", "an index such as 2 or r2"), ("25:r0:0", "must be > 0"),
+    ("25:r9:0.5", "names replica r9, but a fleet of 3 has r0 to r2"),
+    ("25:r0:1e-9", "a speed change's speed must be a number from 0.001"),
+])
+def test_a_bad_speed_change_is_refused_naming_what_to_give(
+        flag: str, says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each malformed --speed-change is a one-line error saying what to change."""
+    try:
+        code = main(["simulate", "--scenario", "belgavi", "--scale", "0.05", "--policy",
+                     "round_robin", "--replicas", "3", f"--speed-change={flag}"])
+    except SystemExit as exc:  # argparse's own refusals
+        code = exc.code
+    assert code in (1, 2)
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err, err

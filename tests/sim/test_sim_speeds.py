@@ -207,3 +207,89 @@ def test_prefill_time_is_counted_at_each_replica_s_speed() -> None:
     run = FleetSimulator(config, build_policy("round_robin")).run(unique_requests(2, 1.0))
     assert [prefill_cost_s(run, r) for r in run.records] == pytest.approx([0.41, 0.11])
     assert [prefill_cost_s(run, r) for r in run.records] == pytest.approx(run.prefill_busy_s)
+
+
+# ---------------------------------------------------------------------------- speed changes
+
+
+@pytest.mark.parametrize("changes", [((1.0, 0),), ((-1.0, 0, 0.5),), ((float("inf"), 0, 0.5),),
+                                     ((1.0, 2, 0.5),), ((1.0, -1, 0.5),), ((1.0, 0, 0.0),),
+                                     ((1.0, 0, float("nan")),), ((1.0, "r0", 0.5),)])
+def test_a_malformed_speed_change_is_a_config_error(changes: Any) -> None:
+    """Each change must be (seconds >= 0, a replica's index, a speed within bounds)."""
+    with pytest.raises(ConfigError, match="speed change"):
+        FleetConfig(2, REPLICA, speed_changes=changes)
+
+
+def test_a_speed_change_applies_to_prefills_started_from_its_time() -> None:
+    """r0 throttled to a quarter at 1 s: a prompt there before it takes 0.11 s, one after it
+    0.41 s; back at 1 from 3 s, 0.11 s again."""
+    config = FleetConfig(1, REPLICA, speed_changes=((1.0, 0, 0.25), (3.0, 0, 1.0)))
+    run = FleetSimulator(config, build_policy("round_robin")).run(unique_requests(3, 2.0))
+    assert [r.ttft_s for r in run.records] == pytest.approx([0.11, 0.41, 0.11])
+
+
+def test_a_prefill_in_progress_keeps_its_speed() -> None:
+    """A change halfway through a prefill leaves it at its speed; the next one takes the new."""
+    config = FleetConfig(1, REPLICA, speed_changes=((0.05, 0, 0.25),))
+    requests = [SimRequest(i, at, pack(range(i * 1000, i * 1000 + 1000)), 1000, 1)
+                for i, at in enumerate((0.0, 0.0, 1.0))]
+    run = FleetSimulator(config, build_policy("round_robin")).run(requests)
+    assert [r.ttft_s for r in run.records] == pytest.approx([0.11, 0.11 + 0.41, 0.41])
+
+
+def test_prefill_time_follows_the_speed_each_prefill_ran_at() -> None:
+    """With changes, each request's prefill seconds in the summary are the time it took, and
+    they add up to each replica's busy time."""
+    config = FleetConfig(2, REPLICA, speed_changes=((2.0, 0, 0.25), (5.0, 1, 0.5)))
+    run = FleetSimulator(config, build_policy("round_robin")).run(unique_requests(8, 1.0))
+    costs = [prefill_cost_s(run, r) for r in run.records]
+    assert costs[:4] == pytest.approx([0.11, 0.11, 0.41, 0.11])
+    assert costs[5] == pytest.approx(0.21)  # r1 at half speed from 5 s
+    per_replica = [sum(c for c, r in zip(costs, run.records, strict=True) if r.replica == i)
+                   for i in range(2)]
+    assert per_replica == pytest.approx(run.prefill_busy_s)
+
+
+def test_a_known_view_is_told_each_change_at_once() -> None:
+    """The router knowing the speeds sees r0's load at 0.25 from the change's instant."""
+    config = FleetConfig(2, REPLICA, speed_changes=((1.0, 0, 0.25),), speed_view="known")
+    watcher = LoadWatcher()
+    FleetSimulator(config, watcher).run(unique_requests(4, 0.6))  # type: ignore[arg-type]
+    assert [loads[0].prefill_speed for loads in watcher.loads] == [1.0, 1.0, 0.25, 0.25]
+
+
+@pytest.mark.parametrize("load_view", ["replica", "router"])
+def test_a_measuring_router_follows_a_throttle_and_a_recovery(load_view: str) -> None:
+    """least_load on unique prompts, r0 at a quarter speed from 20 s to 40 s: the measured
+    ratio falls under 0.4 while throttled and is back within 25 % of 1 by the end."""
+    lags = {"first_byte_lag_s": 0.002} if load_view == "router" else {}
+    config = FleetConfig(2, REPLICA, speed_changes=((20.0, 0, 0.25), (40.0, 0, 1.0)),
+                         load_view=load_view, **lags)  # type: ignore[arg-type]
+    simulator = FleetSimulator(config, build_policy("least_load"))
+    ratios: list[tuple[float, float]] = []
+    timed = simulator._first_token
+
+    def watch(job: Any, index: int, now: float) -> None:
+        timed(job, index, now)
+        speeds = simulator.measured_speeds()
+        ratios.append((now, speeds["r0"] / speeds["r1"]))
+
+    for replica in simulator.replicas:
+        replica._on_first_token = watch
+    simulator.run(unique_requests(600, 0.1))
+    throttled = [ratio for now, ratio in ratios if 35.0 <= now < 40.0]
+    assert throttled and max(throttled) < 0.4, throttled
+    assert ratios[-1][1] == pytest.approx(1.0, rel=0.25), ratios[-10:]
+
+
+def test_changes_after_the_last_arrival_never_run() -> None:
+    """A change after the last arrival (here while the last request is still prefilled) leaves
+    the run, its end time included, as without it."""
+    requests = unique_requests(20, 0.5)
+    runs = [FleetSimulator(FleetConfig(2, REPLICA, speed_changes=changes),
+                           build_policy("round_robin")).run(requests)
+            for changes in ((), ((1e9, 0, 0.25),))]
+    assert runs[0].records == runs[1].records
+    assert runs[0].end_time_s == runs[1].end_time_s
+    assert runs[0].prefill_s_by_request is None and runs[1].prefill_s_by_request is not None

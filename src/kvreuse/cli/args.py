@@ -145,6 +145,25 @@ def speed_list(text: str) -> tuple[float, ...]:
     return tuple(positive_float(part) for part in text.split(","))
 
 
+def speed_change(text: str) -> tuple[float, int, float]:
+    """``--speed-change AT:REPLICA:SPEED``: simulated seconds >= 0, a replica's index (``2``
+    or ``r2``), its new speed (a finite number > 0)."""
+    parts = text.split(":")
+    if len(parts) != 3:
+        raise argparse.ArgumentTypeError(
+            f"give AT:REPLICA:SPEED (e.g. 30:r0:0.25, replica r0 at a quarter speed from 30 s "
+            f"on), got {text!r}")
+    at_s = _finite(parts[0])
+    if at_s < 0:
+        raise argparse.ArgumentTypeError(f"the time must be >= 0 seconds, got {parts[0]}")
+    name = parts[1].strip()
+    index = name[1:] if name[:1] in ("r", "R") else name
+    if not (index.isascii() and index.isdigit()):
+        raise argparse.ArgumentTypeError(
+            f"the replica must be an index such as 2 or r2, got {parts[1]!r}")
+    return at_s, int(index), positive_float(parts[2])
+
+
 def non_negative_int(text: str) -> int:
     """An integer >= 0."""
     return _whole_number(text, 0)

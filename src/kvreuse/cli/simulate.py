@@ -33,6 +33,7 @@ from kvreuse.cli.args import (
     policy_spec,
     positive_float,
     positive_int,
+    speed_change,
     speed_list,
     split_policies,
 )
@@ -161,10 +162,16 @@ def register(subparsers: Any) -> None:
         "replicas beyond the list run at 1",
     )
     parser.add_argument(
+        "--speed-change", type=speed_change, action="append", metavar="AT:REPLICA:SPEED",
+        help="a replica's prefill speed changes mid-run: from AT simulated seconds on, the "
+        "prefills REPLICA (an index: 0 or r0) starts run at SPEED times the configured rate "
+        "(30:r0:0.25 throttles r0 at 30 s; 90:r0:1 restores it); repeatable",
+    )
+    parser.add_argument(
         "--speed-view", choices=SPEED_VIEWS,
-        help="with --prefill-speeds, what the router knows of them: measured from first tokens "
-        "as kvreuse route does (the default), known (upstreams given weight=), or alike "
-        "(kvreuse route --fixed-prefill)",
+        help="with --prefill-speeds or --speed-change, what the router knows of the speeds: "
+        "measured from first tokens as kvreuse route does (the default), known (upstreams "
+        "given weight=), or alike (kvreuse route --fixed-prefill)",
     )
     parser.set_defaults(func=run)
 
@@ -267,13 +274,18 @@ def _adjust(config: FleetConfig, args: argparse.Namespace, variant: str = "") ->
     replica = replace(replica, **_given(pool_tokens=args.cache_tokens, scheduling=args.scheduling,
                                         cache_kind=args.cache_kind, block_size=args.block_size))
     speeds = speeds_for(args.prefill_speeds, config.replicas)
-    if speeds is None and args.speed_view is not None:
-        raise ConfigError("--speed-view says what the router knows of --prefill-speeds: "
-                          "give --prefill-speeds too")
+    changes = tuple(args.speed_change or ())
+    if speeds is None and not changes and args.speed_view is not None:
+        raise ConfigError("--speed-view says what the router knows of the replicas' speeds: "
+                          "give --prefill-speeds or --speed-change too")
+    for _, index, _ in changes:
+        if index >= config.replicas:
+            raise ConfigError(f"--speed-change names replica r{index}, but a fleet of "
+                              f"{config.replicas} has r0 to r{config.replicas - 1}")
     return replace(config, replica=replica, **_given(
         load_lag_s=args.load_lag, kv_event_lag_s=args.kv_lag, load_view=args.load_view,
         first_byte_lag_s=args.first_byte_lag, last_byte_lag_s=args.last_byte_lag,
-        prefill_speeds=speeds, speed_view=args.speed_view))
+        prefill_speeds=speeds, speed_view=args.speed_view, speed_changes=changes or None))
 
 
 def _trace_scenario(args: argparse.Namespace, requests: list[SimRequest]) -> Scenario:
@@ -346,10 +358,13 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_baseline:
         specs = _with_baselines(specs)
     for option in ("cache_kind", "block_size", "scheduling", "load_lag", "kv_lag", "load_view",
-                   "first_byte_lag", "last_byte_lag", "prefill_speeds", "speed_view"):
+                   "first_byte_lag", "last_byte_lag", "prefill_speeds", "speed_view",
+                   "speed_change"):
         if getattr(args, option) is not None:
             value = getattr(args, option)
-            parameters[option] = list(value) if isinstance(value, tuple) else value
+            parameters[option] = (list(value) if isinstance(value, tuple)
+                                  else [list(v) for v in value] if isinstance(value, list)
+                                  else value)
     if args.cache_tokens is not None and args.trace is None:
         parameters["pool_tokens"] = args.cache_tokens
 
@@ -421,7 +436,7 @@ def run(args: argparse.Namespace) -> int:
             showable=args.cache_kind in (None, "radix") and args.block_size is None
             and args.load_lag is None and args.kv_lag is None and args.load_view is None
             and args.first_byte_lag is None and args.last_byte_lag is None
-            and args.prefill_speeds is None,
+            and args.prefill_speeds is None and args.speed_change is None,
         )
         write_report(
             args.report, scenario, rows, every_bounds, sweep, parameters, seed=args.seed,
@@ -509,6 +524,7 @@ CHANGE_REASONS: dict[str, str] = {
     "last_byte_lag": "--last-byte-lag {value} delays when the router hears of finished requests",
     "prefill_speeds": "--prefill-speeds {value} makes replicas prefill at other speeds",
     "speed_view": "--speed-view {value} changes what the router knows of the replicas' speeds",
+    "speed_change": "--speed-change {value} changes replicas' speeds mid-run",
     "seed": "--seed {value} draws other traffic (the ranges were checked with seed 0)",
 }
 """Why a figure may leave the range the scenario states: the flags that change the setup."""
@@ -522,10 +538,13 @@ def _changed_flags(args: argparse.Namespace) -> list[str]:
             CHANGE_REASONS["scale"].format(value=f"{args.scale:g}", percent=f"{args.scale:.0%}")
         )
     for name in ("cache_tokens", "cache_kind", "block_size", "scheduling", "load_lag", "kv_lag",
-                 "load_view", "first_byte_lag", "last_byte_lag", "prefill_speeds", "speed_view"):
+                 "load_view", "first_byte_lag", "last_byte_lag", "prefill_speeds", "speed_view",
+                 "speed_change"):
         value = getattr(args, name)
         if isinstance(value, tuple):
             value = ",".join(f"{v:g}" for v in value)
+        elif isinstance(value, list):  # --speed-change, repeated
+            value = " ".join(f"{at:g}:r{index}:{speed:g}" for at, index, speed in value)
         if value is not None:
             reasons.append(CHANGE_REASONS[name].format(value=value))
     if args.seed != defaults.SEED:

@@ -109,7 +109,16 @@ class FleetConfig:
     each first token as ``kvreuse route`` does (:class:`~kvreuse.routing.RelativeSpeeds` and
     a fit of the fleet's speed, fed as the router hears each token; :mod:`kvreuse.sim.fleet`),
     ``"known"`` is handed the true ones (upstreams configured with ``weight=``), ``"alike"``
-    sees every replica at 1 (``kvreuse route --fixed-prefill``)."""
+    sees every replica at 1 (``kvreuse route --fixed-prefill``).
+
+    ``speed_changes``: ``(at_s, replica, speed)`` triples, a replica's prefill speed changing
+    mid-run (a GPU throttled, a noisy neighbour arriving or leaving): from ``at_s`` on, every
+    prefill that replica starts runs at ``speed`` (a multiple of the rate, as
+    ``prefill_speeds``; the one in progress keeps its own). The fleet starts at
+    ``prefill_speeds``, all 1 when not given, and ``speed_view`` applies as for them: a known
+    view follows each change at once, a measured one from first tokens. Changes after the
+    last arrival are not run: the traffic is over, and its backlog drains at the speeds then.
+    Equal times run in the order given."""
 
     replicas: int = 3
     replica: ReplicaConfig = field(default_factory=ReplicaConfig)
@@ -121,6 +130,7 @@ class FleetConfig:
     last_byte_lag_s: float = 0.0
     prefill_speeds: tuple[float, ...] | None = None
     speed_view: str = "measured"
+    speed_changes: tuple[tuple[float, int, float], ...] = ()
 
     def __post_init__(self) -> None:
         require_at_least("replicas", self.replicas, 1)
@@ -149,8 +159,29 @@ class FleetConfig:
                 raise ConfigError(f"prefill_speeds lists {len(self.prefill_speeds)} speeds for "
                                   f"{self.replicas} replicas; give one per replica")
             check_prefill_speeds(self.prefill_speeds)
+        for change in self.speed_changes:
+            if not (isinstance(change, tuple) and len(change) == 3):
+                raise ConfigError(f"each speed change must be (at_s, replica, speed), got "
+                                  f"{change!r}")
+            at_s, replica, speed = change
+            if not (isinstance(at_s, int | float) and math.isfinite(at_s) and at_s >= 0):
+                raise ConfigError(f"a speed change's time must be a finite number of seconds "
+                                  f">= 0, got {at_s!r}")
+            if not (isinstance(replica, int) and 0 <= replica < self.replicas):
+                raise ConfigError(f"a speed change names replica {replica!r}: give an index "
+                                  f"from 0 to {self.replicas - 1}")
+            check_prefill_speeds((speed,), "a speed change's speed")
         if self.kv_event_lag_s is not None and self.kv_event_lag_s < 0:
             raise ConfigError(f"kv_event_lag_s must be >= 0 or None, got {self.kv_event_lag_s}")
+
+
+    def initial_speeds(self) -> tuple[float, ...] | None:
+        """Each replica's speed at the start: ``prefill_speeds``, all 1 when only
+        ``speed_changes`` are given, ``None`` (a fleet without speeds, as before they existed)
+        when neither is. O(replicas)."""
+        if self.prefill_speeds is not None:
+            return self.prefill_speeds
+        return (1.0,) * self.replicas if self.speed_changes else None
 
 
 def speeds_for(given: tuple[float, ...] | None, replicas: int) -> tuple[float, ...] | None:
@@ -163,11 +194,12 @@ def speeds_for(given: tuple[float, ...] | None, replicas: int) -> tuple[float, .
     return first + (1.0,) * (replicas - len(first))
 
 
-def check_prefill_speeds(speeds: tuple[float, ...]) -> None:
-    """Raise :class:`ConfigError` unless every speed is a number within
+def check_prefill_speeds(speeds: tuple[float, ...], what: str = "each of prefill_speeds"
+                         ) -> None:
+    """Raise :class:`ConfigError` (naming ``what``) unless every speed is a number within
     :data:`PREFILL_SPEED_BOUNDS`. O(speeds)."""
     low, high = PREFILL_SPEED_BOUNDS
     for speed in speeds:
         if not (isinstance(speed, int | float) and low <= speed <= high):
-            raise ConfigError(f"each of prefill_speeds must be a number from {low:g} to "
+            raise ConfigError(f"{what} must be a number from {low:g} to "
                               f"{high:g} (a multiple of prefill_tokens_per_s), got {speed!r}")

@@ -3,11 +3,13 @@
 Ordering rule. Events are popped in increasing ``(time, priority, seq)``:
 
 * ``time`` — simulated seconds;
-* ``priority`` — the event class's ``PRIORITY`` when two events share a time: a request that
-  finishes (0) frees its memory and inserts its answer before a prefill that completes at the
-  same instant (1) picks the next request, KV events (2) and first tokens and response ends
-  (3) due then reach the router before the load snapshot (4) it routes with, and arrivals (5)
-  come last, so a request arriving exactly when a turn finishes already sees that turn cached;
+* ``priority`` — the event class's ``PRIORITY`` when two events share a time: a replica's
+  speed change (-1) comes first, so a prefill started at its instant runs at the new speed; a
+  request that finishes (0) frees its memory and inserts its answer before a prefill that
+  completes at the same instant (1) picks the next request, KV events (2) and first tokens and
+  response ends (3) due then reach the router before the load snapshot (4) it routes with, and
+  arrivals (5) come last, so a request arriving exactly when a turn finishes already sees that
+  turn cached;
 * ``seq`` — the order :meth:`EventLoop.schedule` was called, so equal ``(time, priority)`` events
   run first-scheduled first. Nothing else (no object ids, no hashes) can affect the order, which
   is what makes a seeded run repeat exactly.
@@ -36,11 +38,12 @@ from kvreuse.sim.events import (
     LastByte,
     LoadSnapshot,
     PrefillDone,
+    SpeedChange,
 )
 
 __all__ = [
     "Arrival", "Event", "EventLoop", "Finish", "FirstByte", "KvDelivery", "LastByte",
-    "LoadSnapshot", "PrefillDone",
+    "LoadSnapshot", "PrefillDone", "SpeedChange",
 ]
 
 

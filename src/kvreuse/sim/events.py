@@ -17,6 +17,17 @@ from kvreuse.routing.events import KvEvent
 
 @fast_init
 @dataclass(frozen=True, slots=True)
+class SpeedChange:
+    """``replica``'s prefill speed becomes ``speed`` (``FleetConfig.speed_changes``): first at
+    its instant, so any prefill started then runs at the new speed."""
+
+    PRIORITY: ClassVar[int] = -1
+    replica: int
+    speed: float
+
+
+@fast_init
+@dataclass(frozen=True, slots=True)
 class Finish:
     """A request's last output token: unpin its KV, insert prompt + output into the cache."""
 
@@ -84,4 +95,5 @@ class Arrival:
     index: int
 
 
-Event = Finish | PrefillDone | KvDelivery | FirstByte | LastByte | LoadSnapshot | Arrival
+Event = (SpeedChange | Finish | PrefillDone | KvDelivery | FirstByte | LastByte | LoadSnapshot
+         | Arrival)

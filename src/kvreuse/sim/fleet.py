@@ -15,8 +15,9 @@ Models: with ``FleetConfig.models`` each replica serves some models, and a reque
 only the replicas serving its model (as the gateway's does), so every policy routes on that
 candidate subset; a policy choosing outside it breaks an invariant (an assertion).
 
-Speeds: with ``FleetConfig.prefill_speeds`` replicas prefill at different rates, and the
-router sees them as ``FleetConfig.speed_view`` says. Measured, the fleet keeps what a gateway
+Speeds: with ``FleetConfig.prefill_speeds`` replicas prefill at different rates (and with
+``FleetConfig.speed_changes`` change them mid-run), and the router sees them as
+``FleetConfig.speed_view`` says. Measured, the fleet keeps what a gateway
 keeps (gateway/router.py): per model (one for the whole fleet without ``models``), a
 :class:`~kvreuse.routing.PrefillFit` starting from the policy's cost model (the replicas'
 configured rate and overhead for a policy that predicts no time) and a
@@ -60,6 +61,7 @@ from kvreuse.sim.event_loop import (
     LastByte,
     LoadSnapshot,
     PrefillDone,
+    SpeedChange,
 )
 from kvreuse.sim.memory import Job
 from kvreuse.sim.replica import LoadBoard, Replica
@@ -88,7 +90,7 @@ class FleetSimulator:
         if lag is not None and wanted:
             sink = policy.on_kv_event if lag == 0 else self._publish
         self._board = LoadBoard()
-        speeds = config.prefill_speeds
+        speeds = config.initial_speeds()
         self._measuring = speeds is not None and config.speed_view == "measured"
         # With models, each model's requests see the replicas at that model's measured speeds
         # (as a gateway's do); without, one set of speeds lives in the replicas' loads.
@@ -121,6 +123,8 @@ class FleetSimulator:
                     serving.setdefault(name, set()).add(replica.replica_id)
             self._serving = {name: frozenset(ids) for name, ids in serving.items()}
         self._records: list[RequestRecord] = []
+        # Each request's prefill time, kept only when speeds change mid-run (FleetRun).
+        self._prefill_s: dict[int, float] | None = {} if config.speed_changes else None
         self._snapshot: FleetView | None = None
         self._load_lag = config.load_lag_s
 
@@ -158,7 +162,14 @@ class FleetSimulator:
             FirstByte: self._on_first_byte,
             LastByte: self._on_last_byte,
             LoadSnapshot: self._on_snapshot,
+            SpeedChange: self._on_speed_change,
         }
+        # Not after the last arrival: the traffic is over (its backlog drains at the speeds
+        # then), and a change at any later time would run the clock on to it.
+        last_arrival = arrivals[-1] if arrivals else -1.0
+        for at_s, index, speed in self.config.speed_changes:
+            if at_s <= last_arrival:
+                loop.schedule(at_s, SpeedChange(index, speed))
         on_arrival: Callable[[int], None] = self._arrive
         if self.check_each_event:
             handlers = {kind: self._checked(run) for kind, run in handlers.items()}
@@ -177,6 +188,7 @@ class FleetSimulator:
             blocked_admissions=tuple(r.blocked_admissions for r in self.replicas),
             events_processed=loop.processed,
             end_time_s=loop.now,
+            prefill_s_by_request=self._prefill_s,
         )
 
     def _checked(self, handler: Callable[[Any], None]) -> Callable[[Any], None]:
@@ -236,6 +248,12 @@ class FleetSimulator:
         if self._measuring:
             job.sent = self._what_was_sent(request, replica, decision.predicted_cached_tokens)
         replica.enqueue(job, now)
+
+    def _on_speed_change(self, event: SpeedChange) -> None:
+        replica = self.replicas[event.replica]
+        replica.set_prefill_speed(event.speed)
+        if self.config.speed_view == "known":  # told at once, as by a new weight=
+            replica.set_router_speed(event.speed)
 
     def _on_prefill_done(self, event: PrefillDone) -> None:
         self.replicas[event.replica].prefill_done(event.job, self.loop.now)
@@ -341,5 +359,7 @@ class FleetSimulator:
                 request.measured,
             )
         )
+        if self._prefill_s is not None:
+            self._prefill_s[request.request_id] = job.prefill_s
         if self._progress is not None and len(self._records) % self._progress_every == 0:
             self._progress(len(self._records))

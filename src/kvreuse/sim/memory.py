@@ -52,7 +52,8 @@ class Job:
 
     ``estimate``: uncached prompt tokens counted in the replica's queue; ``cached``: prompt
     tokens found cached at admission; ``handle``: what the memory holds for the request;
-    ``private``: tokens of the pool reserved for it outside the cache (radix model); ``sent``:
+    ``private``: tokens of the pool reserved for it outside the cache (radix model);
+    ``prefill_s``: how long its prefill took, once started; ``sent``:
     what a router measuring speeds knew as it routed the request (the fleet's, or ``None``)."""
 
     __slots__ = (
@@ -62,6 +63,7 @@ class Job:
         "handle",
         "predicted",
         "prefill_end",
+        "prefill_s",
         "private",
         "prompt_cached",
         "request",
@@ -75,6 +77,7 @@ class Job:
         self.estimate = 0
         self.cached = 0
         self.prefill_end = 0.0
+        self.prefill_s = 0.0
         self.private = 0
         self.prompt_cached = False
         self.handle: object = None

@@ -30,9 +30,10 @@ first token reaches the router (what a gateway knows; ``FleetConfig.load_view``)
 reaches the router (:meth:`Replica.last_byte`).
 
 Speeds. ``prefill_speed`` multiplies ``prefill_tokens_per_s`` (a replica of other hardware;
-``FleetConfig.prefill_speeds``). ``router_speed`` is the speed the router believes it has
-(``FleetConfig.speed_view``): like a gateway's upstream weight, the load it reports is divided
-by it, and ``ReplicaLoad.prefill_speed`` carries it; at 1 the load is as counted.
+``FleetConfig.prefill_speeds``; :meth:`Replica.set_prefill_speed` changes it mid-run).
+``router_speed`` is the speed the router believes it has (``FleetConfig.speed_view``): like a
+gateway's upstream weight, the load it reports is divided by it, and
+``ReplicaLoad.prefill_speed`` carries it; at 1 the load is as counted.
 ``on_first_token(job, index, now)``, if given, is called as each prefill ends (where a router
 measuring speeds times the first token).
 
@@ -154,6 +155,11 @@ class Replica:
                            self._capacity)
         return load if speed == 1.0 else load.at_speed(speed)
 
+    def set_prefill_speed(self, speed: float) -> None:
+        """From now on this replica prefills at ``speed`` times the configured rate; the
+        prefill in progress keeps its own (``FleetConfig.speed_changes``). O(1)."""
+        self._rate = self.config.prefill_tokens_per_s * speed
+
     def set_router_speed(self, speed: float) -> None:
         """The router now believes this replica's prefill speed is ``speed``. O(1)."""
         if speed != self.router_speed:
@@ -219,6 +225,7 @@ class Replica:
             return  # waits until a finish frees memory
         del self.waiting[pos]
         duration = self._overhead + uncached / self._rate
+        job.prefill_s = duration
         self.prefill_busy_s += duration
         self.busy = job
         self.loop.schedule(now + duration, PrefillDone(self.index, job))

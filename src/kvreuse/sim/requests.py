@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -77,7 +77,11 @@ class RequestRecord:
 
 @dataclass(frozen=True, slots=True)
 class FleetRun:
-    """Everything a run produced: one record per request plus per-replica totals."""
+    """Everything a run produced: one record per request plus per-replica totals.
+
+    ``prefill_s_by_request``: each request's prefill time by request id, kept only when
+    replicas changed speed during the run (``FleetConfig.speed_changes``); otherwise ``None``,
+    and a prefill took its replica's overhead plus its uncached tokens at its one speed."""
 
     policy: str
     config: FleetConfig
@@ -88,6 +92,7 @@ class FleetRun:
     blocked_admissions: tuple[int, ...]
     events_processed: int
     end_time_s: float
+    prefill_s_by_request: Mapping[int, float] | None = None
 
 
 def jittered(requests: Sequence[SimRequest], seed: int, width_s: float) -> list[SimRequest]:

@@ -69,7 +69,10 @@ def measured(run: FleetRun) -> list[RequestRecord]:
 
 
 def prefill_cost_s(run: FleetRun, record: RequestRecord) -> float:
-    """The seconds ``record``'s prefill took on its replica (at that replica's speed)."""
+    """The seconds ``record``'s prefill took on its replica (at that replica's speed). O(1)."""
+    durations = run.prefill_s_by_request
+    if durations is not None:  # speeds changed mid-run: the time each prefill took
+        return durations[record.request_id]
     replica = run.config.replica
     speeds = run.config.prefill_speeds
     rate = replica.prefill_tokens_per_s * (1.0 if speeds is None else speeds[record.replica])
