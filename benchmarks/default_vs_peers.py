@@ -71,6 +71,12 @@ candidate and ``cache_aware``) route on speeds they measure from first tokens, a
 route`` does; the peers' rules see the replicas alike (none of them measures prefill speed:
 their load signals, requests and tokens queued or in flight, are what reflect a slow replica).
 
+``--throttle 0.3,0.55,0.25`` slows every fleet's first replica to a quarter of its rate from
+30 % to 55 % of the workload's arrival span, and restores it after
+(``FleetConfig.speed_changes``: a GPU throttled, a noisy neighbour come and gone). kvreuse's
+policies measure the change and the recovery from first tokens; the peers' rules see the
+replicas alike, as with ``--prefill-speeds`` (with which it combines).
+
 ``--jobs N`` runs N simulations at once in worker processes (each loads a workload once);
 every simulation is seeded and independent of the others, so the output is the same for any N.
 """
@@ -94,7 +100,7 @@ from kvreuse.cli.args import speed_list
 from kvreuse.errors import ConfigError
 from kvreuse.routing import build_policy
 from kvreuse.routing.base import FleetView, RequestView, RoutingDecision
-from kvreuse.sim.config import FleetConfig, ReplicaConfig, speeds_for
+from kvreuse.sim.config import FleetConfig, ReplicaConfig, check_prefill_speeds, speeds_for
 from kvreuse.sim.fleet import FleetSimulator
 from kvreuse.sim.requests import SimRequest, jittered
 from kvreuse.sim.scenarios import SCENARIOS, get_scenario
@@ -170,8 +176,20 @@ def hot_prefix_workload(name: str) -> Workload:
     return Workload(name, requests, FleetConfig(replicas, replica, kv_event_lag_s=0.0), {})
 
 
-def load(name: str, trace: Path, prefill_speeds: tuple[float, ...] = ()) -> Workload | None:
-    """Workload ``name``, its fleet's first replicas at ``prefill_speeds`` (none: alike)."""
+def throttle_changes(requests: Sequence[SimRequest], throttle: tuple[float, ...]
+                     ) -> tuple[tuple[float, int, float], ...]:
+    """``FleetConfig.speed_changes`` for ``--throttle START,END,SPEED``: the first replica at
+    SPEED from START to END (fractions of the arrivals' span), then back at 1."""
+    start, end, speed = throttle
+    first, last = requests[0].arrival_s, requests[-1].arrival_s
+    span = last - first
+    return ((first + start * span, 0, speed), (first + end * span, 0, 1.0))
+
+
+def load(name: str, trace: Path, prefill_speeds: tuple[float, ...] = (),
+         throttle: tuple[float, ...] = ()) -> Workload | None:
+    """Workload ``name``, its fleet's first replicas at ``prefill_speeds`` (none: alike), its
+    first replica throttled as ``throttle`` says (none: never)."""
     workload: Workload | None = None
     if name.startswith("hot-prefix-") and name.rsplit("-", 1)[1].isdigit():
         workload = hot_prefix_workload(name)
@@ -179,11 +197,14 @@ def load(name: str, trace: Path, prefill_speeds: tuple[float, ...] = ()) -> Work
         workload = trace_workload(name, trace) if trace.exists() else None
     elif name in SCENARIOS:
         workload = scenario_workload(name)
-    if workload is None or not prefill_speeds:
-        return workload
+    if workload is None:
+        return None
     fleet = workload.fleet
-    return replace(workload, fleet=replace(
-        fleet, prefill_speeds=speeds_for(prefill_speeds, fleet.replicas)))
+    if prefill_speeds:
+        fleet = replace(fleet, prefill_speeds=speeds_for(prefill_speeds, fleet.replicas))
+    if throttle:
+        fleet = replace(fleet, speed_changes=throttle_changes(workload.requests, throttle))
+    return replace(workload, fleet=fleet)
 
 
 def options_for(policy: str, workload: Workload, extra: dict[str, Any]) -> dict[str, Any]:
@@ -201,7 +222,7 @@ def fleet_for(policy: str, workload: Workload) -> FleetConfig:
     """``workload``'s fleet as ``policy`` sees its replicas' speeds: measured by kvreuse's
     policies, alike for the peers' rules (module docstring)."""
     fleet = workload.fleet
-    if fleet.prefill_speeds is not None and policy in PEERS:
+    if fleet.initial_speeds() is not None and policy in PEERS:
         return replace(fleet, speed_view="alike")
     return fleet
 
@@ -281,18 +302,19 @@ class Replay:
     policy: str
     options: tuple[tuple[str, Any], ...]
     prefill_speeds: tuple[float, ...] = ()
+    throttle: tuple[float, ...] = ()
 
 
-_LOADED: dict[tuple[str, Path, tuple[float, ...]], Workload] = {}
+_LOADED: dict[tuple[str, Path, tuple[float, ...], tuple[float, ...]], Workload] = {}
 """Workloads this process has loaded, so that a worker parses the Mooncake trace once."""
 
 
 def replayed_workload(task: Replay) -> Workload:
     """The stream :class:`Replay` ``task`` runs (loaded once per process)."""
-    key = (task.workload, task.trace, task.prefill_speeds)
+    key = (task.workload, task.trace, task.prefill_speeds, task.throttle)
     workload = _LOADED.get(key)
     if workload is None:
-        loaded = load(task.workload, task.trace, task.prefill_speeds)
+        loaded = load(task.workload, task.trace, task.prefill_speeds, task.throttle)
         assert loaded is not None, f"{task.workload} loaded in the parent but not here"
         workload = _LOADED[key] = loaded
     if task.seed:
@@ -474,6 +496,26 @@ def report(verdicts: Sequence[Verdict], candidate: str, out: Callable[[str], Non
         f"figures on {sum(v.beats_all for v in verdicts)}.")
 
 
+def throttle_arg(text: str) -> tuple[float, float, float]:
+    """``--throttle START,END,SPEED``: 0 <= START < END <= 1, SPEED within the speeds'
+    bounds."""
+    parts = text.split(",")
+    if len(parts) != 3:
+        raise argparse.ArgumentTypeError(f"give START,END,SPEED (e.g. 0.3,0.55,0.25), got {text!r}")
+    try:
+        start, end, speed = (float(part) for part in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"START,END,SPEED must be numbers, got {text!r}") from None
+    if not 0 <= start < end <= 1:
+        raise argparse.ArgumentTypeError(f"need 0 <= START < END <= 1 (fractions of the arrivals' "
+                                         f"span), got {text!r}")
+    try:
+        check_prefill_speeds((speed,), "the throttle's SPEED")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return start, end, speed
+
+
 def parse_option(text: str) -> tuple[str, Any]:
     key, _, raw = text.partition("=")
     if not key or not raw:
@@ -510,6 +552,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="every fleet's first replicas at these multiples of its prefill "
                              "rate (the rest at 1): kvreuse's policies measure them, the peers "
                              "see the replicas alike")
+    parser.add_argument("--throttle", type=throttle_arg, default=(),
+                        metavar="START,END,SPEED",
+                        help="every fleet's first replica at SPEED times its rate from START to "
+                             "END (fractions of the arrivals' span, e.g. 0.3,0.55,0.25), then "
+                             "restored: kvreuse's policies measure it, the peers do not")
     args = parser.parse_args(argv)
     if args.jitter_runs < 0 or not 0 <= args.jitter_s < math.inf:
         parser.error("--jitter-runs and --jitter-s must be >= 0 (and --jitter-s finite)")
@@ -525,11 +572,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--policy / --option: {exc}")
     workloads = []
     for name in [w.strip() for w in args.workloads.split(",") if w.strip()]:
-        workload = load(name, args.trace, args.prefill_speeds)
+        workload = load(name, args.trace, args.prefill_speeds, args.throttle)
         if workload is None:
             print(f"skipped {name}: no such scenario or trace here", file=sys.stderr)
             continue
-        _LOADED[(name, args.trace, args.prefill_speeds)] = workload
+        _LOADED[(name, args.trace, args.prefill_speeds, args.throttle)] = workload
         workloads.append(workload)
     if not workloads:
         parser.error(f"no workload of {args.workloads!r} could be loaded (names: "
@@ -537,7 +584,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     policies = list(dict.fromkeys((args.policy, REFERENCE, *PEERS)))
     candidate_options = tuple(sorted(extra.items()))
     tasks = [Replay(w.name, args.trace, seed, args.jitter_s, policy,
-                    candidate_options if policy == args.policy else (), args.prefill_speeds)
+                    candidate_options if policy == args.policy else (), args.prefill_speeds,
+                    args.throttle)
              for w in workloads for seed in range(args.jitter_runs + 1) for policy in policies]
     if args.at_arrival:
         print("At each measured request's arrival (seed-0 runs): prompt tokens cached on the "
@@ -582,6 +630,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"Every fleet's first replicas prefill at {', '.join(map(str, args.prefill_speeds))}"
               " of its rate, the rest at 1; kvreuse's policies measure the speeds from first "
               "tokens, the peers see the replicas alike.")
+    if args.throttle:
+        start, end, speed = args.throttle
+        print(f"Every fleet's first replica prefills at {speed:g} of its rate from {start:.0%} "
+              f"to {end:.0%} of the arrivals' span, then at 1 again; kvreuse's policies measure "
+              "the change from first tokens, the peers see the replicas alike.")
     if args.jitter_runs:
         print("Seed 0:")
     report(verdicts, label, print)

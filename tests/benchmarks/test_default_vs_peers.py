@@ -229,3 +229,33 @@ def test_prefill_speeds_slow_the_first_replicas_and_only_kvreuse_measures(
     assert bench.fleet_for(bench.REFERENCE, workload).speed_view == "measured"
     for peer in bench.PEERS:
         assert bench.fleet_for(peer, workload).speed_view == "alike"
+
+
+def test_throttle_slows_the_first_replica_for_a_share_of_the_run(bench: ModuleType) -> None:
+    """--throttle 0.3,0.55,0.25 puts the first replica at a quarter speed from 30 % to 55 % of
+    the arrivals' span and back at 1 after; kvreuse's policies measure it, the peers do not."""
+    workload = bench.load("hot-prefix-4", bench.TRACE, (), (0.3, 0.55, 0.25))
+    first, last = workload.requests[0].arrival_s, workload.requests[-1].arrival_s
+    (start, replica, slow), (end, back, restored) = workload.fleet.speed_changes
+    assert (replica, slow, back, restored) == (0, 0.25, 0, 1.0)
+    assert start == pytest.approx(first + 0.3 * (last - first))
+    assert end == pytest.approx(first + 0.55 * (last - first))
+    assert workload.fleet.prefill_speeds is None
+    assert bench.fleet_for("relative_spill", workload).speed_view == "measured"
+    for peer in bench.PEERS:
+        assert bench.fleet_for(peer, workload).speed_view == "alike"
+
+
+@pytest.mark.parametrize(("value", "said"), [
+    ("0.3,0.55", "give START,END,SPEED"), ("a,b,c", "must be numbers"),
+    ("0.6,0.5,0.25", "need 0 <= START < END <= 1"), ("0.1,1.5,0.25", "need 0 <= START < END"),
+    ("0.1,0.5,0", "the throttle's SPEED must be a number from 0.001"),
+])
+def test_a_bad_throttle_is_refused_with_a_message(
+    bench: ModuleType, capsys: pytest.CaptureFixture[str], value: str, said: str
+) -> None:
+    """A malformed --throttle is a usage error naming what to give, before any run."""
+    with pytest.raises(SystemExit) as stopped:
+        bench.main([f"--throttle={value}", "--workloads", "hot-prefix-2"])
+    assert stopped.value.code == 2
+    assert said in capsys.readouterr().err
