@@ -109,12 +109,21 @@ def test_min_ttft_counts_a_slow_replicas_prefill_at_its_speed() -> None:
 
 
 def test_a_load_at_a_speed_divides_its_queue_and_carries_the_speed() -> None:
-    """at_speed(0.5) doubles every queue count (rounded down) and keeps the capacity; at 1
-    it is the very load; weighting a weighted load is a broken invariant."""
+    """at_speed(0.5) doubles every queue count and keeps the capacity (tokens rounded down,
+    requests to the nearest); at 1 it is the very load; weighting a weighted load is a broken
+    invariant."""
     load = ReplicaLoad("r", queued_prefill_tokens=1001, queued_requests=3, in_flight=5,
                        kv_capacity_tokens=4096)
     assert load.at_speed(0.5) == ReplicaLoad("r", 2002, 6, 10, 4096, 0.5)
-    assert load.at_speed(3.0) == ReplicaLoad("r", 333, 1, 1, 4096, 3.0)
+    assert load.at_speed(3.0) == ReplicaLoad("r", 333, 1, 2, 4096, 3.0)
     assert load.at_speed(1.0) is load
     with pytest.raises(AssertionError, match="weighted twice"):
         load.at_speed(0.5).at_speed(0.5)
+
+
+@pytest.mark.parametrize("speed", [0.9, 0.98, 1.02, 1.1, 1.4])
+def test_a_busy_replica_near_the_fleets_speed_is_not_read_as_idle(speed: float) -> None:
+    """One request queued and in flight stays one at the speeds measured on alike replicas
+    (truncating made it 0 at any speed over 1)."""
+    weighted = ReplicaLoad("r", 500, 1, 1).at_speed(speed)
+    assert (weighted.queued_requests, weighted.in_flight) == (1, 1)

@@ -71,13 +71,16 @@ class ReplicaLoad:
         """This load, counted at speed 1, as policies see it on a replica of prefill speed
         ``speed``: its queue counts divided by it (a gateway's weight, a measured speed). The
         one place loads are weighted (the gateway's upstreams and the simulator's replicas).
-        O(1)."""
+        The request counts are rounded to the nearest, not down: measured speeds of alike
+        replicas scatter around 1, and at 1.02 a replica with one request queued and in flight
+        read as idle (``int(1 / 1.02)`` is 0), to the policies' ties and to its own speed
+        samples. O(1)."""
         assert self.prefill_speed == 1.0, f"{self.replica_id}: load weighted twice"
         if speed == 1.0:
             return self
         return ReplicaLoad(self.replica_id, int(self.queued_prefill_tokens / speed),
-                           int(self.queued_requests / speed), int(self.in_flight / speed),
-                           self.kv_capacity_tokens, speed)
+                           int(self.queued_requests / speed + 0.5),
+                           int(self.in_flight / speed + 0.5), self.kv_capacity_tokens, speed)
 
 
 REPLICA_ID = operator.attrgetter("replica_id")
