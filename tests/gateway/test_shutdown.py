@@ -3,7 +3,10 @@ real `kvreuse engine`, sent real signals while clients are mid-request."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -15,6 +18,7 @@ import pytest
 
 from kvreuse.errors import ConfigError
 from kvreuse.gateway.config import GatewayConfig, UpstreamConfig
+from kvreuse.gateway.serve import SHUTDOWN_MESSAGE
 from kvreuse.testing.processes import EngineSpec, Fleet, Process
 
 BODY = {"model": "sim", "prompt": "hello there", "max_tokens": 2}
@@ -156,3 +160,74 @@ def test_drain_settings_are_checked(option: str, value: object) -> None:
     with pytest.raises(ConfigError, match=option):
         GatewayConfig(upstreams=(UpstreamConfig("http://127.0.0.1:1"),),
                       **{option: value})  # type: ignore[arg-type]
+
+
+def raw_request(body: dict[str, object]) -> bytes:
+    payload = json.dumps(body).encode()
+    return (b"POST /v1/completions HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json"
+            b"\r\ncontent-length: %d\r\n\r\n" % len(payload)) + payload
+
+
+def read_to_close(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes (a reset reads as what came before it)."""
+    received = b""
+    sock.settimeout(15)
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := sock.recv(65536):
+            received += chunk
+    return received
+
+
+def listener_closed(port: int) -> bool:
+    """Whether a connection is refused (a probe that connects is closed at once, unused)."""
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    except ConnectionRefusedError:
+        return True
+    return False
+
+
+def test_connections_made_before_the_listener_closes_are_served(fleet: Fleet) -> None:
+    """A connection accepted before the drain ends that sends its request only after the
+    listener closed, and one still queued in the kernel's backlog when it closed, are both
+    answered (200, connection: close), never dropped unanswered."""
+    proc = gateway(fleet, slow_engine(fleet), "--drain-delay", "1", "--shutdown-grace", "10")
+    early = socket.create_connection(("127.0.0.1", proc.port))
+    httpx.get(proc.url + "/health", timeout=5)  # the early connection is accepted by now
+    proc.popen.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    proc.popen.send_signal(signal.SIGSTOP)  # frozen: a new connection waits in the backlog
+    try:
+        time.sleep(0.8)  # the drain is over while the gateway is frozen
+        queued = socket.create_connection(("127.0.0.1", proc.port))
+        queued.sendall(raw_request(BODY))
+    finally:
+        proc.popen.send_signal(signal.SIGCONT)
+    deadline = time.monotonic() + 5
+    while not listener_closed(proc.port):
+        assert time.monotonic() < deadline, "the listener stayed open after the drain"
+        time.sleep(0.05)
+    early.sendall(raw_request(BODY))
+    for name, sock in (("accepted early", early), ("queued", queued)):
+        with sock:
+            answer = read_to_close(sock)
+        head = answer.partition(b"\r\n\r\n")[0].lower()
+        assert head.startswith(b"http/1.1 200"), (name, answer[:300], proc.log_tail())
+        assert b"connection: close" in head
+    exit_within(proc, 10)
+
+
+def test_a_connection_silent_past_the_grace_period_gets_a_503(fleet: Fleet) -> None:
+    """A connection accepted before the close that never sends its request is answered 503
+    (shutting down) when the grace period ends, and the process exits then."""
+    proc = gateway(fleet, slow_engine(fleet), "--drain-delay", "0", "--shutdown-grace", "1")
+    silent = socket.create_connection(("127.0.0.1", proc.port))
+    httpx.get(proc.url + "/health", timeout=5)  # the silent connection is accepted by now
+    proc.popen.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    with silent:
+        answer = read_to_close(silent)
+    assert answer.startswith(b"HTTP/1.1 503"), answer[:300]
+    assert SHUTDOWN_MESSAGE.encode() in answer
+    exit_within(proc, 10)
+    assert time.monotonic() - sent < 8

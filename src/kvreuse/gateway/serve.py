@@ -64,7 +64,11 @@ is logged at most once per 10 s per kind, with the count of those held back.
 and every answer carries ``connection: close``, so that load balancers and kube-proxy stop
 sending it new work and keep-alive clients reconnect elsewhere, while requests that still
 arrive (endpoint updates take seconds to propagate) are served instead of refused. Then the
-listeners close and the requests in flight get up to ``shutdown_grace_s`` to finish.
+listeners close and the requests in flight get up to ``shutdown_grace_s`` to finish. A
+connection accepted before the close is one of them even while its request has not arrived
+(it has the usual head and body deadlines to send it), and the connections the kernel holds in
+the listeners' backlog are accepted before they close: uvicorn closed the first unanswered and
+the second with a reset, the lost requests of a connection made in the drain's last moment.
 Whatever still runs after that is ended readably: a stream with an SSE error event saying
 the gateway is shutting down, a request not yet answered with a 503; never a connection
 cut mid-answer. SIGINT (Ctrl-C) skips the drain; a second signal ends the drain at once,
@@ -83,6 +87,7 @@ import contextlib
 import json
 import logging
 import resource
+import select
 import signal
 import time
 from dataclasses import dataclass
@@ -105,6 +110,7 @@ MAX_DEFAULT_CONNECTIONS = 10_000
 RESERVED_FILES = 128  # for upstream pools' control connections, logs, sockets of ZeroMQ
 MAX_HEAD_BYTES = 64 * 1024  # a larger request head is a 431 (see the module docstring)
 MIN_BODY_BYTES_PER_S = 1 << 20  # each MiB of a body received adds 1 s to its deadline
+ACCEPT_TURNS = 1000  # at most this many turns of the loop accept a backlog at the close
 
 _HEAD_END = b"\r\n\r\n"
 _HEAD = "its request head"  # (the phases a client can be late with, as the log names them)
@@ -155,6 +161,7 @@ _over_limit = ThrottledLog(log, burst=1, interval_s=10.0)
 _too_slow = ThrottledLog(log, burst=1, interval_s=10.0)
 _too_large = ThrottledLog(log, burst=1, interval_s=10.0)
 _malformed = ThrottledLog(log, burst=1, interval_s=10.0)
+_shut_out = ThrottledLog(log, burst=1, interval_s=10.0)
 
 # A refusal waiting for the answers before it (status, reason, message, error type).
 _Refusal = tuple[int, str, str, str]
@@ -347,6 +354,27 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             return None
         super().eof_received()
         return None
+
+    def shutdown(self) -> None:
+        """Called by uvicorn on each open connection when the listeners close, and by
+        :class:`GatewayServer` again when the grace period is over. A connection accepted
+        before the close whose request has not arrived, or arrived only in part, is a request
+        in flight like any other: it is left open to be served (its answer says connection:
+        close) within the usual head and body deadlines, where uvicorn closed it unanswered.
+        Past the grace period it is answered 503 instead. An idle keep-alive connection that
+        has been served is closed, as HTTP allows any server to."""
+        if self._refused or self._draining:
+            return  # answering and closing already
+        if self._begun > self._messages or (self.cycle is None and self._begun == 0):
+            if self.drain.expired:
+                self._phase = None
+                self._disarm()
+                _shut_out.warning("closed a client connection whose request had not arrived "
+                                  "by the end of the grace period (503)")
+                self._answer_and_close(503, "Service Unavailable", SHUTDOWN_MESSAGE,
+                                       "ServiceUnavailable")
+            return
+        super().shutdown()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
@@ -592,6 +620,31 @@ class GatewayServer(uvicorn.Server):
                 and time.monotonic() - started >= self.drain_delay_s):
             self.should_exit = True
         return await super().on_tick(counter)
+
+    async def shutdown(self, sockets: list[Any] | None = None) -> None:
+        """Accept what the kernel has queued on the listeners, then close them as uvicorn
+        does (see :meth:`_accept_queued`)."""
+        await self._accept_queued()
+        await super().shutdown(sockets)
+
+    async def _accept_queued(self) -> None:
+        """Let the event loop accept the connections the kernel completed before the
+        listeners close: closing a listener resets every connection still in its backlog,
+        and a client that connected during the drain (its request sent, maybe) would read a
+        reset. Each connection the loop accepts becomes one of the connections
+        :meth:`GuardedHttpProtocol.shutdown` keeps open for its request. A connection made
+        between the last accept and the close is still reset: that window is one turn of the
+        event loop, where it was everything that waited for the loop before."""
+        listeners = [sock.fileno() for server in self.servers for sock in server.sockets]
+        poller = select.poll()
+        for fd in listeners:
+            poller.register(fd, select.POLLIN)
+        for _ in range(ACCEPT_TURNS):
+            if not poller.poll(0):
+                break
+            await asyncio.sleep(0)  # a turn of the loop: it polls the listeners and accepts
+        for _ in range(3):  # accepted -> transport made -> connection_made: a turn each
+            await asyncio.sleep(0)
 
     async def _wait_tasks_to_complete(self) -> None:
         in_flight = len(self.server_state.tasks)
