@@ -3,6 +3,7 @@ from timed first tokens (kvreuse.routing.cost_fit)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 from kvreuse.errors import ConfigError
 from kvreuse.routing.base import CostModel
 from kvreuse.routing.cost_fit import (
+    ALIKE_WITHIN,
     MAX_LOG_STEP,
     MAX_OVERHEAD_S,
     MAX_RELATIVE_SPEED,
@@ -22,6 +24,7 @@ from kvreuse.routing.cost_fit import (
     PrefillFit,
     PrefillSample,
     RelativeSpeeds,
+    _routed_speeds,
     prediction_parts,
 )
 
@@ -225,9 +228,9 @@ def test_the_fit_and_the_speeds_predict_each_replicas_answers() -> None:
 
 
 def test_alike_replicas_stay_alike() -> None:
-    """Four replicas of one speed, noisy answers: every speed stays within 10 % of 1."""
+    """Four replicas of one speed, noisy answers: every speed is exactly 1."""
     _, speeds = serve_fleet({"a": 1.0, "b": 1.0, "c": 1.0, "d": 1.0}, 3000, noise=0.3)
-    assert all(0.9 < speed < 1.1 for speed in speeds.speeds().values()), speeds.speeds()
+    assert all(speed == 1.0 for speed in speeds.speeds().values()), speeds.speeds()
 
 
 def test_a_replica_that_recovers_is_followed() -> None:
@@ -246,16 +249,52 @@ def test_a_replica_that_recovers_is_followed() -> None:
     assert speeds.speed("sick") / speeds.speed("a") == pytest.approx(1.0, rel=0.15)
 
 
+def settle(speeds: RelativeSpeeds, truth: dict[str, float], rounds: int) -> None:
+    """``rounds`` answers from each replica, each exactly as long as its true speed (relative
+    to the fleet's model) makes it against the speed believed."""
+    for _ in range(rounds):
+        for replica, true in truth.items():
+            speeds.observe(replica, 0.1, 1.0, 0.1 * speeds.speed(replica) / true)
+            speeds.check_invariants()
+
+
 def test_one_stalled_answer_moves_a_speed_a_bounded_step() -> None:
-    """After 40 answers on time, one a million times late lowers the speed by at most
-    exp(MAX_LOG_STEP / 32)."""
+    """After 400 answers on time from replicas twice as fast as one another, one a million
+    times late lowers the slow one's speed by at most exp(MAX_LOG_STEP / 32)."""
     speeds = RelativeSpeeds()
-    for _ in range(40):
-        speeds.observe("a", 0.1, 1.0, 0.1)
-        speeds.observe("b", 0.1, 1.0, 0.1)
+    settle(speeds, {"a": 0.5, "b": 1.0}, 400)
+    before = speeds.speed("b") / speeds.speed("a")
+    assert before == pytest.approx(2.0, rel=0.01)
     speeds.observe("a", 0.1, 1.0, 1e5)
     ratio = speeds.speed("b") / speeds.speed("a")
-    assert 1.0 < ratio <= math.exp(MAX_LOG_STEP / 32) + 1e-12, ratio
+    assert before < ratio <= before * math.exp(MAX_LOG_STEP / 32) + 1e-9, (before, ratio)
+
+
+def test_replicas_within_the_alike_band_are_routed_on_as_one_speed() -> None:
+    """Three replicas whose answers make them 0.85, 1 and 1.15 times the fleet's speed (the
+    time model's own errors on identical hardware) all read as one speed."""
+    speeds = RelativeSpeeds()
+    settle(speeds, {"a": 0.85, "b": 1.0, "c": 1.15}, 400)
+    assert speeds.speed("a") == speeds.speed("b") == speeds.speed("c"), speeds.speeds()
+
+
+def test_a_replica_outside_the_alike_band_keeps_its_own_speed() -> None:
+    """Among three alike replicas, one 1.6 times slower (just outside ALIKE_WITHIN) reads
+    at its own speed."""
+    speeds = RelativeSpeeds()
+    settle(speeds, {"slow": 1 / 1.6, "a": 1.0, "b": 1.0}, 400)
+    assert speeds.speed("a") == speeds.speed("b")
+    assert speeds.speed("a") / speeds.speed("slow") == pytest.approx(1.6, rel=0.02)
+    assert ALIKE_WITHIN < 1.6
+
+
+def test_a_fleet_half_fast_half_slow_keeps_both_speeds() -> None:
+    """Two replicas twice as fast as the other two keep the two speeds, each kind routed
+    as one."""
+    speeds = RelativeSpeeds()
+    settle(speeds, {"s1": 0.5, "s2": 0.5, "f1": 1.0, "f2": 1.0}, 400)
+    assert speeds.speed("f1") / speeds.speed("s1") == pytest.approx(2.0, rel=0.02)
+    assert speeds.speed("f1") == speeds.speed("f2") and speeds.speed("s1") == speeds.speed("s2")
 
 
 def test_a_replicas_first_answer_moves_it_at_most_half_a_step() -> None:
@@ -328,3 +367,16 @@ def test_a_memory_under_one_sample_is_refused() -> None:
     """RelativeSpeeds(memory_samples=0.5) is a ConfigError."""
     with pytest.raises(ConfigError):
         RelativeSpeeds(memory_samples=0.5)
+
+
+@given(st.lists(st.floats(-0.5, 0.5), min_size=1, max_size=12))
+def test_routed_speeds_keep_the_learned_order_and_centre(logs: list[float]) -> None:
+    """A replica learned faster is never routed slower, the routed speeds' geometric mean
+    is 1, and learned speeds all within ALIKE_WITHIN of one another are routed as 1."""
+    learned = {f"r{i}": value - sum(logs) / len(logs) for i, value in enumerate(logs)}
+    routed = _routed_speeds(learned)
+    by_learned = sorted(learned, key=learned.__getitem__)
+    assert all(routed[a] <= routed[b] for a, b in itertools.pairwise(by_learned))
+    assert math.fsum(math.log(speed) for speed in routed.values()) == pytest.approx(0.0, abs=1e-9)
+    if max(logs) - min(logs) < math.log(ALIKE_WITHIN):
+        assert all(speed == pytest.approx(1.0) for speed in routed.values())

@@ -40,8 +40,9 @@ tokens (:mod:`kvreuse.routing.cost_fit`): ``kvreuse_gateway_prefill_tokens_per_s
 ``kvreuse_gateway_prefill_overhead_seconds{model}`` and ``kvreuse_gateway_prefill_samples``
 (``model`` is a name an upstream lists, or ``*`` for the others; absent before the first sample).
 ``kvreuse_gateway_upstream_prefill_speed{upstream}`` is each upstream's speed measured over
-the fleet's (:class:`~kvreuse.routing.RelativeSpeeds`; 1 until measured): a replica at 0.25
-is four times slower than the others and is sent a quarter of the queued tokens.
+the fleet's as routed on (:class:`~kvreuse.routing.RelativeSpeeds`; 1 until measured; speeds
+within a factor 1.5 of one another read as one): a replica at 0.25 is four times slower than
+the others and is sent a quarter of the queued tokens.
 
 Also exported: ejections per upstream, the Redis sync counters of a shared index and of a
 shared quarantine (:class:`~kvreuse.gateway.shared_index.SyncStats`, as

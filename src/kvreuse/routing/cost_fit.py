@@ -54,6 +54,21 @@ geometric mean of 1 over the replicas so that the fit and the speeds do not trad
 factor. A gateway multiplies each upstream's weight by it: the load the policies see is
 queued tokens over speed.
 
+**Speeds within a factor** ``ALIKE_WITHIN`` **(1.5) of one another are routed on as one.** The
+time model has errors of its own that are no replica's speed: a prefill under way is counted
+whole (its answer comes sooner than predicted), a prefix predicted cached was evicted, a request
+waits behind a full KV pool. They fall unevenly on replicas that play different parts (the one
+holding a hot prefix always has a prefill under way), so on identical replicas learned speeds
+wander: 0.78 to 1.21 within one run of the simulator's belgavi on three alike replicas. Routed
+on, that skew made the default's p95 collapse from 0.4 s to 3-4.5 s in 5 of 30 jittered runs
+(``benchmarks/default_vs_peers.py --prefill-speeds 1``). So each replica is routed on at the
+median of the learned speeds within the band of its own: replicas that differ by less than the
+model's own errors are one speed, kinds of hardware twice as fast as one another (or a replica
+throttled to a quarter) keep theirs. The speeds are still learned exactly (each answer is
+judged against the replica's learned speed, not the one routed on, so the band never feeds
+back into what is learned); only what routing reads is banded. What is lost: a replica truly
+1.3 times slower than the others is routed as one of them.
+
 **A replica not yet timed is assumed as fast as the fastest timed one** (and starts there at
 its first answer). A replica assumed slow is sent little, so it is timed late or never: in
 the simulator's multi-model workload with one replica at a quarter speed, the slow replica
@@ -65,7 +80,7 @@ slow newcomer's first answers move it half, a third, a quarter of the way (at mo
 ``MAX_LOG_STEP`` each).
 
 Pure: no clock; the caller measures the seconds. O(1) per sample and per read, except
-:meth:`RelativeSpeeds.observe`, O(replicas) to renormalise.
+:meth:`RelativeSpeeds.observe`, O(replicas log replicas) to renormalise.
 """
 
 from __future__ import annotations
@@ -183,6 +198,9 @@ class PrefillFit:
 
 MAX_RELATIVE_SPEED = 8.0
 """A replica's learned speed stays within [1/8, 8] times the fleet's (geometric mean)."""
+ALIKE_WITHIN = 1.5
+"""Learned speeds within this factor of one another are routed on as one (module
+docstring)."""
 MAX_LOG_STEP = math.log(4.0)
 """One answer's log ratio counts as at most this much (a stalled request moves a replica's
 speed by at most ``rate × log 4``)."""
@@ -217,10 +235,20 @@ class RelativeSpeeds:
             return
         # NaN fails both comparisons: it says nothing, like a share of 0.
         share = token_share if 0.0 <= token_share <= 1.0 else float(token_share > 1.0)
-        step = min(max(math.log(predicted_s) - math.log(seconds), -MAX_LOG_STEP), MAX_LOG_STEP)
+        believed = self.speed(replica)  # what the prediction divided its tokens by
         logs = self._log_speed
         if replica not in logs:  # a newcomer starts where it was assumed: at the fastest
             logs[replica] = max(logs.values()) if logs else 0.0
+        # Judged at the learned speed, not the one routed on (they differ within the alike
+        # band): else the band's rounding would be learned as the replica's error, and its
+        # learned speed would drift out of the band and back.
+        token_part = share * predicted_s
+        rescaled = token_part * believed / math.exp(logs[replica])
+        predicted_s += rescaled - token_part
+        share = rescaled / predicted_s if predicted_s > 0 else 0.0
+        if not predicted_s > 0:
+            return
+        step = min(max(math.log(predicted_s) - math.log(seconds), -MAX_LOG_STEP), MAX_LOG_STEP)
         # A replica's first answers average (1/2, 1/3, ...), so a slow one is found within a
         # few dozen of them; later ones decay at the configured memory.
         seen = self._seen[replica] = self._seen.get(replica, 0) + 1
@@ -249,15 +277,16 @@ class RelativeSpeeds:
             self._normalise()
 
     def check_invariants(self) -> None:
-        """Speeds within bounds, each the exponential of its stored log, and those logs
-        centred (mean 0) unless one is held at a bound. O(replicas)."""
+        """Learned logs within bounds and centred (mean 0) unless one is held at a bound;
+        the speeds routed on derived from them (:func:`_routed_speeds`). O(replicas log
+        replicas)."""
         speeds, logs = self._speed, self._log_speed
         assert speeds.keys() == logs.keys(), "speeds and their logs name other replicas"
         assert self._fastest == max(speeds.values(), default=1.0), "fastest speed stale"
         bound = math.log(MAX_RELATIVE_SPEED)
         for replica, value in logs.items():
             assert -bound <= value <= bound, f"{replica}: log speed {value} out of bounds"
-            assert speeds[replica] == math.exp(value), f"{replica}: speed not its log's"
+        assert not logs or speeds == _routed_speeds(logs), "routed speeds not the learned ones'"
         if logs and all(abs(value) < bound for value in logs.values()):
             mean = sum(logs.values()) / len(logs)
             assert abs(mean) < 1e-9, f"log speeds not centred: mean {mean}"
@@ -275,8 +304,30 @@ class RelativeSpeeds:
             # keep each within bounds (stored clipped, so a replica recovers at once).
             centred = min(max(value - mean, -bound), bound)
             logs[replica] = centred
-        self._speed = {replica: math.exp(value) for replica, value in logs.items()}
+        self._speed = _routed_speeds(logs)
         self._fastest = max(self._speed.values())
+
+
+def _routed_speeds(logs: Mapping[str, float]) -> dict[str, float]:
+    """The speeds routed on for learned (centred) log speeds ``logs``: each replica at the
+    lower median of the learned speeds within ``ALIKE_WITHIN`` of its own (its own among
+    them), centred again (a geometric mean of 1) and kept within bounds. A median of a window
+    sliding up the sorted speeds never falls, so a replica learned faster is never routed
+    slower. O(n log n)."""
+    ordered = sorted(logs.values())
+    band = math.log(ALIKE_WITHIN)
+    routed_by_log: dict[float, float] = {}
+    low = high = 0
+    for value in ordered:
+        while ordered[low] <= value - band:
+            low += 1
+        while high < len(ordered) and ordered[high] < value + band:
+            high += 1
+        routed_by_log[value] = ordered[low + (high - low - 1) // 2]
+    mean = sum(routed_by_log[value] for value in logs.values()) / len(logs)
+    bound = math.log(MAX_RELATIVE_SPEED)
+    return {replica: math.exp(min(max(routed_by_log[value] - mean, -bound), bound))
+            for replica, value in logs.items()}
 
 
 def observe_first_token(fit: PrefillFit, speeds: RelativeSpeeds, replica: str | None,
