@@ -24,6 +24,7 @@ from kvreuse.routing.cost_fit import (
     PrefillFit,
     PrefillSample,
     RelativeSpeeds,
+    _banded_speeds,
     _routed_speeds,
     prediction_parts,
 )
@@ -380,3 +381,16 @@ def test_routed_speeds_keep_the_learned_order_and_centre(logs: list[float]) -> N
     assert math.fsum(math.log(speed) for speed in routed.values()) == pytest.approx(0.0, abs=1e-9)
     if max(logs) - min(logs) < math.log(ALIKE_WITHIN):
         assert all(speed == pytest.approx(1.0) for speed in routed.values())
+
+
+@given(st.lists(st.floats(-0.2, 0.2), min_size=1, max_size=12))
+def test_an_alike_fleets_shortcut_matches_the_sliding_window(logs: list[float]) -> None:
+    """Learned speeds all within ALIKE_WITHIN: the O(n) shortcut routes each as the window
+    does, to rounding."""
+    learned = {f"r{i}": value - sum(logs) / len(logs) for i, value in enumerate(logs)}
+    assert max(logs) - min(logs) < math.log(ALIKE_WITHIN)
+    shortcut, window = _routed_speeds(learned), _banded_speeds(learned)
+    assert shortcut.keys() == window.keys()
+    for replica, speed in shortcut.items():
+        assert speed == 1.0
+        assert window[replica] == pytest.approx(speed, rel=1e-12)

@@ -245,9 +245,9 @@ class RelativeSpeeds:
         token_part = share * predicted_s
         rescaled = token_part * believed / math.exp(logs[replica])
         predicted_s += rescaled - token_part
-        share = rescaled / predicted_s if predicted_s > 0 else 0.0
-        if not predicted_s > 0:
+        if not predicted_s > 0:  # the rescaled tokens underflowed and there is no overhead
             return
+        share = rescaled / predicted_s
         step = min(max(math.log(predicted_s) - math.log(seconds), -MAX_LOG_STEP), MAX_LOG_STEP)
         # A replica's first answers average (1/2, 1/3, ...), so a slow one is found within a
         # few dozen of them; later ones decay at the configured memory.
@@ -297,13 +297,17 @@ class RelativeSpeeds:
             self._speed = {}
             self._fastest = 1.0
             return
+        # Centre the logs so the fleet and the speeds cannot trade a common factor, and keep
+        # each within bounds (stored clipped, so a replica recovers at once). Clipping is
+        # rare, and one comprehension halves this per-answer cost on large fleets.
         mean = sum(logs.values()) / len(logs)
         bound = math.log(MAX_RELATIVE_SPEED)
-        for replica, value in logs.items():
-            # Centre the logs so the fleet and the speeds cannot trade a common factor, and
-            # keep each within bounds (stored clipped, so a replica recovers at once).
-            centred = min(max(value - mean, -bound), bound)
-            logs[replica] = centred
+        if -bound <= min(logs.values()) - mean and max(logs.values()) - mean <= bound:
+            logs = {replica: value - mean for replica, value in logs.items()}
+        else:
+            logs = {replica: min(max(value - mean, -bound), bound)
+                    for replica, value in logs.items()}
+        self._log_speed = logs
         self._speed = _routed_speeds(logs)
         self._fastest = max(self._speed.values())
 
@@ -313,9 +317,18 @@ def _routed_speeds(logs: Mapping[str, float]) -> dict[str, float]:
     lower median of the learned speeds within ``ALIKE_WITHIN`` of its own (its own among
     them), centred again (a geometric mean of 1) and kept within bounds. A median of a window
     sliding up the sorted speeds never falls, so a replica learned faster is never routed
-    slower. O(n log n)."""
-    ordered = sorted(logs.values())
+    slower. O(n log n); O(n) when every learned speed is within the band of every other (an
+    alike fleet, the common case), since then each is routed at the same median: 1.0 once
+    centred."""
+    if max(logs.values()) - min(logs.values()) < math.log(ALIKE_WITHIN):
+        return dict.fromkeys(logs, 1.0)
+    return _banded_speeds(logs)
+
+
+def _banded_speeds(logs: Mapping[str, float]) -> dict[str, float]:
+    """:func:`_routed_speeds` by its sliding window, whatever the spread. O(n log n)."""
     band = math.log(ALIKE_WITHIN)
+    ordered = sorted(logs.values())
     routed_by_log: dict[float, float] = {}
     low = high = 0
     for value in ordered:
