@@ -291,26 +291,35 @@ def measure(fleet: Fleet, engines: Sequence[Process], router: str, scenario: str
 PREFILL_SERIES = ("kvreuse_gateway_prefill_tokens_per_second",
                   "kvreuse_gateway_prefill_overhead_seconds",
                   "kvreuse_gateway_prefill_samples_total")
+UPSTREAM_SPEED = "kvreuse_gateway_upstream_prefill_speed"
 
 
 def report_prefill_speed(router: str, url: str) -> None:
-    """Print, as a comment, the prefill speed a kvreuse gateway measured (absent with
-    ``--fixed-prefill`` and before any streamed answer)."""
+    """Print, as comments, the prefill speed a kvreuse gateway measured per model (absent with
+    ``--fixed-prefill`` and before any streamed answer) and each upstream's speed over its
+    fleet's as routed on (1 for alike engines: the band of ``routing.cost_fit``)."""
     try:
         text = httpx.get(url + "/metrics", timeout=5).text
     except httpx.HTTPError as exc:
         print(f"# {router}: /metrics unreadable ({exc})", file=sys.stderr)
         return
     by_model: dict[str, dict[str, float]] = {}
-    for sample in parse_exposition(text, f"{router} /metrics", only=PREFILL_SERIES,
-                                   strict=False):
-        by_model.setdefault(sample.label("model") or "", {})[sample.name] = sample.value
+    by_upstream: dict[str, float] = {}
+    for sample in parse_exposition(text, f"{router} /metrics",
+                                   only=(*PREFILL_SERIES, UPSTREAM_SPEED), strict=False):
+        if sample.name == UPSTREAM_SPEED:
+            by_upstream[sample.label("upstream") or ""] = sample.value
+        else:
+            by_model.setdefault(sample.label("model") or "", {})[sample.name] = sample.value
     rate, overhead, samples = PREFILL_SERIES
     for model, series in sorted(by_model.items()):
         print(f"# {router} measured model {model}: "
               f"{series.get(rate, float('nan')):,.0f} prefill tokens/s, "
               f"{series.get(overhead, float('nan')) * 1000:.1f} ms a request, "
               f"{series.get(samples, 0):.0f} first tokens timed", flush=True)
+    if by_upstream:
+        print(f"# {router} routed upstreams at: " + ", ".join(
+            f"{name} {speed:.3f}" for name, speed in sorted(by_upstream.items())), flush=True)
 
 
 # ---------------------------------------------------------------------------- gateway cost

@@ -184,3 +184,27 @@ def test_a_fixed_prefill_variant_names_its_policy_and_the_flag(bench: ModuleType
     assert bench.kvreuse_policy("kvreuse:relative_spill/fixed-prefill") == (
         "relative_spill", True)
     assert bench.kvreuse_policy("kvreuse:relative_spill") == ("relative_spill", False)
+
+
+def test_the_prefill_report_names_each_upstream_s_routed_speed(
+        bench: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """After streamed answers from two alike engines, the report prints the model's measured
+    speed and both upstreams routed at 1 (within the alike band)."""
+    import httpx
+
+    from kvreuse.testing.processes import EngineSpec, Fleet
+
+    with Fleet(tmp_path) as fleet:
+        engines = fleet.start_engines(2, EngineSpec(events=False, tpot_ms=1))
+        gateway = fleet.start_gateway("gw", engines, policy="relative_spill")
+        for i in range(12):
+            with httpx.stream("POST", gateway.url + "/v1/completions", timeout=30,
+                              json={"model": "sim", "prompt": f"question {i} " * 40,
+                                    "max_tokens": 2, "stream": True}) as response:
+                assert response.status_code == 200
+                response.read()
+        bench.report_prefill_speed("kvreuse:relative_spill", gateway.url)
+    out = capsys.readouterr().out
+    assert "# kvreuse:relative_spill measured model " in out
+    assert "first tokens timed" in out
+    assert "# kvreuse:relative_spill routed upstreams at: engine0 1.000, engine1 1.000" in out
