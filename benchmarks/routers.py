@@ -29,14 +29,14 @@ judges the medians. At 12,288-token caches one router's hit rate moves by up to 
 to run (smg on contracts: 52.6-56.6 % over nine runs), timing alone changing placements; a
 verdict from one run there is a draw. The table of medians gives each figure's range.
 
-``--seeds 1,2,3`` measures each scenario on several seeded streams (other documents, chats and
-arrival times drawn from the same distributions) and judges each router's mean over the streams
-of its per-stream medians, against the mean of the streams' ceilings; it prints each stream's
-verdict first. Why: repeats only average out timing, while the stream itself decides which rule
-is lucky. At 12,288-token caches two miss orders of ``relative_spill`` differ by 5 points on
-contracts at seed 7 through the gateway and by 0.1 over twelve seeds in the simulator's model,
-and seed 7 is among the streams where the peers' rule does best (docs/performance.md, "Which
-stream?").
+``--seeds 1,2,3`` measures each scenario (and ``--vllm``'s chats) on several seeded streams
+(other documents, chats and arrival times drawn from the same distributions) and judges each
+router's mean over the streams of its per-stream medians, against the mean of the streams'
+ceilings; it prints each stream's verdict first. Why: repeats only average out timing, while
+the stream itself decides which rule is lucky. At 12,288-token caches two miss orders of
+``relative_spill`` differ by 5 points on contracts at seed 7 through the gateway and by 0.1
+over twelve seeds in the simulator's model, and seed 7 is among the streams where the peers'
+rule does best (docs/performance.md, "Which stream?").
 
 Everything binds 127.0.0.1 and every process started is stopped at the end. Runtime is about
 ``(warmup + duration + 6 s) × scenarios × routers × repeats × seeds`` plus ~30 s; ``--quick``
@@ -635,9 +635,10 @@ def cost_verdicts(cost: dict[str, dict[str, float]]) -> list[str]:
     return out
 
 
-def vllm_section(fleet: Fleet, args: argparse.Namespace, routers: Sequence[str]
-                 ) -> list[RunRow]:
-    """The same comparison on two real vLLM replicas (tiny random Llama, CPU), at low rate."""
+def vllm_section(fleet: Fleet, args: argparse.Namespace, routers: Sequence[str],
+                 seeds: Sequence[int]) -> list[RunRow]:
+    """The same comparison on two real vLLM replicas (tiny random Llama, CPU), at low rate,
+    on each of ``seeds``' streams (rows tagged with their seed)."""
     python = os.environ.get("KVREUSE_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
     if not Path(python).exists():
         print(f"# --vllm: no vLLM interpreter at {python} (make vllm-env)", file=sys.stderr)
@@ -649,21 +650,26 @@ def vllm_section(fleet: Fleet, args: argparse.Namespace, routers: Sequence[str]
     for replica in replicas:
         wait_http(replica, "/v1/models", timeout_s=600)
     time.sleep(1.0)
-    calls = scenario_calls("vllm-chat", rate=args.vllm_rate, warmup_s=args.warmup,
-                           duration_s=args.duration, seed=args.seed, max_tokens=4)
     candidate = kvreuse_policy(args.candidate)[0]
-    chosen = [r for r in routers if r in ("direct", *PEERS, "kvreuse:round_robin",
-                                          "kvreuse:cache_aware", "kvreuse:exact",
-                                          args.candidate)
-              or (r.startswith("kvreuse:") and kvreuse_policy(r)[0] == candidate)]
+    # 'all' names every kvreuse policy; vLLM on CPU runs only the ones the verdicts compare
+    # (a list given by name runs as given).
+    chosen = routers if args.routers != "all" else [
+        r for r in routers if r in ("direct", *PEERS, "kvreuse:round_robin",
+                                    "kvreuse:cache_aware", "kvreuse:exact", args.candidate)
+        or (r.startswith("kvreuse:") and kvreuse_policy(r)[0] == candidate)]
     rows = []
-    for _ in range(args.repeats):
-        for router in chosen:
-            row = measure(fleet, replicas, router, "vllm-chat", calls, args.warmup,
-                          gateway_args=["--tokenizer", str(model)], block_size=32,
-                          model=VLLM_MODEL)
-            rows.append(row)
-            print_table_row(row)
+    for seed in seeds:
+        calls = scenario_calls("vllm-chat", rate=args.vllm_rate, warmup_s=args.warmup,
+                               duration_s=args.duration, seed=seed, max_tokens=4)
+        if len(seeds) > 1:
+            print(f"# vllm-chat, seed {seed}", flush=True)
+        for _ in range(args.repeats):
+            for router in chosen:
+                row = measure(fleet, replicas, router, "vllm-chat", calls, args.warmup,
+                              gateway_args=["--tokenizer", str(model)], block_size=32,
+                              model=VLLM_MODEL)
+                rows.append(replace(row, seed=seed))
+                print_table_row(row)
     for replica in replicas:
         fleet.forget(replica)
     return rows
@@ -692,8 +698,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--skip-cost", action="store_true", help="skip the gateway-cost runs")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--seeds", type=parse_seeds, metavar="N,N-M,...",
-                        help="measure each scenario on these seeded streams (instead of "
-                             "--seed) and judge each router's mean over them")
+                        help="measure each scenario (and --vllm's chats) on these seeded "
+                             "streams (instead of --seed) and judge each router's mean over "
+                             "them")
     parser.add_argument("--quick", action="store_true", help="smoke run: short, few routers")
     parser.add_argument("--vllm", action="store_true",
                         help="also compare on 2 real vLLM replicas (KVREUSE_VLLM_PYTHON)")
@@ -828,6 +835,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     seeds = args.seeds or (args.seed,)
     estimate = ((args.warmup + args.duration + 6) * len(routers) * len(scenarios)
                 * args.repeats * len(seeds))
+    if args.vllm or args.vllm_only:  # vLLM answers slowly: ~40 s more a run, ~1 min to start
+        estimate += ((args.warmup + args.duration + 40) * len(routers) * args.repeats
+                     * len(seeds) + 60)
     print(f"# {len(routers)} routers x {len(scenarios)} scenarios, about {estimate / 60:.0f} min"
           f" plus the gateway-cost runs", flush=True)
     spec = EngineSpec(model=MODEL, cache_tokens=args.cache_tokens,
@@ -838,7 +848,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with Fleet(args.workdir) as fleet:
         print(f"# logs in {fleet.workdir}", flush=True)
         if args.vllm or args.vllm_only:
-            rows += [replace(row, seed=args.seed) for row in vllm_section(fleet, args, routers)]
+            rows += vllm_section(fleet, args, routers, seeds)
         engines = fleet.start_engines(args.replicas, spec) if scenarios else []
         for scenario, seed in ((sc, seed) for sc in scenarios for seed in seeds):
             calls = scenario_calls(scenario, rate=args.rate, warmup_s=args.warmup,

@@ -80,7 +80,8 @@ slow newcomer's first answers move it half, a third, a quarter of the way (at mo
 ``MAX_LOG_STEP`` each).
 
 Pure: no clock; the caller measures the seconds. O(1) per sample and per read, except
-:meth:`RelativeSpeeds.observe`, O(replicas log replicas) to renormalise.
+:meth:`RelativeSpeeds.observe`, O(replicas) to renormalise (O(replicas log replicas) while
+the speeds span more than the alike band).
 """
 
 from __future__ import annotations
