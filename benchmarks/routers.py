@@ -646,7 +646,10 @@ def vllm_section(fleet: Fleet, args: argparse.Namespace, routers: Sequence[str],
     model = Path(os.environ.get("KVREUSE_TINY_MODEL", ROOT / "build" / "tiny-llama")).resolve()
     subprocess.run([python, str(ROOT / "tests" / "vllm" / "build_tiny_model.py"), str(model)],
                    check=True, capture_output=True)
-    replicas = [fleet.start_vllm(f"vllm{i}", python, str(model)) for i in range(2)]
+    cores = sorted(os.sched_getaffinity(0))
+    apart = args.vllm_cpus_apart and len(cores) >= 2
+    replicas = [fleet.start_vllm(f"vllm{i}", python, str(model),
+                                 cpus={cores[i]} if apart else None) for i in range(2)]
     for replica in replicas:
         wait_http(replica, "/v1/models", timeout_s=600)
     time.sleep(1.0)
@@ -706,6 +709,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="also compare on 2 real vLLM replicas (KVREUSE_VLLM_PYTHON)")
     parser.add_argument("--vllm-only", action="store_true", help="only the vLLM comparison")
     parser.add_argument("--vllm-rate", type=float, default=2.0)
+    parser.add_argument("--vllm-cpus-apart", action="store_true",
+                        help="pin each vLLM replica to a core of its own (the gateways and the "
+                             "load generator still share them): else two CPU engines trade "
+                             "cores, and an idle one speeds up the busy one")
     parser.add_argument("--json", type=Path, help="write every figure here")
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of every router on each scenario, interleaved; the verdicts "

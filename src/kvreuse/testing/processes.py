@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -156,13 +156,18 @@ class Fleet:
         self.processes.clear()
 
     def spawn(self, name: str, argv: Sequence[str], *, env: dict[str, str] | None = None,
-              url: str = "", port: int = 0) -> Process:
+              url: str = "", port: int = 0, cpus: Collection[int] | None = None) -> Process:
+        """Start ``argv``, its output to ``name``.log; with ``cpus``, on those CPUs only (set
+        as soon as it exists: a program that starts children seconds later, as vLLM does,
+        passes them the same)."""
         log_path = self.workdir / f"{name}.log"
         log = log_path.open("wb")
         popen = subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT,
                                  stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})},
                                  cwd=self.workdir)
         log.close()
+        if cpus is not None:
+            os.sched_setaffinity(popen.pid, cpus)
         proc = Process(name, popen, log_path, url, port)
         self.processes.append(proc)
         return proc
@@ -291,11 +296,15 @@ class Fleet:
         return proc
 
     def start_vllm(self, name: str, python: str, model_dir: str, *,
-                   block_size: int = 32, max_model_len: int = 2048) -> Process:
+                   block_size: int = 32, max_model_len: int = 2048,
+                   cpus: Collection[int] | None = None) -> Process:
         """A real vLLM replica (the CPU recipe of tests/vllm): prefix caching, prompt-token
         details, KV events on a publisher it binds (so gateways and peers connect), the
-        development endpoints (``/reset_prefix_cache``). Returns at once; wait with
-        :func:`wait_http` on ``/v1/models`` (40-100 s on two cores)."""
+        development endpoints (``/reset_prefix_cache``). With ``cpus`` it runs on those CPUs
+        only, its engine-core child too (pinned before it is started): replicas pinned apart
+        do not take each other's cores, as replicas on separate accelerators would not.
+        Returns at once; wait with :func:`wait_http` on ``/v1/models`` (40-100 s on two
+        cores)."""
         import json
 
         port, events_port = free_port(), free_listen_port()
@@ -309,7 +318,8 @@ class Fleet:
                 "--enforce-eager", "-O0", "--max-num-seqs", "16"]
         env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1",
                "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "OMP_NUM_THREADS": "1"}
-        proc = self.spawn(name, argv, env=env, url=f"http://127.0.0.1:{port}", port=port)
+        proc = self.spawn(name, argv, env=env, url=f"http://127.0.0.1:{port}", port=port,
+                          cpus=cpus)
         proc.extra["events"] = f"tcp://127.0.0.1:{events_port}"
         proc.extra["events_bind"] = "false"
         return proc
