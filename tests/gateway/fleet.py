@@ -98,9 +98,12 @@ def served_by(gateway: RunningGateway, count: int, model: str = "sim") -> set[st
 
 
 def wait_for(condition: Callable[[], bool], timeout_s: float = 10.0,
-             what: str = "the condition") -> None:
-    """Poll ``condition`` every 50 ms until it holds; fail saying ``what`` did not happen."""
+             what: str | Callable[[], str] = "the condition") -> None:
+    """Poll ``condition`` every 50 ms until it holds; fail saying ``what`` did not happen
+    (a callable is asked at the failure, so it can tell what was seen last)."""
     deadline = time.monotonic() + timeout_s
     while not condition():
-        assert time.monotonic() < deadline, f"{what} did not happen within {timeout_s} s"
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"{what() if callable(what) else what} did not happen "
+                                 f"within {timeout_s} s")
         time.sleep(0.05)

@@ -340,6 +340,67 @@ def test_a_reload_of_the_configured_upstreams_keeps_the_discovered_ones(
     assert list(gateway.gateway.router.upstreams) == [f"http://127.0.0.2:{port}"]
 
 
+def test_a_reload_while_a_discovered_upstream_joins_keeps_it_then_stops_its_table(
+        dns_server: DnsServer, twin_engines: list[Engine], gateway_factory: Factory) -> None:
+    """A SIGHUP's apply_upstreams that runs while a found upstream is still reading its
+    /v1/models leaves it (it is discovered, not configured); stopping its table then removes
+    it, and that reload completes (a flood of SIGHUPs once left no table running)."""
+    import asyncio
+
+    port = twin_engines[0].server.port
+    name = f"http://127.0.0.1:{port}"
+    dns_server.delete(NAME)
+    gateway = gateway_factory([], policy="round_robin",
+                              discovery=(discovering(dns_server, port=port, interval_s=3600),))
+    wait_for(lambda: dns_server.queries >= 2, what="the first lookup (NXDOMAIN)")
+    time.sleep(0.2)  # its round ends; the next is an hour away
+    dns_server.set(NAME, [("A", "127.0.0.1")])
+
+    async def race() -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+        running = gateway.gateway
+        adding = asyncio.create_task(running.discoveries[0].round())
+        while name not in running.router.upstreams:  # joined; now awaiting its models
+            await asyncio.sleep(0)
+        reloaded = await running.apply_upstreams((), drain_s=1)
+        await adding
+        return reloaded, await running.apply_discoveries((), drain_s=1)
+
+    reloaded, stopped = gateway.server.call(race(), 30)
+    assert reloaded["removed"] == []
+    assert stopped == {"started": [], "stopped": [NAME], "removed": [name]}
+    assert gateway.gateway.router.upstreams == {}
+
+
+def test_a_table_stopped_while_its_upstream_joins_takes_that_upstream_with_it(
+        dns_server: DnsServer, twin_engines: list[Engine], gateway_factory: Factory) -> None:
+    """A round cancelled (a reload stopping its table) while a found upstream reads its
+    /v1/models leaves no upstream behind that no table owns: the stop removes it."""
+    import asyncio
+
+    from kvreuse.gateway.tasks import cancel_and_wait
+
+    port = twin_engines[0].server.port
+    name = f"http://127.0.0.1:{port}"
+    dns_server.delete(NAME)
+    gateway = gateway_factory([], policy="round_robin",
+                              discovery=(discovering(dns_server, port=port, interval_s=3600),))
+    wait_for(lambda: dns_server.queries >= 2, what="the first lookup (NXDOMAIN)")
+    time.sleep(0.2)
+    dns_server.set(NAME, [("A", "127.0.0.1")])
+
+    async def race() -> dict[str, list[str]]:
+        running = gateway.gateway
+        adding = asyncio.create_task(running.discoveries[0].round())
+        while name not in running.router.upstreams:
+            await asyncio.sleep(0)
+        await cancel_and_wait([adding])
+        return await running.apply_discoveries((), drain_s=1)
+
+    stopped = gateway.server.call(race(), 30)
+    assert stopped["removed"] == [name]
+    assert gateway.gateway.router.upstreams == {}
+
+
 def test_a_discovery_reloaded_with_another_interval_keeps_its_upstreams(
         dns_server: DnsServer, twin_engines: list[Engine], gateway_factory: Factory) -> None:
     """apply_discoveries (SIGHUP) with the same name asked every 0.2 s instead of 0.1 s: the
@@ -516,15 +577,22 @@ def test_kvreuse_route_reloads_its_discover_tables_on_sighup(dns_server: DnsServ
             url=f"http://127.0.0.1:{port}", port=port)
         wait_http(gateway)
 
-        def served() -> set[str]:
-            return {httpx.post(gateway.url + "/v1/completions", timeout=30, json={
-                **BODY, "prompt": f"q{i}"}).headers.get("x-kvreuse-upstream", "none")
-                for i in range(4)}
+        last: list[set[str]] = []
 
-        wait_for(lambda: served() == {engines[0].url}, 30, what="the first engine serving")
+        def served() -> set[str]:
+            last[:] = [{httpx.post(gateway.url + "/v1/completions", timeout=30, json={
+                **BODY, "prompt": f"q{i}"}).headers.get("x-kvreuse-upstream", "none")
+                for i in range(4)}]
+            return last[0]
+
+        def serving(engine: int) -> str:
+            return (f"engine {engine} serving alone (last served by {last}); the gateway's "
+                    f"log ends:\n{gateway.log_tail(40)}")
+
+        wait_for(lambda: served() == {engines[0].url}, 30, what=lambda: serving(0))
         write("second.test.")
         gateway.popen.send_signal(signal.SIGHUP)
-        wait_for(lambda: served() == {engines[1].url}, 30, what="the second engine serving")
+        wait_for(lambda: served() == {engines[1].url}, 30, what=lambda: serving(1))
         log = gateway.log_path.read_text(errors="replace")
         assert ("discovery reloaded: started _http._tcp.second.test.; stopped "
                 f"_http._tcp.first.test.; removed {engines[0].url}") in log

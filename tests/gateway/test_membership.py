@@ -327,6 +327,44 @@ def test_sighup_reloads_the_config_files_upstreams(tmp_path: Path) -> None:
         assert "upstreams not reloaded, the configuration is unusable" in log
 
 
+def test_a_flood_of_reload_requests_makes_one_reload_and_a_failed_one_is_logged(
+        plain_engines: list[Engine], gateway_factory: Factory,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Fifty SIGHUPs in one turn of the loop read the file once, not fifty times; a reload
+    that raises is logged with its error, and the next SIGHUP reloads again."""
+    import asyncio
+    import logging
+
+    gateway = gateway_factory(plain_engines[:1], policy="round_robin")
+    reads: list[str] = []
+
+    def source() -> Any:
+        reads.append("read")
+        return gateway.gateway.config
+
+    def broken() -> Any:
+        raise RuntimeError("a bug while reloading")
+
+    async def hang_up(times: int) -> None:
+        for _ in range(times):
+            gateway.gateway.request_reload()
+        while gateway.gateway._reloads:
+            await asyncio.sleep(0.01)
+
+    gateway.gateway.reload_source = source
+    gateway.server.call(hang_up(50), 30)
+    assert reads == ["read"]
+    caplog.set_level(logging.ERROR, logger="kvreuse.gateway")
+    gateway.gateway.reload_source = broken
+    gateway.server.call(hang_up(1), 30)
+    failures = [r for r in caplog.records if "SIGHUP: the reload failed" in r.getMessage()]
+    assert len(failures) == 1 and "a bug while reloading" in str(failures[0].exc_info)
+    gateway.gateway.reload_source = source
+    gateway.server.call(hang_up(3), 30)
+    assert reads == ["read", "read"]
+    assert served_by(gateway, 2) == {"r0"}
+
+
 # ---------------------------------------------------------------------------------- loops
 
 

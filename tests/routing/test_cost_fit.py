@@ -383,6 +383,26 @@ def test_routed_speeds_keep_the_learned_order_and_centre(logs: list[float]) -> N
         assert all(speed == pytest.approx(1.0) for speed in routed.values())
 
 
+@settings(max_examples=60)
+@given(st.integers(0, 2**32 - 1), st.integers(1, 10))
+def test_speeds_from_the_spread_passed_through_match_speeds_computed_afresh(
+        seed: int, replicas: int) -> None:
+    """After every answer, on fleets from alike to 100x apart (clipped), the speeds routed
+    on (from the spread found while centring) are exactly those of the centred logs."""
+    rng = random.Random(seed)
+    slowness = {f"r{i}": rng.choice([1.0, 1.0, 0.5, 0.25, 0.01, 100.0])
+                for i in range(replicas)}
+    speeds = RelativeSpeeds()
+    for _ in range(120):
+        replica = rng.choice(list(slowness))
+        predicted_s = rng.uniform(0.01, 2.0)
+        speeds.observe(replica, predicted_s, rng.random(),
+                       predicted_s / slowness[replica] * rng.uniform(0.7, 1.4))
+        afresh = _routed_speeds(speeds._log_speed)
+        assert speeds.speeds() == afresh
+        assert speeds._fastest == max(afresh.values())
+
+
 @given(st.lists(st.floats(-0.2, 0.2), min_size=1, max_size=12))
 def test_an_alike_fleets_shortcut_matches_the_sliding_window(logs: list[float]) -> None:
     """Learned speeds all within ALIKE_WITHIN: the O(n) shortcut routes each as the window

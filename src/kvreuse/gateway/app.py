@@ -81,6 +81,7 @@ from kvreuse.gateway.recorder import (
 from kvreuse.gateway.router import Router
 from kvreuse.gateway.serve import Drain
 from kvreuse.gateway.subscriber import EventSubscriber
+from kvreuse.gateway.tasks import cancel_and_wait
 from kvreuse.gateway.telemetry import AccessLog, RequestRecord, ThrottledLog, trace_headers
 from kvreuse.gateway.tenants import DISCOVERED_PREFIX, Tenant, Tenants, load_tenants
 from kvreuse.gateway.upstream_client import UpstreamError, UpstreamPool, UpstreamTimeout
@@ -266,6 +267,10 @@ class Gateway:
         self.subscribers: list[EventSubscriber] = []
         self._subscriber_tasks: dict[str, asyncio.Task[None]] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        # SIGHUP reloads: the one running and at most one queued behind it (see _on_hangup).
+        self._reloads: set[asyncio.Task[None]] = set()
+        self._reload_queued = False
+        self._reload_lock: asyncio.Lock | None = None
         self._loops: dict[str, list[asyncio.Task[None]]] = {}  # upstream -> probe, scrape
         self._membership: asyncio.Lock | None = None
         # Per upstream, two pools: proxied requests, and probes/scrapes/model lists, so that a
@@ -347,12 +352,10 @@ class Gateway:
                 loop.remove_signal_handler(signal.SIGHUP)
             for subscriber in self.subscribers:
                 subscriber.close()
-            tasks = [*self._tasks, *self._subscriber_tasks.values(),
-                     *self._discovery_tasks.values(),
-                     *(task for loops in self._loops.values() for task in loops)]
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await self._stop_tasks([
+                *self._tasks, *self._reloads, *self._subscriber_tasks.values(),
+                *self._discovery_tasks.values(),
+                *(task for loops in self._loops.values() for task in loops)], "shutdown")
             for discovery in self.discoveries:
                 await discovery.aclose()
             self.access_log.flush()
@@ -447,13 +450,13 @@ class Gateway:
         migration). Its probes, scrapes, KV-event subscriber and indexes go at once, its
         pools when their last response ends. Raises KeyError for an unknown name."""
         upstream = self.router.remove_upstream(name)
-        for task in self._loops.pop(name, []):
-            task.cancel()
+        stopping = self._loops.pop(name, [])
         for subscriber in [s for s in self.subscribers if s.replica == name]:
             subscriber.close()
             self.subscribers.remove(subscriber)
             if name in self._subscriber_tasks:
-                self._subscriber_tasks.pop(name).cancel()
+                stopping.append(self._subscriber_tasks.pop(name))
+        await self._stop_tasks(stopping, f"upstream {name}'s probes and subscriber")
         self.upstreams.remove(upstream)
         in_flight_at_removal = upstream.in_flight
         deadline = time.monotonic() + drain_s
@@ -469,17 +472,48 @@ class Gateway:
         return {"removed": name, "in_flight_at_removal": in_flight_at_removal,
                 "in_flight_left": upstream.in_flight}
 
-    def _on_hangup(self, loop: asyncio.AbstractEventLoop) -> bool:
-        """Reload the upstreams on SIGHUP; False where signals cannot be caught (a loop
-        outside the main thread, as in tests)."""
-        def reload() -> None:
-            self._tasks.append(loop.create_task(self.reload_upstreams()))
+    @staticmethod
+    async def _stop_tasks(tasks: list[asyncio.Task[Any]], what: str) -> None:
+        """Cancel ``tasks`` and wait for them to end; any that will not end is logged and
+        left running, so no stop hangs (see :mod:`kvreuse.gateway.tasks`)."""
+        left = await cancel_and_wait(tasks)
+        if left:
+            log.error("%s: %d tasks did not stop when cancelled and were left running: %s",
+                      what, len(left), ", ".join(map(repr, left)))
 
+    def _on_hangup(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """Call :meth:`request_reload` on SIGHUP; False where signals cannot be caught (a
+        loop outside the main thread, as in tests)."""
         try:
-            loop.add_signal_handler(signal.SIGHUP, reload)
+            loop.add_signal_handler(signal.SIGHUP, self.request_reload)
         except (RuntimeError, ValueError, NotImplementedError):
             return False
         return True
+
+    def request_reload(self) -> None:
+        """What SIGHUP does, on the serving loop: :meth:`reload_upstreams` soon, after any
+        reload running now. Requests that come while one waits to start make no more: it
+        reads the file after them all, so a flood of SIGHUPs costs at most one reload
+        running and one waiting, not a task each. A reload that fails is logged. O(1)."""
+        if self._reload_queued:
+            return
+        self._reload_queued = True
+        task = asyncio.get_running_loop().create_task(self._reload_in_turn())
+        self._reloads.add(task)
+        task.add_done_callback(self._reload_ended)
+
+    async def _reload_in_turn(self) -> None:
+        if self._reload_lock is None:  # made on first use: it belongs to the serving loop
+            self._reload_lock = asyncio.Lock()
+        async with self._reload_lock:
+            self._reload_queued = False  # a SIGHUP from now on is after this file read
+            await self.reload_upstreams()
+
+    def _reload_ended(self, task: asyncio.Task[None]) -> None:
+        self._reloads.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("SIGHUP: the reload failed; upstreams and discoveries may be partly "
+                      "applied (send SIGHUP again)", exc_info=task.exception())
 
     async def reload_upstreams(self) -> None:
         """Read :attr:`reload_source` again and apply its upstreams and discoveries; a source
@@ -524,14 +558,21 @@ class Gateway:
         for discovery in stopped:
             task = self._discovery_tasks.pop(discovery, None)
             if task is not None:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+                await self._stop_tasks([task], f"discovery {discovery.config.source}")
             await discovery.aclose()
             if discovery.config.source not in {d.config.source for d in (*kept, *started)}:
                 with contextlib.suppress(KeyError):  # never answered: no series yet
                     self.metrics.discovered.remove(discovery.config.source)
-        orphans = [name for d in stopped for name in d.owned]
-        await asyncio.gather(*(self.remove_upstream(name, drain_s) for name in orphans))
+        owned = [name for d in stopped for name in d.owned]
+        outcomes = await asyncio.gather(*(self.remove_upstream(name, drain_s)
+                                          for name in owned), return_exceptions=True)
+        orphans = []
+        for name, outcome in zip(owned, outcomes, strict=True):
+            if isinstance(outcome, KeyError):  # already gone (an admin DELETE meanwhile)
+                continue
+            if isinstance(outcome, BaseException):  # the tables must still change
+                log.error("discovery reload: removing %s failed", name, exc_info=outcome)
+            orphans.append(name)
         self.discoveries = [*kept, *started]
         if self._serving_loop is not None:
             for discovery in started:
@@ -679,7 +720,7 @@ class Gateway:
         while True:
             await asyncio.sleep(every_s)
             now = time.monotonic()
-            for subscriber in self.subscribers:
+            for subscriber in list(self.subscribers):  # a removal may come during a stop
                 if subscriber.closed:
                     continue
                 task = self._subscriber_tasks.get(subscriber.replica)
@@ -693,7 +734,11 @@ class Gateway:
                     if error is not None:
                         reason = f"died: {error!r}"
                 if task is not None and not task.done():
-                    task.cancel()
+                    # Ended before its successor starts: two would share one replica's sockets.
+                    await self._stop_tasks([task], f"KV-event subscriber of "
+                                                   f"{subscriber.replica}")
+                    if subscriber.closed:  # its upstream was removed meanwhile
+                        continue
                 subscriber.stats.restarts += 1
                 subscriber.stats.note(f"{subscriber.replica}: subscriber {reason}; restarted")
                 log.warning("KV-event subscriber of %s %s; restarting it", subscriber.replica,

@@ -47,7 +47,6 @@ does all three on the gateway's own loop.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import ipaddress
 import logging
@@ -63,6 +62,7 @@ import dns.resolver
 
 from kvreuse.errors import ConfigError
 from kvreuse.gateway.config import DiscoveryConfig, UpstreamConfig, nameserver_address
+from kvreuse.gateway.tasks import cancel_and_wait
 from kvreuse.gateway.telemetry import ThrottledLog
 
 if TYPE_CHECKING:
@@ -362,21 +362,28 @@ class Discovery:
                                 "URL) this discovery did not add; left as it is", source, name)
                 continue
             adding.append(name)
-        # Concurrently: each addition reads the replica's /v1/models, and a replica that
-        # does not answer must not hold up the others for its connect timeout.
+        # Claimed before the additions wait (each reads the replica's /v1/models): a reload
+        # meanwhile must see them as discovered, not as configured upstreams the file no
+        # longer lists, and a stop meanwhile must remove what was added.
+        self.owned.update(adding)
+        # Concurrently: a replica that does not answer must not hold up the others for its
+        # connect timeout.
         added = await asyncio.gather(*(self.gateway.add_upstream(wanted[name])
                                        for name in adding), return_exceptions=True)
+        upstreams = self.gateway.router.upstreams
         for name, outcome in zip(adding, added, strict=True):
             if isinstance(outcome, ConfigError):  # MembershipConflict too: draining, or full
+                self.owned.discard(name)  # refused before joining, or taken out again
                 self._throttled.warning("discovery %s: %s not added (next answer retries): "
                                         "%s", source, name, outcome)
             elif isinstance(outcome, BaseException):
                 log.error("discovery %s: adding %s failed", source, name, exc_info=outcome)
-                if name in self.gateway.router.upstreams:  # it joined before the failure
-                    self.owned.add(name)
+                if name not in upstreams:  # else it joined before the failure: ours
+                    self.owned.discard(name)
+            elif upstreams.get(name) is not outcome:  # removed while being added
+                self.owned.discard(name)
             else:
                 log.warning("discovery %s: %s found, added", source, name)
-                self.owned.add(name)
         metrics.discovered.labels(source).set(len(self.owned))
         return change
 
@@ -401,7 +408,7 @@ class Discovery:
 
     async def aclose(self) -> None:
         """Wait for the removals this discovery started (drains) to end or be cancelled."""
-        for task in list(self._removals):
-            task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.gather(*self._removals, return_exceptions=True)
+        left = await cancel_and_wait(list(self._removals))
+        if left:
+            log.error("discovery %s: %d removals did not stop when cancelled", self.config.source,
+                      len(left))

@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING, Any, NewType, TypeVar, cast
 
 from kvreuse.errors import ConfigError, InputFormatError, require_at_least
 from kvreuse.gateway.asgi import Receive, Scope, Send
+from kvreuse.gateway.tasks import cancel_and_wait
 from kvreuse.gateway.telemetry import ThrottledLog
 from kvreuse.routing import KvEvent, ReplicaId, RequestView, block_chain
 
@@ -405,9 +406,7 @@ def run_in_lifespan(gateway: Gateway, run: Callable[[], Coroutine[Any, Any, None
         try:
             await inner(scope, receive, send)
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait([task])
             with contextlib.suppress(Exception):
                 await client.aclose()
 

@@ -370,7 +370,8 @@ class EventSubscriber:
                 left = min(self.replay_timeout_s, deadline - self.clock())
                 if left <= 0:
                     raise TimeoutError("replay did not end in time")
-                parts = await asyncio.wait_for(dealer.recv_multipart(), left)
+                async with asyncio.timeout(left):  # not wait_for: see gateway/tasks.py
+                    parts = await dealer.recv_multipart()
                 frames = parts[1:] if parts and parts[0] == b"" else parts
                 if len(frames) >= 2 and frames[1] == END_OF_REPLAY:
                     break

@@ -199,11 +199,10 @@ class UpstreamPool:
             return made[-1]
 
         try:
-            _, conn = await asyncio.wait_for(
-                self.loop.create_connection(
+            async with asyncio.timeout(self.connect_timeout_s):  # not wait_for: see tasks.py
+                _, conn = await self.loop.create_connection(
                     protocol, self.host, self.port, ssl=self.ssl,
-                    server_hostname=self.host if self.ssl else None),
-                self.connect_timeout_s)
+                    server_hostname=self.host if self.ssl else None)
         except BaseException as exc:
             # Cancelled just as the connection was made: the connection may already have
             # closed and freed its slot (asyncio closes it while cancelling); else close it

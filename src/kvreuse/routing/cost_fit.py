@@ -303,25 +303,33 @@ class RelativeSpeeds:
         # rare, and one comprehension halves this per-answer cost on large fleets.
         mean = sum(logs.values()) / len(logs)
         bound = math.log(MAX_RELATIVE_SPEED)
-        if -bound <= min(logs.values()) - mean and max(logs.values()) - mean <= bound:
+        # Centring and clipping are monotone, in floats too, so the centred extremes are
+        # the extremes centred: no pass over the centred logs to find their spread.
+        lowest, highest = min(logs.values()) - mean, max(logs.values()) - mean
+        if -bound <= lowest and highest <= bound:
             logs = {replica: value - mean for replica, value in logs.items()}
         else:
             logs = {replica: min(max(value - mean, -bound), bound)
                     for replica, value in logs.items()}
+            lowest, highest = max(lowest, -bound), min(highest, bound)
         self._log_speed = logs
-        self._speed = _routed_speeds(logs)
-        self._fastest = max(self._speed.values())
+        self._speed = _routed_speeds(logs, highest - lowest)
+        self._fastest = max(self._speed.values()) if highest - lowest >= math.log(
+            ALIKE_WITHIN) else 1.0
 
 
-def _routed_speeds(logs: Mapping[str, float]) -> dict[str, float]:
+def _routed_speeds(logs: Mapping[str, float], spread: float | None = None
+                   ) -> dict[str, float]:
     """The speeds routed on for learned (centred) log speeds ``logs``: each replica at the
     lower median of the learned speeds within ``ALIKE_WITHIN`` of its own (its own among
     them), centred again (a geometric mean of 1) and kept within bounds. A median of a window
     sliding up the sorted speeds never falls, so a replica learned faster is never routed
     slower. O(n log n); O(n) when every learned speed is within the band of every other (an
     alike fleet, the common case), since then each is routed at the same median: 1.0 once
-    centred."""
-    if max(logs.values()) - min(logs.values()) < math.log(ALIKE_WITHIN):
+    centred. ``spread``: the largest log minus the smallest, where the caller knows it."""
+    if spread is None:
+        spread = max(logs.values()) - min(logs.values())
+    if spread < math.log(ALIKE_WITHIN):
         return dict.fromkeys(logs, 1.0)
     return _banded_speeds(logs)
 

@@ -149,7 +149,8 @@ class RunSlots:
             return False
         self.waiting += 1
         try:
-            await asyncio.wait_for(self._semaphore.acquire(), self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):  # not wait_for: gateway/tasks.py
+                await self._semaphore.acquire()
         except TimeoutError:
             return False
         finally:
