@@ -205,6 +205,48 @@ def test_removal_drains_a_stream_in_flight_to_its_end(
     assert events[-1] == "data: [DONE]" and len(events) == 31 and "error" not in outcome["text"]
 
 
+def test_a_removal_cancelled_while_draining_still_frees_the_name(
+        gateway_factory: Factory) -> None:
+    """A removal cancelled during its drain (its discovery table stopped by a SIGHUP, or a
+    shutdown) still closes the upstream's pools and forgets its metrics, so the same name
+    can be added again at once instead of being "still draining" for ever."""
+    import asyncio
+
+    from kvreuse.gateway.config import UpstreamConfig
+    from kvreuse.gateway.tasks import cancel_and_wait
+
+    slow = start_engine("slow", events=False, time_per_output_token_s=0.05)
+    try:
+        gateway = gateway_factory([slow])
+        running = gateway.gateway
+        client = threading.Thread(target=lambda: httpx.post(
+            gateway.url + "/v1/completions", timeout=30,
+            json={**BODY, "max_tokens": 30, "stream": True}))
+        client.start()
+        deadline = time.monotonic() + 10
+        while running.router.upstreams["slow"].in_flight == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+
+        async def cut_short() -> str:
+            removal = asyncio.create_task(running.remove_upstream("slow", drain_s=20))
+            await asyncio.sleep(0.2)  # draining: the stream has a second to run
+            assert not removal.done()
+            await cancel_and_wait([removal])
+            await running.add_upstream(UpstreamConfig(url=slow.upstream.url, name="slow"))
+            return "added again"
+
+        assert gateway.server.call(cut_short(), 30) == "added again"
+        client.join(30)
+        wait_for_admission = time.monotonic() + 10
+        while not running.router.upstreams["slow"].healthy:
+            assert time.monotonic() < wait_for_admission, "the re-added upstream's probe"
+            time.sleep(0.05)
+        assert served_by(gateway, 2) == {"slow"}
+    finally:
+        slow.server.stop()
+
+
 def test_an_upstream_with_kv_events_added_at_runtime_is_indexed_exactly(
         gateway_factory: Factory, key_file: str) -> None:
     """An engine publishing KV events, added at runtime: the gateway subscribes, indexes it,

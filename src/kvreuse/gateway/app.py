@@ -267,7 +267,7 @@ class Gateway:
         self.subscribers: list[EventSubscriber] = []
         self._subscriber_tasks: dict[str, asyncio.Task[None]] = {}
         self._tasks: list[asyncio.Task[None]] = []
-        # SIGHUP reloads: the one running and at most one queued behind it (see _on_hangup).
+        # SIGHUP reloads: the one running and at most one queued behind it (request_reload).
         self._reloads: set[asyncio.Task[None]] = set()
         self._reload_queued = False
         self._reload_lock: asyncio.Lock | None = None
@@ -448,7 +448,9 @@ class Gateway:
         to finish (the admin API's DELETE). Those still running after that run on: the
         engine's own shutdown ends them, and a broken stream is continued elsewhere (stream
         migration). Its probes, scrapes, KV-event subscriber and indexes go at once, its
-        pools when their last response ends. Raises KeyError for an unknown name."""
+        pools when their last response ends. Raises KeyError for an unknown name. Cancelled
+        (its discovery table stopped, a shutdown), it cuts the drain short but still frees
+        the name: else it would be "still draining" for ever."""
         upstream = self.router.remove_upstream(name)
         stopping = self._loops.pop(name, [])
         for subscriber in [s for s in self.subscribers if s.replica == name]:
@@ -456,19 +458,24 @@ class Gateway:
             self.subscribers.remove(subscriber)
             if name in self._subscriber_tasks:
                 stopping.append(self._subscriber_tasks.pop(name))
-        await self._stop_tasks(stopping, f"upstream {name}'s probes and subscriber")
         self.upstreams.remove(upstream)
         in_flight_at_removal = upstream.in_flight
-        deadline = time.monotonic() + drain_s
-        while upstream.in_flight and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-        for pools in (self._pools, self._control):
-            pool = pools.pop(name, None)
-            if pool is not None:
-                await pool.aclose()
-        self.metrics.forget_upstream(name)
-        log.warning("upstream %s removed at runtime: %d requests were in flight, %d still are",
-                    name, in_flight_at_removal, upstream.in_flight)
+        drained = False
+        try:
+            await self._stop_tasks(stopping, f"upstream {name}'s probes and subscriber")
+            deadline = time.monotonic() + drain_s
+            while upstream.in_flight and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            drained = True
+        finally:
+            for pools in (self._pools, self._control):
+                pool = pools.pop(name, None)
+                if pool is not None:
+                    await pool.aclose()  # awaits nothing: a cancel cannot cut it short
+            self.metrics.forget_upstream(name)
+            log.warning("upstream %s removed at runtime%s: %d requests were in flight, %d "
+                        "still are", name, "" if drained else " (its drain cut short)",
+                        in_flight_at_removal, upstream.in_flight)
         return {"removed": name, "in_flight_at_removal": in_flight_at_removal,
                 "in_flight_left": upstream.in_flight}
 
