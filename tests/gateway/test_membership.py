@@ -369,6 +369,29 @@ def test_sighup_reloads_the_config_files_upstreams(tmp_path: Path) -> None:
         assert "upstreams not reloaded, the configuration is unusable" in log
 
 
+def test_sighup_without_a_config_file_is_logged_and_the_gateway_serves_on(
+        tmp_path: Path) -> None:
+    """`kvreuse route --upstream URL` (no --config) that gets SIGHUPs, as a log rotation's
+    `kill -HUP` sends them, neither exits nor drops a request: it logs that there is nothing
+    to reload (twice at most in a minute, however many come)."""
+    import signal
+
+    from kvreuse.testing.processes import EngineSpec, Fleet
+
+    with Fleet(tmp_path) as fleet:
+        engine, = fleet.start_engines(1, EngineSpec(events=False))
+        gateway = fleet.start_gateway("no-config-gw", [engine], policy="round_robin")
+        for _ in range(5):
+            gateway.popen.send_signal(signal.SIGHUP)
+            time.sleep(0.05)
+        time.sleep(0.5)
+        assert gateway.alive(), gateway.log_tail()
+        answer = httpx.post(gateway.url + "/v1/completions", timeout=30, json=BODY)
+        assert answer.status_code == 200 and answer.headers["x-kvreuse-upstream"] == engine.name
+        log = gateway.log_path.read_text(errors="replace")
+        assert 1 <= log.count("SIGHUP: nothing to reload") <= 2, log
+
+
 def test_a_flood_of_reload_requests_makes_one_reload_and_a_failed_one_is_logged(
         plain_engines: list[Engine], gateway_factory: Factory,
         caplog: pytest.LogCaptureFixture) -> None:

@@ -260,6 +260,7 @@ class Gateway:
                             "this trace's ids match no other gateway's or run's", SECRET_ENV)
         self._refusals = ThrottledLog(log)
         self._slow_probes = ThrottledLog(log, burst=1, interval_s=30.0)
+        self._idle_hangups = ThrottledLog(log, burst=2, interval_s=60.0)  # SIGHUP floods
         # Names this gateway in x-kvreuse-via on every request it sends upstream (loops).
         self.gateway_id = os.urandom(6).hex()
         self._admin_key = (read_secret_file(config.admin_key_file, "--admin-key-file")
@@ -344,7 +345,9 @@ class Gateway:
             self._start_discovery(discovery)
         # Always: a subscriber may also come with an upstream added at runtime.
         self._tasks.append(loop.create_task(self._watchdog()))
-        hangup = self.reload_source is not None and self._on_hangup(loop)
+        # Always: without a file to reload, a stray SIGHUP (a log rotation's kill -HUP to
+        # every process) must not end the gateway and every request in flight.
+        hangup = self._on_hangup(loop)
         try:
             yield
         finally:
@@ -501,7 +504,13 @@ class Gateway:
         """What SIGHUP does, on the serving loop: :meth:`reload_upstreams` soon, after any
         reload running now. Requests that come while one waits to start make no more: it
         reads the file after them all, so a flood of SIGHUPs costs at most one reload
-        running and one waiting, not a task each. A reload that fails is logged. O(1)."""
+        running and one waiting, not a task each. A reload that fails is logged; without a
+        :attr:`reload_source` (no ``--config``) the request is logged and ignored. O(1)."""
+        if self.reload_source is None:
+            self._idle_hangups.warning("SIGHUP: nothing to reload (this gateway was started "
+                                       "without --config; its upstreams come from its "
+                                       "flags): ignored")
+            return
         if self._reload_queued:
             return
         self._reload_queued = True
