@@ -4,6 +4,7 @@ records each test changes as an autoscaler or a rolling deploy would."""
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import threading
 import time
@@ -17,6 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvreuse.errors import ConfigError
+from kvreuse.gateway.app import Gateway
 from kvreuse.gateway.config import (
     DiscoveryConfig,
     GatewayConfig,
@@ -340,27 +342,40 @@ def test_a_reload_of_the_configured_upstreams_keeps_the_discovered_ones(
     assert list(gateway.gateway.router.upstreams) == [f"http://127.0.0.2:{port}"]
 
 
+def about_to_find(dns_server: DnsServer, engine: Engine,
+                  gateway_factory: Factory) -> tuple[RunningGateway, str]:
+    """A gateway whose discovery of NAME has answered NXDOMAIN once, its next round an hour
+    away, and NAME now listing ``engine``: the gateway, and the name ``engine`` will join
+    under once a round is run by hand."""
+    port = engine.server.port
+    dns_server.delete(NAME)
+    gateway = gateway_factory([], policy="round_robin",
+                              discovery=(discovering(dns_server, port=port, interval_s=3600),))
+    wait_for(lambda: dns_server.queries >= 2, what="the first lookup (NXDOMAIN)")
+    time.sleep(0.2)  # its round ends
+    dns_server.set(NAME, [("A", "127.0.0.1")])
+    return gateway, f"http://127.0.0.1:{port}"
+
+
+async def joining(running: Gateway, name: str) -> asyncio.Task[Any]:
+    """A round of the gateway's discovery, returned once ``name`` has joined the router and
+    is reading its /v1/models (not yet claimed, in the code before the fix)."""
+    adding = asyncio.create_task(running.discoveries[0].round())
+    while name not in running.router.upstreams:
+        await asyncio.sleep(0)
+    return adding
+
+
 def test_a_reload_while_a_discovered_upstream_joins_keeps_it_then_stops_its_table(
         dns_server: DnsServer, twin_engines: list[Engine], gateway_factory: Factory) -> None:
     """A SIGHUP's apply_upstreams that runs while a found upstream is still reading its
     /v1/models leaves it (it is discovered, not configured); stopping its table then removes
     it, and that reload completes (a flood of SIGHUPs once left no table running)."""
-    import asyncio
-
-    port = twin_engines[0].server.port
-    name = f"http://127.0.0.1:{port}"
-    dns_server.delete(NAME)
-    gateway = gateway_factory([], policy="round_robin",
-                              discovery=(discovering(dns_server, port=port, interval_s=3600),))
-    wait_for(lambda: dns_server.queries >= 2, what="the first lookup (NXDOMAIN)")
-    time.sleep(0.2)  # its round ends; the next is an hour away
-    dns_server.set(NAME, [("A", "127.0.0.1")])
+    gateway, name = about_to_find(dns_server, twin_engines[0], gateway_factory)
 
     async def race() -> tuple[dict[str, list[str]], dict[str, list[str]]]:
         running = gateway.gateway
-        adding = asyncio.create_task(running.discoveries[0].round())
-        while name not in running.router.upstreams:  # joined; now awaiting its models
-            await asyncio.sleep(0)
+        adding = await joining(running, name)
         reloaded = await running.apply_upstreams((), drain_s=1)
         await adding
         return reloaded, await running.apply_discoveries((), drain_s=1)
@@ -375,25 +390,13 @@ def test_a_table_stopped_while_its_upstream_joins_takes_that_upstream_with_it(
         dns_server: DnsServer, twin_engines: list[Engine], gateway_factory: Factory) -> None:
     """A round cancelled (a reload stopping its table) while a found upstream reads its
     /v1/models leaves no upstream behind that no table owns: the stop removes it."""
-    import asyncio
-
     from kvreuse.gateway.tasks import cancel_and_wait
 
-    port = twin_engines[0].server.port
-    name = f"http://127.0.0.1:{port}"
-    dns_server.delete(NAME)
-    gateway = gateway_factory([], policy="round_robin",
-                              discovery=(discovering(dns_server, port=port, interval_s=3600),))
-    wait_for(lambda: dns_server.queries >= 2, what="the first lookup (NXDOMAIN)")
-    time.sleep(0.2)
-    dns_server.set(NAME, [("A", "127.0.0.1")])
+    gateway, name = about_to_find(dns_server, twin_engines[0], gateway_factory)
 
     async def race() -> dict[str, list[str]]:
         running = gateway.gateway
-        adding = asyncio.create_task(running.discoveries[0].round())
-        while name not in running.router.upstreams:
-            await asyncio.sleep(0)
-        await cancel_and_wait([adding])
+        await cancel_and_wait([await joining(running, name)])
         return await running.apply_discoveries((), drain_s=1)
 
     stopped = gateway.server.call(race(), 30)
