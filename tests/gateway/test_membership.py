@@ -328,6 +328,30 @@ def test_apply_upstreams_adds_removes_and_replaces_by_name(
     assert done["removed"] == ["r0"] and served_by(gateway, 6) == {"r1", "r2"}
 
 
+def test_a_reload_racing_an_admin_delete_of_the_same_name_still_adds_the_rest(
+        plain_engines: list[Engine], gateway_factory: Factory) -> None:
+    """An admin DELETE of an upstream the reload is also removing, in the same turn: the
+    reload neither fails nor stops halfway; it adds its new name and reports the removal
+    as the DELETE's."""
+    import asyncio
+
+    from kvreuse.gateway.config import UpstreamConfig
+
+    gateway = gateway_factory([plain_engines[0], plain_engines[1]], policy="round_robin")
+    running = gateway.gateway
+    wanted = (plain_engines[1].upstream, UpstreamConfig(plain_engines[2].server.url, name="r2"))
+
+    async def race() -> tuple[dict[str, list[str]], dict[str, Any]]:
+        reloaded, deleted = await asyncio.gather(running.apply_upstreams(wanted, drain_s=1),
+                                                 running.remove_upstream("r0", 1))
+        return reloaded, deleted
+
+    reloaded, deleted = gateway.server.call(race(), 30)
+    assert deleted["removed"] == "r0"
+    assert reloaded == {"added": ["r2"], "removed": [], "replaced": [], "failed": []}
+    assert sorted(running.router.upstreams) == ["r1", "r2"]
+
+
 def test_sighup_reloads_the_config_files_upstreams(tmp_path: Path) -> None:
     """`kvreuse route --config FILE`: after the file gains an upstream and loses another,
     SIGHUP makes the gateway route to the new set; an unreadable file then changes nothing

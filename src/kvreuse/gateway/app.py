@@ -579,16 +579,8 @@ class Gateway:
             if discovery.config.source not in {d.config.source for d in (*kept, *started)}:
                 with contextlib.suppress(KeyError):  # never answered: no series yet
                     self.metrics.discovered.remove(discovery.config.source)
-        owned = [name for d in stopped for name in d.owned]
-        outcomes = await asyncio.gather(*(self.remove_upstream(name, drain_s)
-                                          for name in owned), return_exceptions=True)
-        orphans = []
-        for name, outcome in zip(owned, outcomes, strict=True):
-            if isinstance(outcome, KeyError):  # already gone (an admin DELETE meanwhile)
-                continue
-            if isinstance(outcome, BaseException):  # the tables must still change
-                log.error("discovery reload: removing %s failed", name, exc_info=outcome)
-            orphans.append(name)
+        orphans = await self._remove_all([name for d in stopped for name in d.owned],
+                                         drain_s, "discovery reload")
         self.discoveries = [*kept, *started]
         if self._serving_loop is not None:
             for discovery in started:
@@ -621,8 +613,8 @@ class Gateway:
             changed = [name for name in current if name in by_name
                        and by_name[name] != current[name]]
             new = [name for name in by_name if name not in current]
-            await asyncio.gather(*(self.remove_upstream(name, drain_s)
-                                   for name in gone + changed))
+            removed = await self._remove_all(gone + changed, drain_s, "reload")
+            gone = [name for name in gone if name in removed]
             failed = []
             for name in changed + new:
                 try:
@@ -635,6 +627,21 @@ class Gateway:
             log.warning("upstreams reloaded: %s", "; ".join(
                 f"{what} {', '.join(names) or 'none'}" for what, names in done.items()))
             return done
+
+    async def _remove_all(self, names: list[str], drain_s: float, what: str) -> list[str]:
+        """Remove ``names`` concurrently (a reload's removals); those removed are returned.
+        A name already gone (an admin DELETE meanwhile) is skipped, and any other failure is
+        logged: the rest of the reload must still happen."""
+        outcomes = await asyncio.gather(*(self.remove_upstream(name, drain_s)
+                                          for name in names), return_exceptions=True)
+        removed = []
+        for name, outcome in zip(names, outcomes, strict=True):
+            if isinstance(outcome, KeyError):
+                continue
+            if isinstance(outcome, BaseException):
+                log.error("%s: removing %s failed", what, name, exc_info=outcome)
+            removed.append(name)
+        return removed
 
     def _membership_lock(self) -> asyncio.Lock:
         if self._membership is None:  # made on first use: it belongs to the serving loop
