@@ -622,27 +622,39 @@ def test_an_engine_restarted_under_load_costs_no_request(fleet: Fleet) -> None:
 
 @pytest.mark.parametrize("migration", [True, False], ids=["migrated", "not-migrated"])
 def test_an_engine_killed_under_load_loses_no_stream(fleet: Fleet, migration: bool) -> None:
-    """A crash: one of two engines gets SIGKILL under ~50 streams a second. With stream
-    migration every stream completes with all its tokens (the killed engine's are continued on
-    the other); without it, exactly those streams end with a readable SSE error event."""
+    """A crash: one of two engines, one with streams in flight, gets SIGKILL under ~50
+    streams a second. With stream migration every stream completes with all its tokens (the
+    killed engine's are continued on the other); without it, exactly those streams end with a
+    readable SSE error event."""
+    import re
     import sys
 
     spec = EngineSpec(events=False, tpot_ms=20)
-    first, second = fleet.start_engines(2, spec)
+    engines = fleet.start_engines(2, spec)
     gateway = fleet.start_gateway(
-        f"crash-gw-{migration}", [first, second], policy="relative_spill",
+        f"crash-gw-{migration}", engines, policy="relative_spill",
         extra_args=["--health-interval", "0.5", *([] if migration else
                                                   ["--no-stream-migration"])])
     started = time.monotonic()
+    killed: list[Any] = []
 
     def stop() -> bool:
+        """After 2 s, SIGKILL the engine with the most streams open (the policy may hold them
+        all on one: killing an idle engine would test nothing)."""
         elapsed = time.monotonic() - started
-        if elapsed > 2 and first.alive():
-            first.popen.send_signal(signal.SIGKILL)
+        if elapsed > 2 and not killed:
+            scraped = httpx.get(gateway.url + "/metrics", timeout=5).text
+            open_streams = {name: float(count) for name, count in re.findall(
+                r'^kvreuse_gateway_upstream_in_flight\{upstream="([^"]+)"\} (\S+)$', scraped,
+                re.MULTILINE)}
+            victim = max(engines, key=lambda engine: open_streams.get(engine.name, 0.0))
+            if open_streams.get(victim.name, 0.0) > 0:
+                victim.popen.send_signal(signal.SIGKILL)
+                killed.append(victim)
         return elapsed > 5
 
     outcomes = asyncio.run(_streams_until(gateway.url, stop))
-    assert not first.alive(), "the engine survived SIGKILL"
+    assert killed and not killed[0].alive(), "no engine was killed, or it survived SIGKILL"
     failed = [o for o in outcomes if o != "ok"]
     log = gateway.log_path.read_text(errors="replace")
     cut = log.count("failed after the first byte")
@@ -654,7 +666,7 @@ def test_an_engine_killed_under_load_loses_no_stream(fleet: Fleet, migration: bo
         assert log.count("continuing the stream elsewhere") == cut
     else:
         assert len(failed) == cut and all('"error"' in o for o in failed), failed[:3]
-    for proc in (gateway, first, second):
+    for proc in (gateway, *engines):
         fleet.forget(proc)
 
 
