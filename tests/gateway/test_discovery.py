@@ -26,6 +26,7 @@ from kvreuse.gateway.config import (
     parse_discover_flag,
 )
 from kvreuse.gateway.discovery import MAX_FOUND, DnsLookup, LookupFailed, Sightings
+from kvreuse.gateway.tasks import cancel_and_wait
 from kvreuse.testing.dns import DnsServer
 
 from .fleet import Engine, RunningGateway, served_by, start_engine, wait_for
@@ -104,7 +105,6 @@ def test_a_records_aaaa_and_srv_targets_are_read_with_and_without_glue(
         dns_server: DnsServer) -> None:
     """A and AAAA give addresses on the configured port; SRV gives each target's port, its
     address from the additional records or, without them, from asking the target."""
-    import asyncio
 
     dns_server.set(NAME, [("A", "127.0.0.2"), ("A", "127.0.0.1"), ("AAAA", "::1"),
                           ("A", "0.0.0.0"), ("A", "224.0.0.1")])
@@ -125,7 +125,6 @@ def test_srv_priorities_above_the_lowest_make_backups(dns_server: DnsServer) -> 
     """Replicas listed only at a priority above the answer's lowest are backups (a replica
     listed at two priorities takes the lower); an answer all at one priority has none; SRV
     weights give each replica its share of the largest (weight 0 counts as 1)."""
-    import asyncio
 
     dns_server.set("_http._tcp." + NAME, [
         ("SRV", f"10 0 8000 r0.{NAME}"), ("SRV", f"20 0 8001 r1.{NAME}"),
@@ -149,7 +148,6 @@ def test_srv_priorities_above_the_lowest_make_backups(dns_server: DnsServer) -> 
 
 def test_a_name_without_records_is_an_answer_with_no_replica(dns_server: DnsServer) -> None:
     """NXDOMAIN and a name without A records both answer 'no replica' (scaled to zero)."""
-    import asyncio
 
     assert asyncio.run(DnsLookup(discovering(dns_server)).replicas()) == []
     dns_server.set(NAME, [("TXT", '"hello"')])
@@ -161,7 +159,6 @@ def test_a_server_that_gives_no_usable_answer_is_a_failed_lookup(dns_server: Dns
                                                                   mode: str) -> None:
     """Timeouts, SERVFAIL, REFUSED and bytes that are not DNS raise LookupFailed, within
     the timeout."""
-    import asyncio
 
     dns_server.set(NAME, [("A", "127.0.0.1")])
     dns_server.mode = mode
@@ -175,7 +172,6 @@ def test_an_answer_of_thousands_of_records_is_read_over_tcp_and_bounded(
         dns_server: DnsServer) -> None:
     """1,500 A records (too large for UDP: the resolver asks again over TCP) give MAX_FOUND
     replicas and count the rest as dropped."""
-    import asyncio
 
     dns_server.set(NAME, [("A", f"10.0.{i // 250}.{i % 250 + 1}") for i in range(1500)])
     # A generous timeout: this is about size, and building the answer took over 0.5 s on a
@@ -390,13 +386,12 @@ def test_a_table_stopped_while_its_upstream_joins_takes_that_upstream_with_it(
         dns_server: DnsServer, twin_engines: list[Engine], gateway_factory: Factory) -> None:
     """A round cancelled (a reload stopping its table) while a found upstream reads its
     /v1/models leaves no upstream behind that no table owns: the stop removes it."""
-    from kvreuse.gateway.tasks import cancel_and_wait
 
     gateway, name = about_to_find(dns_server, twin_engines[0], gateway_factory)
 
     async def race() -> dict[str, list[str]]:
         running = gateway.gateway
-        await cancel_and_wait([await joining(running, name)])
+        await cancel_and_wait([await joining(running, name)], "test")
         return await running.apply_discoveries((), drain_s=1)
 
     stopped = gateway.server.call(race(), 30)
@@ -699,7 +694,6 @@ def test_many_srv_targets_without_glue_are_asked_a_few_at_a_time(
         dns_server: DnsServer) -> None:
     """300 SRV targets whose addresses must each be asked (no additional records) are all
     found; with the server then silent, the whole lookup fails within its time budget."""
-    import asyncio
 
     from kvreuse.gateway.discovery import LOOKUP_TIMEOUTS
 
@@ -839,7 +833,6 @@ def test_two_reloads_at_once_start_a_table_once(
         dns_server: DnsServer, twin_engines: list[Engine], gateway_factory: Factory) -> None:
     """Two apply_discoveries of the same new table at once (two SIGHUPs in a row): one
     starts it, the other finds it running."""
-    import asyncio
 
     port = twin_engines[0].server.port
     dns_server.set(NAME, [("A", "127.0.0.1")])

@@ -232,7 +232,7 @@ def test_a_removal_cancelled_while_draining_still_frees_the_name(
             removal = asyncio.create_task(running.remove_upstream("slow", drain_s=20))
             await asyncio.sleep(0.2)  # draining: the stream has a second to run
             assert not removal.done()
-            await cancel_and_wait([removal])
+            await cancel_and_wait([removal], "test")
             await running.add_upstream(UpstreamConfig(url=slow.upstream.url, name="slow"))
             return "added again"
 

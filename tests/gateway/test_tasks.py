@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import logging
 import sys
 from typing import Any
 
@@ -36,7 +37,7 @@ def test_one_cancel_is_lost_by_wait_for_on_this_python() -> None:
         task.cancel()
         await asyncio.sleep(0.2)
         still_running = not task.done()
-        await cancel_and_wait([task])
+        await cancel_and_wait([task], "test")
         return still_running
 
     assert asyncio.run(main())
@@ -51,7 +52,7 @@ def test_a_task_that_lost_a_cancel_is_cancelled_again_and_stops() -> None:
         task = asyncio.create_task(loses_one_cancel(in_wait_for))
         await in_wait_for.wait()
         started = loop.time()
-        left = await cancel_and_wait([task])
+        left = await cancel_and_wait([task], "test")
         return left, task.cancelled(), loop.time() - started
 
     left, cancelled, took_s = asyncio.run(main())
@@ -59,8 +60,10 @@ def test_a_task_that_lost_a_cancel_is_cancelled_again_and_stops() -> None:
     assert took_s < 20 * RECANCEL_S, f"stopping took {took_s:.2f} s"
 
 
-def test_a_task_that_ignores_every_cancel_is_handed_back_after_give_up_s() -> None:
-    """A task that swallows every cancel does not hang the caller: it comes back, running."""
+def test_a_task_that_ignores_every_cancel_is_handed_back_after_give_up_s(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A task that swallows every cancel does not hang the caller: it comes back, running,
+    and is logged as an error naming what was being stopped."""
     async def main() -> tuple[bool, bool, float]:
         loop = asyncio.get_running_loop()
         release = asyncio.Event()
@@ -73,7 +76,7 @@ def test_a_task_that_ignores_every_cancel_is_handed_back_after_give_up_s() -> No
         task = asyncio.create_task(stubborn())
         await asyncio.sleep(0)
         started = loop.time()
-        left = await cancel_and_wait([task], give_up_s=0.3)
+        left = await cancel_and_wait([task], "upstream gpu3's probes", give_up_s=0.3)
         took_s = loop.time() - started
         handed_back = left == [task] and not task.done()
         release.set()
@@ -83,6 +86,9 @@ def test_a_task_that_ignores_every_cancel_is_handed_back_after_give_up_s() -> No
     handed_back, ended, took_s = asyncio.run(main())
     assert handed_back and ended
     assert 0.3 <= took_s < 2.0, f"gave up after {took_s:.2f} s"
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and errors[0].startswith(
+        "upstream gpu3's probes: 1 tasks did not stop when cancelled"), errors
 
 
 def test_errors_of_stopped_tasks_are_read_and_not_raised() -> None:
@@ -105,7 +111,7 @@ def test_errors_of_stopped_tasks_are_read_and_not_raised() -> None:
 
         tasks = [asyncio.create_task(fails_now()), asyncio.create_task(fails_on_cancel())]
         await asyncio.sleep(0.01)
-        left = await cancel_and_wait(tasks)
+        left = await cancel_and_wait(tasks, "test")
         del tasks
         gc.collect()
         return left
@@ -116,4 +122,4 @@ def test_errors_of_stopped_tasks_are_read_and_not_raised() -> None:
 
 def test_no_tasks_returns_at_once() -> None:
     """An empty list is nothing to wait for (asyncio.wait would refuse it)."""
-    assert asyncio.run(cancel_and_wait([])) == []
+    assert asyncio.run(cancel_and_wait([], "test")) == []

@@ -355,7 +355,7 @@ class Gateway:
                 loop.remove_signal_handler(signal.SIGHUP)
             for subscriber in self.subscribers:
                 subscriber.close()
-            await self._stop_tasks([
+            await cancel_and_wait([
                 *self._tasks, *self._reloads, *self._subscriber_tasks.values(),
                 *self._discovery_tasks.values(),
                 *(task for loops in self._loops.values() for task in loops)], "shutdown")
@@ -465,7 +465,7 @@ class Gateway:
         in_flight_at_removal = upstream.in_flight
         drained = False
         try:
-            await self._stop_tasks(stopping, f"upstream {name}'s probes and subscriber")
+            await cancel_and_wait(stopping, f"upstream {name}'s probes and subscriber")
             deadline = time.monotonic() + drain_s
             while upstream.in_flight and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
@@ -481,15 +481,6 @@ class Gateway:
                         in_flight_at_removal, upstream.in_flight)
         return {"removed": name, "in_flight_at_removal": in_flight_at_removal,
                 "in_flight_left": upstream.in_flight}
-
-    @staticmethod
-    async def _stop_tasks(tasks: list[asyncio.Task[Any]], what: str) -> None:
-        """Cancel ``tasks`` and wait for them to end; any that will not end is logged and
-        left running, so no stop hangs (see :mod:`kvreuse.gateway.tasks`)."""
-        left = await cancel_and_wait(tasks)
-        if left:
-            log.error("%s: %d tasks did not stop when cancelled and were left running: %s",
-                      what, len(left), ", ".join(map(repr, left)))
 
     def _on_hangup(self, loop: asyncio.AbstractEventLoop) -> bool:
         """Call :meth:`request_reload` on SIGHUP; False where signals cannot be caught (a
@@ -574,7 +565,7 @@ class Gateway:
         for discovery in stopped:
             task = self._discovery_tasks.pop(discovery, None)
             if task is not None:
-                await self._stop_tasks([task], f"discovery {discovery.config.source}")
+                await cancel_and_wait([task], f"discovery {discovery.config.source}")
             await discovery.aclose()
             if discovery.config.source not in {d.config.source for d in (*kept, *started)}:
                 with contextlib.suppress(KeyError):  # never answered: no series yet
@@ -758,7 +749,7 @@ class Gateway:
                         reason = f"died: {error!r}"
                 if task is not None and not task.done():
                     # Ended before its successor starts: two would share one replica's sockets.
-                    await self._stop_tasks([task], f"KV-event subscriber of "
+                    await cancel_and_wait([task], f"KV-event subscriber of "
                                                    f"{subscriber.replica}")
                     if subscriber.closed:  # its upstream was removed meanwhile
                         continue

@@ -408,7 +408,4 @@ class Discovery:
 
     async def aclose(self) -> None:
         """Wait for the removals this discovery started (drains) to end or be cancelled."""
-        left = await cancel_and_wait(list(self._removals))
-        if left:
-            log.error("discovery %s: %d removals did not stop when cancelled", self.config.source,
-                      len(left))
+        await cancel_and_wait(list(self._removals), f"discovery {self.config.source}'s removals")

@@ -406,7 +406,7 @@ def run_in_lifespan(gateway: Gateway, run: Callable[[], Coroutine[Any, Any, None
         try:
             await inner(scope, receive, send)
         finally:
-            await cancel_and_wait([task])
+            await cancel_and_wait([task], f"the Redis sync {run.__qualname__}")
             with contextlib.suppress(Exception):
                 await client.aclose()
 

@@ -11,13 +11,14 @@ SIGHUP kept its old ``[[discover]]`` table, and served from it forever, in 2 of 
 tasks would have hung the same way. A task-by-task stop flag would fix only the loops we know
 of, so :func:`cancel_and_wait` cancels again any task still running after
 :data:`RECANCEL_S`, which stops a task that lost a cancel, and gives up (returning the tasks
-left) after ``give_up_s``, so no stop can hang the process. Our own code uses
+left, and logging them) after ``give_up_s``, so no stop can hang the process. Our own code uses
 ``asyncio.timeout`` rather than ``wait_for`` for the same reason.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Iterable
 from typing import Any
 
@@ -27,14 +28,18 @@ clean-up a task of ours does on cancel (closing sockets, no network round trips)
 
 GIVE_UP_S = 10.0
 
+log = logging.getLogger("kvreuse.gateway")
 
-async def cancel_and_wait(tasks: Iterable[asyncio.Future[Any]],
+
+async def cancel_and_wait(tasks: Iterable[asyncio.Future[Any]], what: str,
                           give_up_s: float = GIVE_UP_S) -> list[asyncio.Future[Any]]:
     """Cancel every task and wait until all have ended, cancelling again every
     :data:`RECANCEL_S` those that lost the cancel; the tasks still running after
-    ``give_up_s`` are returned (an empty list: all ended). How a task ended (a result, an
-    error) is read, so none is reported as never retrieved, and not raised: a task being
-    stopped is the caller's to log. O(tasks) per round of waiting."""
+    ``give_up_s`` are logged as an error naming ``what`` they are (e.g. "shutdown",
+    "upstream gpu3's probes"), left running and returned (an empty list: all ended). How a
+    task ended (a result, an error) is read, so none is reported as never retrieved, and not
+    raised: a task being stopped is not the stopper's failure. O(tasks) per round of
+    waiting."""
     pending = set(tasks)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + give_up_s
@@ -48,4 +53,7 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Future[Any]],
         for task in done:
             if not task.cancelled():
                 task.exception()
+    if pending:
+        log.error("%s: %d tasks did not stop when cancelled and were left running: %s",
+                  what, len(pending), ", ".join(map(repr, pending)))
     return list(pending)

@@ -314,8 +314,7 @@ class RelativeSpeeds:
             lowest, highest = max(lowest, -bound), min(highest, bound)
         self._log_speed = logs
         self._speed = _routed_speeds(logs, highest - lowest)
-        self._fastest = max(self._speed.values()) if highest - lowest >= math.log(
-            ALIKE_WITHIN) else 1.0
+        self._fastest = max(self._speed.values())
 
 
 def _routed_speeds(logs: Mapping[str, float], spread: float | None = None
