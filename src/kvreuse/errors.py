@@ -52,6 +52,11 @@ class IndexStateError(KvreuseError, RuntimeError):
     unlocked node, a handle from another index)."""
 
 
+class WorkerDiedError(KvreuseError, RuntimeError):
+    """A worker process kept dying under one piece of a job (a plan's cell) however often it
+    was run again; the message names the piece and the usual cause."""
+
+
 class InputFormatError(KvreuseError, ValueError):
     """External input (a trace line, a KV event, an HTTP body, a config file) is malformed.
 

@@ -61,6 +61,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KvreuseError as exc:
         print(f"kvreuse {args.command}: error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: said in one line, not a traceback; 128 + SIGINT
+        print(f"kvreuse {args.command}: interrupted", file=sys.stderr)
+        return 130
     return code
 
 

@@ -13,7 +13,8 @@ and the command that reproduces the winning cell. Cells run on a local process p
 (a local instance without an address; ``pip install 'kvreuse[ray]'``); each cell is a pure
 function of its inputs, so all three give identical results. Finished cells are cached (one JSON
 file per cell under ``--cache-dir``, keyed by the trace's bytes and every setting), so an
-interrupted plan resumes where it stopped.
+interrupted plan resumes where it stopped. A worker that dies costs its cell a rerun, not
+the plan (:mod:`kvreuse.cli.plan_workers`).
 """
 
 from __future__ import annotations
@@ -21,11 +22,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import logging
 import os
 import shlex
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +33,9 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvreuse import __version__
 from kvreuse.cli.args import non_negative_float, positive_float, positive_int, speed_list
+from kvreuse.cli.plan_workers import PoolWorkers, RayWorkers, Traffic, WorkerInit, run_cells
 from kvreuse.cli.tables import make_console, print_table
-from kvreuse.errors import ConfigError
+from kvreuse.errors import ConfigError, WorkerDiedError
 from kvreuse.routing import POLICIES
 from kvreuse.sim.config import ReplicaConfig, speeds_for
 from kvreuse.sim.plan import (
@@ -52,9 +52,8 @@ from kvreuse.sim.plan import (
     parse_slo,
     run_cell,
 )
-from kvreuse.sim.requests import SimRequest
 from kvreuse.sim.units import TraceUnits
-from kvreuse.trace import DEFAULT_BLOCK_TOKENS, GRANULARITIES, parse_trace_lines, trace_requests
+from kvreuse.trace import DEFAULT_BLOCK_TOKENS, GRANULARITIES
 
 DEFAULT_REPLICAS = "2,4,6,8"
 DEFAULT_CACHE_TOKENS = "100000,200000,400000"
@@ -131,34 +130,6 @@ def _split(text: str, flag: str, kind: Callable[[str], Any]) -> list[Any]:
     return out
 
 
-# ---------------------------------------------------------------- the traffic, in every worker
-
-
-class Traffic:
-    """The trace parsed once per process: its requests and the units they are counted in."""
-
-    def __init__(self, data: bytes, source: str, block: int, granularity: str) -> None:
-        records = parse_trace_lines(data.splitlines(), source, block)
-        self.requests: list[SimRequest]
-        self.requests, self.units = trace_requests(records, block, granularity, source)
-
-
-_WORKER: dict[str, Any] = {}
-
-
-def _worker_init(data: bytes, source: str, block: int, granularity: str,
-                 replica: ReplicaConfig, seed: int) -> None:
-    _WORKER["traffic"] = Traffic(data, source, block, granularity)
-    _WORKER["replica"] = replica
-    _WORKER["seed"] = seed
-
-
-def _worker_run(cell: Cell) -> dict[str, Any]:
-    traffic: Traffic = _WORKER["traffic"]
-    result = run_cell(cell, traffic.requests, traffic.units, _WORKER["replica"], _WORKER["seed"])
-    return result.as_dict()
-
-
 # ---------------------------------------------------------------- the cell cache
 
 
@@ -207,49 +178,6 @@ def _serial(cells: Sequence[Cell], traffic: Traffic, replica: ReplicaConfig,
             seed: int) -> Iterator[CellResult]:
     for cell in cells:
         yield run_cell(cell, traffic.requests, traffic.units, replica, seed)
-
-
-def _pool(cells: Sequence[Cell], init: tuple[Any, ...], workers: int) -> Iterator[CellResult]:
-    with ProcessPoolExecutor(max_workers=workers, initializer=_worker_init,
-                             initargs=init) as pool:
-        futures = [pool.submit(_worker_run, cell) for cell in cells]
-        for future in as_completed(futures):
-            yield CellResult.from_dict(future.result())
-
-
-def _ray(cells: Sequence[Cell], init: tuple[Any, ...], workers: int,
-         address: str) -> Iterator[CellResult]:
-    try:
-        import ray
-        from ray.util import ActorPool
-    except ImportError:
-        raise ConfigError("--ray needs Ray: pip install 'kvreuse[ray]'") from None
-    if address:
-        ray.init(address=address, log_to_driver=False, logging_level=logging.ERROR)
-    else:
-        env = {"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {}
-        ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False,
-                 logging_level=logging.ERROR, runtime_env={"env_vars": env} if env else None)
-    try:
-        worker_class = ray.remote(num_cpus=1)(_RayWorker)
-        data_ref = ray.put(init[0])
-        actors = [worker_class.remote(data_ref, *init[1:]) for _ in range(workers)]
-        pool: Any = ActorPool(actors)  # its stubs type the values as list[Never]
-        for payload in pool.map_unordered(lambda actor, cell: actor.run.remote(cell), cells):
-            yield CellResult.from_dict(payload)
-    finally:
-        ray.shutdown()
-
-
-class _RayWorker:
-    """A Ray actor holding the parsed trace; cells are sent to it one at a time."""
-
-    def __init__(self, data: bytes, source: str, block: int, granularity: str,
-                 replica: ReplicaConfig, seed: int) -> None:
-        _worker_init(data, source, block, granularity, replica, seed)
-
-    def run(self, cell: Cell) -> dict[str, Any]:
-        return _worker_run(cell)
 
 
 # ---------------------------------------------------------------- the command
@@ -344,23 +272,40 @@ def run(args: argparse.Namespace) -> int:
             todo.append(cell)
         else:
             results[cell] = hit
-    workers = args.workers or os.cpu_count() or 1
-    init = (data, source, args.trace_block_size, args.trace_granularity, replica, args.seed)
-    with Progress(
-        TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-        TimeElapsedColumn(), console=console, transient=True,
-    ) as progress:
-        task = progress.add_task("cells", total=len(cells), completed=len(results))
-        if args.serial or not todo:
-            finished = _serial(todo, traffic, replica, args.seed)
-        elif args.ray is not None:
-            finished = _ray(todo, init, min(workers, len(todo)), args.ray)
-        else:
-            finished = _pool(todo, init, min(workers, len(todo)))
-        for result in finished:
-            cache.store(result)
-            results[result.cell] = result
-            progress.update(task, advance=1, description=f"cells ({result.cell.key()})")
+    workers = min(args.workers or os.cpu_count() or 1, len(todo) or 1)
+    init: WorkerInit = (data, source, args.trace_block_size, args.trace_granularity, replica,
+                        args.seed)
+    stopped_after = len(results)
+    try:
+        with Progress(
+            TextColumn("{task.description}"), BarColumn(),
+            TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), console=console,
+            transient=True,
+        ) as progress:
+            task = progress.add_task("cells", total=len(cells), completed=len(results))
+
+            def warn(message: str) -> None:
+                console.print(f"[yellow]{message}[/yellow]", markup=True, highlight=False)
+
+            if args.serial or not todo:
+                finished = _serial(todo, traffic, replica, args.seed)
+            elif args.ray is not None:
+                finished = run_cells(todo, RayWorkers(init, workers, args.ray), workers, warn)
+            else:
+                finished = run_cells(todo, PoolWorkers(init, workers), workers, warn)
+            for result in finished:
+                cache.store(result)
+                results[result.cell] = result
+                stopped_after = len(results)
+                progress.update(task, advance=1, description=f"cells ({result.cell.key()})")
+    except (KeyboardInterrupt, WorkerDiedError) as stop:
+        kept = (f"they are in {cache.directory}: the same command resumes there"
+                if cache.directory is not None else "--no-cache: they are not kept")
+        done = f"{stopped_after} of {len(cells)} cells finished; {kept}"
+        if isinstance(stop, WorkerDiedError):
+            raise WorkerDiedError(f"{stop}. {done}") from None
+        console.print(f"[yellow]interrupted[/yellow]: {done}", highlight=False)
+        return 130
     ordered = [results[cell] for cell in cells]
     winner = choose(ordered, slos)
     front = pareto_front(ordered, slos)
