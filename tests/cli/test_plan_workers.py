@@ -23,35 +23,18 @@ from kvreuse.cli.main import main
 from kvreuse.cli.plan_workers import MAX_DEATHS, WorkerDied, run_cells
 from kvreuse.errors import WorkerDiedError
 from kvreuse.sim.plan import Cell, CellResult
-from kvreuse.testing.mooncake import synthetic_mooncake
+
+from .test_plan import GRID, plan, trace, write_trace
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
-GRID = ["--policy", "round_robin,cache_aware", "--replicas", "1,2", "--cache-tokens",
-        "60000,200000", "--knob", "0.2,1.0", "--slo", "ttft_p95=0.6"]
 VICTIM = "cache_aware x2 cache=200000 spill_threshold_s=1.0"
-
-
-@pytest.fixture(scope="module")
-def trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("plan_workers") / "t.jsonl"
-    lines = synthetic_mooncake(requests=240, requests_per_second=3.0, documents=10)
-    path.write_text("\n".join(lines) + "\n")
-    return path
+__all__ = ["trace"]  # the fixture, shared with test_plan.py
 
 
 @pytest.fixture(scope="module")
 def long_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A trace whose cells take a few tenths of a second each, so a plan lasts seconds."""
-    path = tmp_path_factory.mktemp("plan_workers_long") / "t.jsonl"
-    lines = synthetic_mooncake(requests=3000, requests_per_second=3.0, documents=10)
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-def plan(trace: Path, out: Path, *extra: str) -> dict[str, Any]:
-    assert main(["plan", "--trace", str(trace), *GRID, "--json", str(out), *extra]) == 0
-    data: dict[str, Any] = json.loads(out.read_text())
-    return data
+    return write_trace(tmp_path_factory, 3000)
 
 
 KILLING: dict[str, Any] = {}

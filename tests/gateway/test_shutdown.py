@@ -146,10 +146,13 @@ def test_a_second_sigterm_ends_the_drain_at_once(fleet: Fleet) -> None:
 
 
 def test_ctrl_c_skips_the_drain(fleet: Fleet) -> None:
-    """SIGINT (Ctrl-C at a terminal) stops at once whatever the drain delay."""
+    """SIGINT (Ctrl-C at a terminal) stops at once whatever the drain delay, exiting 130
+    with one line and no traceback, as a shell expects of an interrupted command."""
     proc = gateway(fleet, slow_engine(fleet), "--drain-delay", "30")
     proc.popen.send_signal(signal.SIGINT)
-    exit_within(proc, 5)
+    assert proc.popen.wait(5) == 128 + signal.SIGINT, proc.log_tail()
+    assert "kvreuse route: interrupted" in proc.log_tail()
+    assert "Traceback" not in proc.log_tail()
 
 
 @pytest.mark.parametrize(("option", "value"), [("drain_delay_s", -1.0),
