@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,9 @@ from typing import Any
 import pytest
 
 from kvreuse.cli.main import main
+from kvreuse.cli.plan import CellCache
 from kvreuse.cli.tables import PIPE_WIDTH
+from kvreuse.sim.plan import CellResult
 from kvreuse.testing.mooncake import synthetic_mooncake
 
 GRID = ["--policy", "round_robin,cache_aware", "--replicas", "1,2", "--cache-tokens",
@@ -217,3 +220,38 @@ def test_the_printed_commands_keep_the_knob_in_brackets(
     assert "[" in data["simulate_command"]
     assert f"or as a simulation: {data['simulate_command']}" in printed
     assert f"reproduce: {data['command']}" in printed
+
+
+def test_a_cache_that_cannot_be_written_warns_once_and_the_plan_still_answers(
+    trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A cache directory that cannot be made (a file stands in its way) is one warning, and the
+    plan's cells are those of a plan without a cache."""
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    unwritable = plan(trace, tmp_path / "u.json", "--serial", "--cache-dir",
+                      str(blocker / "cache"))
+    out = capsys.readouterr().out
+    assert out.count("cannot write the plan cache") == 1, out
+    assert "Not a directory" in out
+    assert unwritable["cells"] == plan(trace, tmp_path / "n.json", "--serial",
+                                       "--no-cache")["cells"]
+
+
+def test_the_cache_stops_writing_after_its_first_failure(trace: Path, tmp_path: Path) -> None:
+    """A write that fails mid-plan (the directory gone, a full disk) is reported once with the
+    count kept so far; later cells are not tried, and the stop message says what is kept."""
+    plan(trace, tmp_path / "p.json", "--serial", "--cache-dir", str(tmp_path / "first"))
+    some_file = next((tmp_path / "first").glob("*.json"))
+    result = CellResult.from_dict(json.loads(some_file.read_text()))
+    cell = result.cell
+    cache = CellCache(tmp_path / "cache", "fingerprint")
+    assert cache.store(result) is None
+    assert cache.load(cell) == result
+    shutil.rmtree(tmp_path / "cache")
+    (tmp_path / "cache").write_text("")  # the directory replaced by a file
+    problem = cache.store(result)
+    assert problem is not None and "1 kept" in problem, problem
+    assert cache.store(result) is None
+    assert cache.stored == 1
+    assert "1 of them are in" in cache.kept() and "writing more failed" in cache.kept()

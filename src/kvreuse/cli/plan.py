@@ -20,6 +20,7 @@ the plan (:mod:`kvreuse.cli.plan_workers`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -134,11 +135,17 @@ def _split(text: str, flag: str, kind: Callable[[str], Any]) -> list[Any]:
 
 
 class CellCache:
-    """One JSON file per finished cell, named by a digest of the trace and every setting."""
+    """One JSON file per finished cell, named by a digest of the trace and every setting.
+
+    A cache that cannot be written (a full disk, a read-only home) does not stop the plan: the
+    first failed write is reported once, later cells are not written, and the plan goes on to
+    its answer (the cells are the work; the cache only saves redoing them)."""
 
     def __init__(self, directory: Path | None, fingerprint: str) -> None:
         self.directory = directory
         self.fingerprint = fingerprint
+        self.stored = 0
+        self.write_error: str | None = None
 
     def _path(self, cell: Cell) -> Path | None:
         if self.directory is None:
@@ -156,19 +163,34 @@ class CellCache:
             return None  # a torn or foreign file: the cell is simply run again
         return result if result.cell == cell else None
 
-    def store(self, result: CellResult) -> None:
+    def store(self, result: CellResult) -> str | None:
+        """Keep ``result``; the first write that fails returns what went wrong (to be shown
+        once), and every store after it does nothing."""
         path = self._path(result.cell)
-        if path is None:
-            return
+        if path is None or self.write_error is not None:
+            return None
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            partial = path.with_suffix(f".{os.getpid()}.tmp")
             partial.write_text(json.dumps(result.as_dict()), encoding="utf-8")
             partial.replace(path)  # atomic: a killed plan never leaves half a cell
         except OSError as exc:
-            raise ConfigError(
-                f"cannot write the plan cache {path.parent}: {exc.strerror}"
-            ) from None
+            with contextlib.suppress(OSError):  # a torn partial file, where one was begun
+                partial.unlink(missing_ok=True)
+            self.write_error = f"{exc.strerror or type(exc).__name__} ({path.parent})"
+            return (f"cannot write the plan cache: {self.write_error}; the plan goes on, "
+                    f"keeping no more cells ({self.stored} kept)")
+        self.stored += 1
+        return None
+
+    def kept(self) -> str:
+        """Where the finished cells are, for a plan that stopped before its answer."""
+        if self.directory is None:
+            return "--no-cache: they are not kept"
+        if self.write_error is not None:
+            return (f"{self.stored} of them are in {self.directory} (writing more failed: "
+                    f"{self.write_error})")
+        return f"they are in {self.directory}: the same command resumes there"
 
 
 # ---------------------------------------------------------------- executors
@@ -294,14 +316,14 @@ def run(args: argparse.Namespace) -> int:
             else:
                 finished = run_cells(todo, PoolWorkers(init, workers), workers, warn)
             for result in finished:
-                cache.store(result)
+                problem = cache.store(result)
+                if problem is not None:
+                    warn(problem)
                 results[result.cell] = result
                 stopped_after = len(results)
                 progress.update(task, advance=1, description=f"cells ({result.cell.key()})")
     except (KeyboardInterrupt, WorkerDiedError) as stop:
-        kept = (f"they are in {cache.directory}: the same command resumes there"
-                if cache.directory is not None else "--no-cache: they are not kept")
-        done = f"{stopped_after} of {len(cells)} cells finished; {kept}"
+        done = f"{stopped_after} of {len(cells)} cells finished; {cache.kept()}"
         if isinstance(stop, WorkerDiedError):
             raise WorkerDiedError(f"{stop}. {done}") from None
         console.print(f"[yellow]interrupted[/yellow]: {done}", highlight=False)
