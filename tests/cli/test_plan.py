@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import shutil
 from collections.abc import Callable
@@ -255,3 +256,15 @@ def test_the_cache_stops_writing_after_its_first_failure(trace: Path, tmp_path: 
     assert cache.store(result) is None
     assert cache.stored == 1
     assert "1 of them are in" in cache.kept() and "writing more failed" in cache.kept()
+
+
+def test_more_workers_than_cpus_run_as_many_as_the_cpus_said_so(
+    trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--workers beyond this machine's CPUs is one note naming both counts, and the cells are
+    the serial run's."""
+    cpus = len(os.sched_getaffinity(0))
+    many = plan(trace, tmp_path / "m.json", "--workers", str(cpus + 1), "--no-cache")
+    out = capsys.readouterr().out
+    assert f"--workers {cpus + 1}: this machine gives the plan {cpus} CPUs" in out, out
+    assert many["cells"] == plan(trace, tmp_path / "s.json", "--serial", "--no-cache")["cells"]

@@ -107,7 +107,8 @@ def register(subparsers: Any) -> None:
         help="run cells on Ray: a cluster's address, or a local instance without one",
     )
     parser.add_argument("--workers", type=positive_int,
-                        help="parallel workers (default: the CPUs of this machine)")
+                        help="parallel workers (default, and at most here: the CPUs this machine "
+                             "gives the plan; on a Ray cluster, any number)")
     parser.add_argument("--cache-dir", type=Path,
                         help="where finished cells are kept (default ~/.cache/kvreuse/plan)")
     parser.add_argument("--no-cache", action="store_true", help="neither read nor write cells")
@@ -294,7 +295,17 @@ def run(args: argparse.Namespace) -> int:
             todo.append(cell)
         else:
             results[cell] = hit
-    workers = min(args.workers or os.cpu_count() or 1, len(todo) or 1)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    workers = args.workers or cpus or 1
+    on_this_machine = not args.ray  # the pool, or a local Ray instance (no address)
+    if cpus and workers > cpus and on_this_machine and not args.serial:
+        # A cell keeps one CPU busy and each process holds the whole trace: more processes
+        # than CPUs here are no faster, only larger (1,000 would want about 40 GiB).
+        console.print(f"[yellow]--workers {workers}[/yellow]: this machine gives the plan "
+                      f"{cpus} CPUs, so {cpus} workers run (more would be no faster)",
+                      highlight=False)
+        workers = cpus
+    workers = min(workers, len(todo) or 1)
     init: WorkerInit = (data, source, args.trace_block_size, args.trace_granularity, replica,
                         args.seed)
     stopped_after = len(results)
