@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from .plan_traces import write_trace
+
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 
@@ -33,3 +35,9 @@ def run_piped(args: list[str], columns: int | None) -> str:
 def piped() -> Callable[[list[str], int | None], str]:
     """:func:`run_piped`."""
     return run_piped
+
+
+@pytest.fixture(scope="module")
+def trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 240-request synthetic Mooncake trace for the `kvreuse plan` tests."""
+    return write_trace(tmp_path_factory, 240)

@@ -18,27 +18,7 @@ from kvreuse.cli.tables import PIPE_WIDTH
 from kvreuse.sim.plan import CellResult
 from kvreuse.testing.mooncake import synthetic_mooncake
 
-GRID = ["--policy", "round_robin,cache_aware", "--replicas", "1,2", "--cache-tokens",
-        "60000,200000", "--knob", "0.2,1.0", "--slo", "ttft_p95=0.6"]
-
-
-def write_trace(tmp_path_factory: pytest.TempPathFactory, requests: int) -> Path:
-    """A synthetic Mooncake trace of ``requests`` requests (3 a second, 10 documents)."""
-    path = tmp_path_factory.mktemp("plan") / "t.jsonl"
-    lines = synthetic_mooncake(requests=requests, requests_per_second=3.0, documents=10)
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-@pytest.fixture(scope="module")
-def trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_trace(tmp_path_factory, 240)
-
-
-def plan(trace: Path, out: Path, *extra: str) -> dict[str, Any]:
-    assert main(["plan", "--trace", str(trace), *GRID, "--json", str(out), *extra]) == 0
-    data: dict[str, Any] = json.loads(out.read_text())
-    return data
+from .plan_traces import GRID, plan
 
 
 def test_serial_and_pool_give_identical_cells(trace: Path, tmp_path: Path) -> None:

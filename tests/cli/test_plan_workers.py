@@ -24,11 +24,10 @@ from kvreuse.cli.plan_workers import MAX_DEATHS, WorkerDied, run_cells
 from kvreuse.errors import WorkerDiedError
 from kvreuse.sim.plan import Cell, CellResult
 
-from .test_plan import GRID, plan, trace, write_trace
+from .plan_traces import GRID, plan, write_trace
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 VICTIM = "cache_aware x2 cache=200000 spill_threshold_s=1.0"
-__all__ = ["trace"]  # the fixture, shared with test_plan.py
 
 
 @pytest.fixture(scope="module")
