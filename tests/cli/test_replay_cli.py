@@ -101,10 +101,10 @@ def test_speed_and_duration_shape_the_schedule(tmp_path: Path) -> None:
     base = {"tokenizer": None, "block_size": 512, "vocab_size": 8192, "first_token": 100,
             "model": "m", "max_tokens": 16, "duration": None, "max_prompt_tokens": 131_072,
             "trace": "t.jsonl"}
-    normal = build_calls(records, argparse.Namespace(speed=1.0, **base))
-    fast = build_calls(records, argparse.Namespace(speed=2.0, **base))
+    normal = list(build_calls(records, argparse.Namespace(speed=1.0, **base)))
+    fast = list(build_calls(records, argparse.Namespace(speed=2.0, **base)))
     assert [c.at_s / 2 for c in normal] == pytest.approx([c.at_s for c in fast])
-    cut = build_calls(records, argparse.Namespace(speed=1.0, **{**base, "duration": 3.0}))
+    cut = list(build_calls(records, argparse.Namespace(speed=1.0, **{**base, "duration": 3.0})))
     assert 0 < len(cut) < len(normal) and all(c.at_s <= 3.0 for c in cut)
     assert cut == normal[: len(cut)]
 
@@ -198,3 +198,92 @@ def test_failures_are_counted_by_kind(tmp_path: Path, capsys: pytest.CaptureFixt
                      "--timeout", "5"]) == 1
     out = capsys.readouterr().out
     assert "errors: 3 × HTTP 503" in out and "first error: HTTP 503: over load" in out
+
+
+def test_calls_are_built_only_as_they_are_sent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Planning a replay synthesizes no prompt; each call's prompt is built when it is taken, so
+    a replay holds one body at a time whatever the trace's length."""
+    import argparse
+
+    from kvreuse.cli.replay import build_calls
+    from kvreuse.trace.replay import PromptSynthesizer
+
+    built: list[int] = []
+    real_prompt = PromptSynthesizer.prompt
+    monkeypatch.setattr(PromptSynthesizer, "prompt",
+                        lambda self, record: built.append(record.line) or real_prompt(self, record))
+    records = parse_trace_lines(synthetic_mooncake(requests=50, requests_per_second=5.0))
+    calls = build_calls(records, argparse.Namespace(
+        tokenizer=None, block_size=512, vocab_size=8192, first_token=100, model="m",
+        max_tokens=16, duration=None, max_prompt_tokens=131_072, trace="t.jsonl", speed=1.0))
+    assert len(calls) == 50 and built == []
+    taken = iter(calls)
+    first, second = next(taken), next(taken)
+    assert built == [1, 2] and first.at_s <= second.at_s
+
+
+def test_ctrl_c_ends_a_replay_with_the_figures_so_far(tmp_path: Path) -> None:
+    """SIGINT mid-replay: exit 130, a line counting the requests that finished and those cut
+    off, the table and the JSON of those that finished, and no traceback."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    trace, out = tmp_path / "t.jsonl", tmp_path / "r.json"
+    trace.write_text("\n".join(synthetic_mooncake(
+        requests=200, requests_per_second=20.0, documents=3, prefix_blocks=2)) + "\n")
+    with Fleet(tmp_path / "fleet") as fleet:
+        engine = fleet.start_engine("e0", EngineSpec(events=False, tpot_ms=50.0))
+        child = subprocess.Popen(
+            [sys.executable, "-m", "kvreuse.cli.main", "replay", "--trace", str(trace),
+             "--target", engine.url, "--model", "sim", "--max-tokens", "30", "--json", str(out)],
+            env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            assert child.stdout is not None
+            first_line = child.stdout.readline()
+            assert "replaying 200 requests" in first_line, first_line
+            time.sleep(2.0)
+            os.killpg(child.pid, signal.SIGINT)
+            rest, _ = child.communicate(timeout=60)
+        finally:
+            if child.poll() is None:
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
+    assert child.returncode == 130, rest
+    assert "interrupted" in rest and "cut off" in rest and "TTFT p95" in rest, rest
+    assert "Traceback" not in rest and "Exception" not in rest, rest
+    data = json.loads(out.read_text())
+    assert data["interrupted"] is True and data["errors"] == 0
+    assert 0 < data["ok"] == data["sent"] < 200 and data["cut_off"] > 0
+
+
+def test_a_client_that_cannot_keep_up_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A trace sped up past what this client can build and send: the requests that left late
+    are counted, and the line names --speed."""
+    trace, out = tmp_path / "t.jsonl", tmp_path / "r.json"
+    trace.write_text("\n".join(synthetic_mooncake(requests=300, requests_per_second=20.0)) + "\n")
+    with hostile_target(sse_answer("0")) as target:
+        main(["replay", "--trace", str(trace), "--target", target, "--model", "m",
+              "--speed", "100000", "--timeout", "10", "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert data["sent_late"] > 0 and data["worst_late_s"] >= 0.1
+    printed = capsys.readouterr().out
+    assert f"sent late: {data['sent_late']:,} of 300 requests" in printed and "--speed" in printed
+
+
+def test_a_replay_on_time_reports_nothing_late(tmp_path: Path) -> None:
+    """At the trace's own pace nothing leaves late."""
+    trace, out = tmp_path / "t.jsonl", tmp_path / "r.json"
+    trace.write_text("\n".join(synthetic_mooncake(requests=10, requests_per_second=20.0)) + "\n")
+    with hostile_target(sse_answer("0")) as target:
+        assert main(["replay", "--trace", str(trace), "--target", target, "--model", "m",
+                     "--timeout", "10", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["sent_late"] == 0 and data["worst_late_s"] < 0.1

@@ -1,10 +1,15 @@
-"""The load generator's latency summary."""
+"""The load generator: its latency summary, its pacing and its stop."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
+import time
+from collections.abc import Iterator
 
-from kvreuse.testing.loadgen import Call, LatencySummary, Result
+from kvreuse.testing.loadgen import CANCELLED, Call, LatencySummary, Result, run_stream
+from kvreuse.testing.servers import answering_server, trickle
 
 
 def result(ttft_s: float | None, status: int = 200) -> Result:
@@ -34,3 +39,43 @@ def test_engine_mean_ttft_is_the_delta_sum_over_the_delta_count() -> None:
              "b": EngineCounters(ttft_sum_s=0.5, ttft_count=2)}
     assert abs(engine_mean_ttft_s(before, after) - 0.2) < 1e-12
     assert math.isnan(engine_mean_ttft_s(after, after))
+
+
+def test_a_call_sent_behind_its_time_says_how_late() -> None:
+    """A sender whose loop was busy when a call fell due marks that call late by the delay;
+    calls it got out on time are not late."""
+    ok = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+
+    def calls() -> Iterator[Call]:
+        yield Call(0.0, "/v1/completions", b"{}")
+        yield Call(0.1, "/v1/completions", b"{}")
+        time.sleep(0.5)  # a generator that blocks the loop, as building a huge body would
+        yield Call(0.2, "/v1/completions", b"{}")
+
+    results: list[Result] = []
+    with answering_server(lambda conn: conn.sendall(ok)) as target:
+        asyncio.run(run_stream(calls(), lambda i, call: target, results.append, timeout_s=5))
+    late = sorted((r.call.at_s, r.late_s) for r in results)
+    assert [at for at, _ in late] == [0.0, 0.1, 0.2]
+    assert late[0][1] < 0.05 and late[1][1] < 0.05 and late[2][1] >= 0.35
+
+
+def test_calls_in_flight_when_a_stream_is_cancelled_each_get_a_cancelled_result() -> None:
+    """Stopping a run (Ctrl-C cancels it) gives every call sent exactly one result: those still
+    waiting for an answer say they were cancelled instead of vanishing."""
+    results: list[Result] = []
+
+    async def stop_midway(target: str) -> None:
+        run = asyncio.create_task(run_stream(
+            (Call(n * 0.05, "/v1/completions", b"{}") for n in range(100)),
+            lambda i, call: target, results.append, timeout_s=30))
+        await asyncio.sleep(0.5)
+        run.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await run
+
+    with answering_server(trickle) as target:
+        asyncio.run(stop_midway(target))
+    assert 5 <= len(results) < 100
+    assert all(r.error.startswith(CANCELLED) for r in results)
+    assert len({r.call.at_s for r in results}) == len(results)

@@ -45,3 +45,36 @@ def test_word_table_text_tokenizes_back_exactly(tmp_path: Path) -> None:
     synth = PromptSynthesizer(64, table.tokens)
     tokens = synth.prompt(record((5, 6, 7, 8), 250))
     assert unpack(tokenizer.encode(table.render(tokens))) == tokens
+
+
+def reference_run(block_id: int, block: int, alphabet: tuple[int, ...]) -> tuple[int, ...]:
+    """The rule word by word, as first written: word j of SHA-256(id || counter) picks a token."""
+    import hashlib
+
+    out: list[int] = []
+    counter = 0
+    while len(out) < block:
+        digest = hashlib.sha256(block_id.to_bytes(8, "big") + counter.to_bytes(4, "big")).digest()
+        counter += 1
+        out.extend(alphabet[int.from_bytes(digest[k:k + 4], "big") % len(alphabet)]
+                   for k in range(0, 32, 4))
+    return tuple(out[:block])
+
+
+@pytest.mark.parametrize("block", [1, 7, 8, 9, 512])
+def test_runs_match_the_word_by_word_rule(block: int) -> None:
+    """The unpacked digests give the very tokens of the word-by-word rule, at any block size."""
+    alphabet = tuple(vocabulary_alphabet(8192, 100))
+    synth = PromptSynthesizer(block, alphabet)
+    for block_id in (0, 1, 2**63 - 1, 123_456_789, *range(1000, 1040)):
+        assert synth.run(block_id) == reference_run(block_id, block, alphabet)
+
+
+def test_the_run_cache_is_bounded_in_tokens() -> None:
+    """Past its token budget the cache drops its oldest runs, and a dropped run comes back equal."""
+    synth = PromptSynthesizer(16, vocabulary_alphabet(1000, 100), cache_tokens=64)
+    first = synth.run(0)
+    for block_id in range(1, 100):
+        synth.run(block_id)
+        assert synth.cached_runs == min(block_id + 1, 4)
+    assert synth.run(0) == first

@@ -15,6 +15,7 @@ first SSE ``data:`` chunk. Hit rates are read from the engines' own ``/metrics``
 from __future__ import annotations
 
 import asyncio
+import functools
 import http.client
 import json
 import math
@@ -108,6 +109,10 @@ def chat_calls(workload: ChatWorkload, seed: int, *, model: str, max_tokens: int
 # ---------------------------------------------------------------------------- running
 
 
+CANCELLED = "CancelledError"
+"""How the ``error`` of a call cut off by the run's own stop begins (:func:`run_stream`)."""
+
+
 @dataclass(slots=True)
 class Result:
     """What the client saw of one call."""
@@ -120,11 +125,12 @@ class Result:
     error: str = ""
     upstream: str = ""
     cached_tokens: int | None = None  # from the usage chunk, when the caller asked for it
+    late_s: float = 0.0  # how long after its ``at_s`` the sender got it out (a busy client)
 
 
 async def _one(client: RawClient, call: Call, target: str,
-               headers: Mapping[str, str]) -> Result:
-    result = Result(call, target)
+               headers: Mapping[str, str], late_s: float = 0.0) -> Result:
+    result = Result(call, target, late_s=late_s)
     hdrs = {"content-type": "application/json", **headers}
     if call.session:
         hdrs["x-session-id"] = call.session
@@ -172,24 +178,30 @@ async def run_stream(
     on_tick: Callable[[float], None] | None = None,
 ) -> int:
     """Like :func:`run_calls` for long runs: calls may be generated lazily and each result goes
-    to ``on_result`` instead of being kept. Returns the number of calls sent."""
+    to ``on_result`` instead of being kept. Returns the number of calls sent. Every call sent
+    gets exactly one result: one still in flight when the run is cancelled (Ctrl-C) gets a
+    result whose ``error`` starts with :data:`CANCELLED`."""
     pending: set[asyncio.Task[Result]] = set()
     sent = 0
 
-    def done(task: asyncio.Task[Result]) -> None:
+    def done(call: Call, target: str, task: asyncio.Task[Result]) -> None:
         pending.discard(task)
-        on_result(task.result())
+        if task.cancelled():
+            on_result(Result(call, target, error=f"{CANCELLED}: the run was stopped"))
+        else:
+            on_result(task.result())
 
     client = RawClient(timeout_s=timeout_s)
     try:
         loop = asyncio.get_running_loop()
         clock = _Pacer(loop, on_tick)
         for i, call in enumerate(calls):
-            await clock.wait_until(call.at_s)
+            late_s = await clock.wait_until(call.at_s)
             extra = headers(call) if headers is not None else {}
-            task = loop.create_task(_one(client, call, pick(i, call), extra))
+            target = pick(i, call)
+            task = loop.create_task(_one(client, call, target, extra, late_s))
             pending.add(task)
-            task.add_done_callback(done)
+            task.add_done_callback(functools.partial(done, call, target))
             sent += 1
         while pending:
             await asyncio.sleep(0.05)
@@ -215,9 +227,9 @@ async def run_calls(
         clock = _Pacer(loop, on_tick)
         tasks: list[asyncio.Task[Result]] = []
         for i, call in enumerate(calls):
-            await clock.wait_until(call.at_s)
+            late_s = await clock.wait_until(call.at_s)
             extra = headers(call) if headers is not None else {}
-            tasks.append(loop.create_task(_one(client, call, pick(i, call), extra)))
+            tasks.append(loop.create_task(_one(client, call, pick(i, call), extra, late_s)))
         return list(await asyncio.gather(*tasks))
     finally:
         await client.close()
@@ -238,8 +250,9 @@ class _Pacer:
         self._start = loop.time()
         self._next_tick = 0.0
 
-    async def wait_until(self, at_s: float) -> None:
-        """Return when ``at_s`` seconds have passed since the start, ticking on the way."""
+    async def wait_until(self, at_s: float) -> float:
+        """Return when ``at_s`` seconds have passed since the start, ticking on the way: how
+        many seconds late that is (0 when the sender was waiting for it and woke on time)."""
         loop, start = self._loop, self._start
         if self._on_tick is not None:
             while self._next_tick <= at_s:
@@ -249,6 +262,7 @@ class _Pacer:
         delay = start + at_s - loop.time()
         if delay > 0:
             await asyncio.sleep(delay)
+        return max(loop.time() - start - at_s, 0.0)  # a busy loop wakes a sleeper late too
 
     def tick_if_due(self) -> None:
         """While draining: one tick if its time has come."""
