@@ -54,7 +54,7 @@ from kvreuse.sim.config import (
 from kvreuse.sim.requests import SimRequest
 from kvreuse.sim.runner import ScenarioRun, Verdict, check, run_spec
 from kvreuse.sim.scenarios import SPILLS, RunSpec, Scenario, get_scenario
-from kvreuse.sim.trace import Bounds, compute_bounds
+from kvreuse.sim.trace import Bounds, fleet_bounds
 from kvreuse.sim.units import TraceUnits
 from kvreuse.trace import DEFAULT_BLOCK_TOKENS, GRANULARITIES, parse_trace_lines, trace_requests
 
@@ -394,13 +394,10 @@ def run(args: argparse.Namespace) -> int:
     cached_specs = [s for s in specs if s.variant != "no_cache"] or specs
     bounds_variant = cached_specs[0].variant
     # One reference per fleet size: a pooled cache of 6 replicas' memory says nothing about 3.
-    every_bounds = [
-        compute_bounds(
-            traffic[bounds_variant], n,
-            _adjust(scenario.fleet(n, bounds_variant), args).replica.pool_tokens, units,
-        )
+    every_bounds = fleet_bounds(traffic[bounds_variant], [
+        (n, _adjust(scenario.fleet(n, bounds_variant), args).replica.pool_tokens)
         for n in sorted({s.replicas for s in cached_specs})
-    ]
+    ], units)
     bounds = every_bounds[-1]
     changed = _changed_flags(args)
     _print_table(console, scenario, rows, every_bounds, changed)

@@ -27,6 +27,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
 from kvreuse.cli.args import positive_float, positive_int
 from kvreuse.cli.tables import make_console
 from kvreuse.errors import ConfigError, InputFormatError
@@ -96,9 +98,20 @@ def run_stats(args: argparse.Namespace) -> int:
             records = parse_trace_lines(lines, str(args.trace), args.block_size)
     except OSError as exc:
         raise ConfigError(f"cannot read {args.trace}: {exc.strerror}") from None
-    stats = trace_stats(records, args.block_size, _ints(args.replicas, "--replicas"),
-                        _ints(args.cache_tokens, "--cache-tokens"), args.window)
+    replicas = _ints(args.replicas, "--replicas")
+    cache_tokens = _ints(args.cache_tokens, "--cache-tokens")
     console = make_console()
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(), console=console, transient=True,
+    ) as progress:
+        task = progress.add_task("replaying the trace through each cache", total=None)
+
+        def replayed(done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total)
+
+        stats = trace_stats(records, args.block_size, replicas, cache_tokens, args.window,
+                            replayed)
     _print_stats(console, str(args.trace), stats)
     if args.json is not None:
         args.json.write_text(json.dumps(stats.as_dict(), indent=2) + "\n", encoding="utf-8")

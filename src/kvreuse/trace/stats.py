@@ -18,12 +18,12 @@ Pure: parsed records in, figures out. Bounds run at block granularity (one id = 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 from kvreuse.capacity.trace import TraceHotSet, trace_hot_set
 from kvreuse.sim.summary import percentile
-from kvreuse.sim.trace import compute_bounds
+from kvreuse.sim.trace import fleet_bounds
 from kvreuse.trace.format import TraceRecord
 from kvreuse.trace.workload import trace_requests
 
@@ -112,18 +112,17 @@ def trace_stats(
     replicas: Sequence[int],
     cache_tokens: Sequence[int],
     window_s: float = 60.0,
+    on_replay: Callable[[int, int], None] | None = None,
 ) -> TraceStats:
-    """Every figure of the module docstring. O(total ids × (1 + len(replicas) × len(caches)))."""
+    """Every figure of the module docstring; ``on_replay(done, total)`` follows each replay of
+    the trace through a cache (:func:`kvreuse.sim.trace.fleet_bounds`, the bulk of the work).
+    O(total ids × (1 + distinct pooled sizes))."""
     requests, units = trace_requests(records, block, "block")
-    pooled = []
-    infinite = 0.0
-    for n in replicas:
-        for cache in cache_tokens:
-            bounds = compute_bounds(requests, n, cache, units)
-            infinite = bounds.infinite_hit_rate
-            pooled.append(PooledBound(n, cache, bounds.pooled_lru_hit_rate))
-    if not pooled:
-        infinite = compute_bounds(requests, 1, block, units).infinite_hit_rate
+    fleets = [(n, cache) for n in replicas for cache in cache_tokens]
+    every = fleet_bounds(requests, fleets or [(1, block)], units, on_replay)
+    infinite = every[0].infinite_hit_rate
+    pooled = [PooledBound(b.replicas, b.cache_tokens, b.pooled_lru_hit_rate)
+              for b in every] if fleets else []
     depths = reuse_depths(records)
     recorded = [r for r in records if r.cached_tokens is not None]
     ttfts = [r.ttft_s for r in records if r.ttft_s is not None]
