@@ -122,3 +122,20 @@ def test_stats_prints_ceiling_bounds_hot_set_and_depth(tmp_path: Path) -> None:
     assert len(data["hot_over_time"]) >= 2 and data["reuse_depth_blocks"]["p50"] == 12
     assert data["requests_with_reuse"] > 250
     assert report.read_text().count("data:image/png;base64,") == 3
+
+
+def test_stats_takes_the_trace_as_the_other_commands_name_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--trace FILE` works as the positional does; none, or two different ones, is an error
+    that says what to do."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(synthetic_mooncake(requests=30, documents=2)) + "\n")
+    assert main(["trace", "stats", "--trace", str(trace), "--replicas", "1"]) == 0
+    assert "30 requests" in capsys.readouterr().out
+    assert main(["trace", "stats", str(trace), "--trace", str(trace)]) == 0
+    capsys.readouterr()
+    assert main(["trace", "stats"]) == 1
+    assert "name the trace" in capsys.readouterr().err
+    assert main(["trace", "stats", str(trace), "--trace", str(tmp_path / "other.jsonl")]) == 1
+    assert "two traces named" in capsys.readouterr().err

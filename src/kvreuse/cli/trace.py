@@ -60,7 +60,10 @@ def register(subparsers: Any) -> None:
     imp.set_defaults(func=run_import)
 
     stats = commands.add_parser("stats", help="what a trace allows: ceiling, bounds, hot set")
-    stats.add_argument("trace", type=Path)
+    stats.add_argument("trace", type=Path, nargs="?", help="the trace (Mooncake JSONL)")
+    # simulate, plan and replay take their trace as --trace: accepted here too
+    stats.add_argument("--trace", dest="trace_option", type=Path, metavar="TRACE",
+                       help="the trace, as the other commands name it")
     stats.add_argument("--block-size", type=positive_int, default=DEFAULT_BLOCK_TOKENS,
                        help=f"tokens per hash id ({DEFAULT_BLOCK_TOKENS})")
     stats.add_argument("--replicas", default="1,2,4,8", help="fleet sizes for the pooled bound")
@@ -93,6 +96,13 @@ def _ints(text: str, flag: str) -> list[int]:
 
 
 def run_stats(args: argparse.Namespace) -> int:
+    if args.trace is None or args.trace_option is None:
+        args.trace = args.trace or args.trace_option
+    elif args.trace != args.trace_option:
+        raise ConfigError(f"two traces named: {args.trace} and --trace {args.trace_option}; "
+                          f"name one")
+    if args.trace is None:
+        raise ConfigError("name the trace: kvreuse trace stats TRACE")
     try:
         with args.trace.open("rb") as lines:
             records = parse_trace_lines(lines, str(args.trace), args.block_size)
