@@ -104,6 +104,44 @@ def test_import_bad_lines_name_file_line_and_field(
     assert "log.jsonl:2" in err and field in err and "Traceback" not in err
 
 
+def test_a_log_failing_late_leaves_no_half_trace_and_the_old_one_intact(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Lines are imported as they are read, but a bad line after 2,000 good ones writes nothing:
+    an earlier --out keeps its content and no partial file is left beside it."""
+    good = ('{"timestamp": %d, "body": {"model": "m", "prompt": "hello there"}}\n')
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(good % n for n in range(2000)) + "{oops\n")
+    out = tmp_path / "t.jsonl"
+    out.write_text("the trace of yesterday\n")
+    assert main(["trace", "import", str(log), "--out", str(out)]) == 1
+    assert "log.jsonl:2001" in capsys.readouterr().err
+    assert out.read_text() == "the trace of yesterday\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["log.jsonl", "t.jsonl"]
+    log.write_text("".join(good % n for n in range(2000)))
+    assert main(["trace", "import", str(log), "--out", str(out)]) == 0
+    assert len(parse_trace_lines(out.read_text().splitlines())) == 2000
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["log.jsonl", "t.jsonl"]
+
+
+def test_import_errors_name_its_own_flags(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A short secret names --secret-file (not the gateway's flag); an --out in a missing
+    directory is a one-line error naming --out."""
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"timestamp": 1, "body": {"model": "m", "prompt": "hello"}}\n')
+    short = tmp_path / "secret.txt"
+    short.write_text("too short")
+    assert main(["trace", "import", str(log), "--out", str(tmp_path / "t.jsonl"),
+                 "--secret-file", str(short)]) == 1
+    err = capsys.readouterr().err
+    assert "--secret-file" in err and "--record-secret-file" not in err
+    assert main(["trace", "import", str(log), "--out", str(tmp_path / "no" / "t.jsonl")]) == 1
+    err = capsys.readouterr().err
+    assert "--out" in err and "cannot write" in err and "Traceback" not in err
+
+
 def test_stats_prints_ceiling_bounds_hot_set_and_depth(tmp_path: Path) -> None:
     """stats: the ceiling dominates every pooled bound, bounds grow with the pool, the JSON
     and the report carry the hot set over time and reuse depth."""

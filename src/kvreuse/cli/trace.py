@@ -22,12 +22,19 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from collections.abc import Sequence
+import os
+from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
 
 from kvreuse.cli.args import positive_float, positive_int
 from kvreuse.cli.tables import make_console
@@ -238,13 +245,16 @@ def _timestamp_ms(value: object, where: str) -> float:
     return float(value)
 
 
-def import_records(lines: Sequence[bytes], source: str, tokenizer: Any, ids: Any) -> list[str]:
-    """The trace lines for request-log ``lines``; errors name ``source:line`` and the field."""
+def import_records(lines: Iterable[bytes], source: str, tokenizer: Any,
+                   ids: Any) -> Iterator[str]:
+    """The trace lines for request-log ``lines``, each made as its log line is read (a log holds
+    whole prompts: it may be larger than memory); errors name ``source:line`` and the field,
+    and a log without a request is an error once its lines run out."""
     from kvreuse.gateway.prompts import request_tokens
     from kvreuse.gateway.validation import parse_request
     from kvreuse.tokens import TOKEN_BYTES
 
-    out: list[str] = []
+    written = 0
     origin: float | None = None
     previous = 0.0
     for number, raw in enumerate(lines, start=1):
@@ -313,10 +323,10 @@ def import_records(lines: Sequence[bytes], source: str, tokenizer: Any, ids: Any
             model=parsed.model[:MAX_TEXT_FIELD],
             tenant=None if tenant is None else ids.tenant(str(tenant)),
         )
-        out.append(record_json(record))
-    if not out:
+        written += 1
+        yield record_json(record)
+    if not written:
         raise InputFormatError("the log holds no requests", source)
-    return out
 
 
 def run_import(args: argparse.Namespace) -> int:
@@ -324,17 +334,52 @@ def run_import(args: argparse.Namespace) -> int:
     from kvreuse.gateway.recorder import load_secret
     from kvreuse.trace.keyed import KeyedIds
 
-    secret, shared = load_secret(args.secret_file)
+    secret, shared = load_secret(args.secret_file, "--secret-file")
     tokenizer = load_prompt_tokenizer(args.tokenizer)
     try:
-        lines = args.log.read_bytes().splitlines()
+        log = args.log.open("rb", buffering=1 << 20)  # log lines hold whole prompts
+        size = os.fstat(log.fileno()).st_size
     except OSError as exc:
         raise ConfigError(f"cannot read {args.log}: {exc.strerror}") from None
-    out = import_records(lines, str(args.log), tokenizer, KeyedIds(secret, args.block_size))
+    # Written beside --out and renamed at the end: a log that fails half-way (or Ctrl-C) leaves
+    # no half trace, and an earlier --out stays as it was.
+    partial = args.out.with_name(f".{args.out.name}.{os.getpid()}.partial")
+    written = 0
+    console = make_console()
     try:
-        args.out.write_text("\n".join(out) + "\n", encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"--out {args.out}: cannot write: {exc.strerror}") from None
+        with log, Progress(
+            TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+            TimeElapsedColumn(), console=console, transient=True,
+        ) as progress:
+            task = progress.add_task("importing", total=size)
+
+            def read_lines() -> Iterator[bytes]:
+                done = 0
+                for number, raw in enumerate(log, start=1):
+                    done += len(raw)
+                    if number % 1024 == 0:
+                        progress.update(task, completed=done)
+                    yield raw
+
+            try:
+                sink = partial.open("w", encoding="utf-8")
+            except OSError as exc:
+                raise ConfigError(f"--out {args.out}: cannot write: {exc.strerror}") from None
+            with sink:
+                for line in import_records(read_lines(), str(args.log), tokenizer,
+                                           KeyedIds(secret, args.block_size)):
+                    try:
+                        sink.write(line + "\n")
+                    except OSError as exc:
+                        raise ConfigError(
+                            f"--out {args.out}: cannot write: {exc.strerror}") from None
+                    written += 1
+        try:
+            os.replace(partial, args.out)
+        except OSError as exc:
+            raise ConfigError(f"--out {args.out}: cannot write: {exc.strerror}") from None
+    finally:
+        partial.unlink(missing_ok=True)
     note = "" if shared else " (random secret: ids match no other trace's)"
-    print(f"wrote {len(out):,} requests to {args.out}{note}")
+    print(f"wrote {written:,} requests to {args.out}{note}")
     return 0

@@ -249,7 +249,7 @@ class Gateway:
         self.access_log = AccessLog(config.access_log, self.policy.name)
         self.recorder: TraceRecorder | None = None
         if config.record_dir is not None:
-            secret, shared = load_secret(config.record_secret_file)
+            secret, shared = load_secret(config.record_secret_file, "--record-secret-file")
             self.recorder = TraceRecorder(RecorderSettings(
                 Path(config.record_dir), secret, config.record_block_size,
                 config.record_max_bytes, config.record_rotate_s, config.record_queue,

@@ -83,12 +83,12 @@ class RecorderSettings:
         require_at_least("record_queue", self.queue_size, 1)
 
 
-def load_secret(path: str | None) -> tuple[bytes, bool]:
-    """The recording secret: from ``path``, else ``$KVREUSE_RECORD_SECRET``, else random.
-    Returns ``(secret, shared)``; ``shared`` is False for a random one (its ids match no
-    other gateway's and no other run's)."""
+def load_secret(path: str | None, flag: str) -> tuple[bytes, bool]:
+    """The recording secret: from ``path`` (named by ``flag`` in errors), else
+    ``$KVREUSE_RECORD_SECRET``, else random. Returns ``(secret, shared)``; ``shared`` is False
+    for a random one (its ids match no other gateway's and no other run's)."""
     if path is not None:
-        return read_secret_file(path, "--record-secret-file"), True
+        return read_secret_file(path, flag), True
     env = os.environ.get(SECRET_ENV)
     if env:
         if len(env.encode()) < 16:
