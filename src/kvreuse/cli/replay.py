@@ -84,8 +84,8 @@ def register(subparsers: Any) -> None:
 class ReplayCalls:
     """The requests a replay sends, in order: each one's send time (seconds from the start) and
     record, checked before anything is sent. Iterating builds each call's prompt and body only
-    when the sender asks for it, so a replay holds one body at a time, not the whole trace's:
-    the Mooncake trace's 3,993 bodies are 361 MB and took 32 s to build before the first send."""
+    when the sender asks for it, so a replay holds the bodies in flight, not the whole trace's
+    (the Mooncake trace's 3,993 bodies are 361 MB)."""
 
     schedule: tuple[tuple[float, TraceRecord], ...]
     make_call: Callable[[float, TraceRecord], Any]
