@@ -24,6 +24,7 @@ from kvreuse.cli.plan_workers import MAX_DEATHS, WorkerDied, run_cells
 from kvreuse.errors import WorkerDiedError
 from kvreuse.sim.plan import Cell, CellResult
 
+from .interrupt import interrupt_kvreuse
 from .plan_traces import GRID, plan, write_trace
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
@@ -169,35 +170,25 @@ def test_ctrl_c_stops_the_plan_at_once_and_keeps_the_finished_cells(
     """SIGINT to the plan's process group (a terminal's Ctrl-C) mid-plan: exit 130 within
     seconds, one line saying how many cells are kept, no traceback, no worker left."""
     cache = tmp_path / "cache"
-    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    child = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from kvreuse.cli.main import main; sys.exit(main())",
-         "plan", "--trace", str(long_trace), "--policy", "round_robin,cache_aware,exact",
-         "--replicas", "1,2,3,4", "--cache-tokens", "60000,200000", "--slo", "ttft_p95=0.6",
-         "--workers", "2", "--cache-dir", str(cache)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True)
-    try:
+
+    def first_cell_kept(child: subprocess.Popen[str]) -> None:
         deadline = time.monotonic() + 120
         while not list(cache.glob("*.json")) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert child.poll() is None, "the plan ended before it could be interrupted"
-        os.killpg(child.pid, signal.SIGINT)
-        interrupted = time.monotonic()
-        out, _ = child.communicate(timeout=30)
-    finally:
-        if child.poll() is None:
-            os.killpg(child.pid, signal.SIGKILL)
-            child.wait()
-    took_s = time.monotonic() - interrupted
-    assert child.returncode == 130, out
-    assert took_s < 10, f"stopped {took_s:.1f} s after Ctrl-C"
+
+    stopped = interrupt_kvreuse(
+        ["plan", "--trace", str(long_trace), "--policy", "round_robin,cache_aware,exact",
+         "--replicas", "1,2,3,4", "--cache-tokens", "60000,200000", "--slo", "ttft_p95=0.6",
+         "--workers", "2", "--cache-dir", str(cache)], first_cell_kept, timeout_s=30)
+    out = stopped.output
+    assert stopped.code == 130, out
+    assert stopped.took_s < 10, f"stopped {stopped.took_s:.1f} s after Ctrl-C"
     assert "Traceback" not in out, out
     kept = len(list(cache.glob("*.json")))
     said = re.search(r"interrupted: (\d+) of (\d+) cells finished; they are in", out)
     assert said is not None and int(said[1]) == kept < int(said[2]), out
     with pytest.raises(ProcessLookupError):
-        os.killpg(child.pid, 0)  # no worker of the group is left running
+        os.killpg(stopped.pid, 0)  # no worker of the group is left running
 
 
 def ray_workers_of_this_user() -> list[int]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,8 @@ from kvreuse.testing.processes import EngineSpec, Fleet
 from kvreuse.testing.servers import answering_server, trickle
 from kvreuse.trace.format import parse_trace_lines
 from kvreuse.trace.stats import trace_stats
+
+from .interrupt import interrupt_kvreuse
 
 
 def test_replay_reproduces_the_traces_reuse_on_an_engine(tmp_path: Path) -> None:
@@ -174,8 +178,6 @@ def test_a_trickling_models_endpoint_is_cut_at_the_timeout(
 ) -> None:
     """Asking a target that trickles a byte every 0.1 s for its model ends at --timeout with an
     error naming --model."""
-    import time
-
     trace = tmp_path / "t.jsonl"
     trace.write_text(synthetic_mooncake(requests=1)[0] + "\n")
     hostile = hostile_target(None)
@@ -227,34 +229,23 @@ def test_calls_are_built_only_as_they_are_sent(
 def test_ctrl_c_ends_a_replay_with_the_figures_so_far(tmp_path: Path) -> None:
     """SIGINT mid-replay: exit 130, a line counting the requests that finished and those cut
     off, the table and the JSON of those that finished, and no traceback."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
     trace, out = tmp_path / "t.jsonl", tmp_path / "r.json"
     trace.write_text("\n".join(synthetic_mooncake(
         requests=200, requests_per_second=20.0, documents=3, prefix_blocks=2)) + "\n")
     with Fleet(tmp_path / "fleet") as fleet:
         engine = fleet.start_engine("e0", EngineSpec(events=False, tpot_ms=50.0))
-        child = subprocess.Popen(
-            [sys.executable, "-m", "kvreuse.cli.main", "replay", "--trace", str(trace),
-             "--target", engine.url, "--model", "sim", "--max-tokens", "30", "--json", str(out)],
-            env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        try:
+
+        def two_seconds_in(child: subprocess.Popen[str]) -> None:
             assert child.stdout is not None
             first_line = child.stdout.readline()
             assert "replaying 200 requests" in first_line, first_line
             time.sleep(2.0)
-            os.killpg(child.pid, signal.SIGINT)
-            rest, _ = child.communicate(timeout=60)
-        finally:
-            if child.poll() is None:
-                os.killpg(child.pid, signal.SIGKILL)
-                child.wait()
-    assert child.returncode == 130, rest
+
+        stopped = interrupt_kvreuse(
+            ["replay", "--trace", str(trace), "--target", engine.url, "--model", "sim",
+             "--max-tokens", "30", "--json", str(out)], two_seconds_in)
+    rest = stopped.output
+    assert stopped.code == 130, rest
     assert "interrupted" in rest and "cut off" in rest and "TTFT p95" in rest, rest
     assert "Traceback" not in rest and "Exception" not in rest, rest
     data = json.loads(out.read_text())
