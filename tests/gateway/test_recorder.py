@@ -8,7 +8,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import pytest
 
+from kvreuse.cli.main import main
+from kvreuse.errors import InputFormatError
 from kvreuse.gateway.recorder import RecorderSettings, TraceRecorder
 from kvreuse.gateway.telemetry import RequestRecord
 from kvreuse.identity import CacheIdentity
@@ -239,3 +242,77 @@ def test_a_directory_removed_while_recording_is_made_again(tmp_path: Path) -> No
     assert recorder.written == 40 and recorder.failed == 0
     kept = len(parse_trace_lines(read_trace(tmp_path / "moved"), block=4))
     assert kept + len(parse_trace_lines(read_trace(directory), block=4)) == 40
+
+
+def record_two_gateways(directory: Path) -> tuple[TraceRecorder, TraceRecorder]:
+    """Two recorders into one directory, the second's clock 100 s ahead (a gateway started
+    100 s later): first, second, first again."""
+    first = TraceRecorder(RecorderSettings(directory, SECRET, block=4, reorder_s=0.0))
+    second = TraceRecorder(RecorderSettings(directory, SECRET, block=4, reorder_s=0.0),
+                           wall_clock=lambda: time.time() + 100.0)
+    first.start()
+    second.start()
+    first.submit(finished(list(range(8))))
+    second.submit(finished(list(range(12))))
+    time.sleep(0.05)
+    first.submit(finished(list(range(16))))
+    first.close()
+    second.close()
+    return first, second
+
+
+def test_two_gateways_recordings_merge_onto_one_clock(tmp_path: Path) -> None:
+    """Two recordings in one directory are no trace as they are (each clock starts at 0);
+    `kvreuse trace merge` puts the second 100 s on, after the first's requests."""
+
+    record_two_gateways(tmp_path / "rec")
+    with pytest.raises(InputFormatError, match="goes back in time"):
+        parse_trace_lines(read_trace(tmp_path / "rec"), block=4)
+    out = tmp_path / "merged.jsonl"
+    assert main(["trace", "merge", str(tmp_path / "rec"), "--out", str(out),
+                 "--block-size", "4"]) == 0
+    merged = parse_trace_lines(out.read_text().splitlines(), block=4)
+    assert [r.input_length for r in merged] == [8, 16, 12]
+    assert merged[1].timestamp_ms < 1000.0
+    assert abs(merged[2].timestamp_ms - 100_000.0) < 1000.0
+    assert main(["trace", "stats", str(out), "--block-size", "4", "--replicas", "1"]) == 0
+
+
+def test_merging_one_recording_gives_its_files_joined(tmp_path: Path) -> None:
+    """One recording rotated over several files merges into exactly its files end to end."""
+
+    recorder = TraceRecorder(RecorderSettings(tmp_path / "rec", SECRET, block=4, max_bytes=1024,
+                                              reorder_s=0.0))
+    recorder.start()
+    for i in range(40):
+        recorder.submit(finished(list(range(i, i + 30))))
+    recorder.close()
+    assert len(recorder.files) > 1
+    out = tmp_path / "merged.jsonl"
+    assert main(["trace", "merge", *map(str, reversed(recorder.files)), "--out", str(out),
+                 "--block-size", "4"]) == 0
+    assert out.read_text().splitlines() == read_trace(tmp_path / "rec")
+
+
+def test_merge_refuses_files_of_unknown_clock_and_directories_elsewhere(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A file not named by the recorder is refused by name; a recording directory given to a
+    command that wants one trace says how to merge it."""
+
+    record_two_gateways(tmp_path / "rec")
+    stray = tmp_path / "rec" / "trace-mine.jsonl"
+    stray.write_text("")
+    assert main(["trace", "merge", str(tmp_path / "rec"), str(stray), "--out",
+                 str(tmp_path / "m.jsonl")]) == 1
+    err = capsys.readouterr().err
+    assert "trace-mine.jsonl" in err and "merge recorded files only" in err
+    stray.unlink()
+    for command in (["simulate", "--trace", str(tmp_path / "rec"), "--cache-tokens", "1000"],
+                    ["plan", "--trace", str(tmp_path / "rec"), "--slo", "ttft_p95=1"],
+                    ["trace", "stats", str(tmp_path / "rec")],
+                    ["replay", "--trace", str(tmp_path / "rec"), "--target", "http://h:1"]):
+        assert main(command) == 1
+        err = capsys.readouterr().err
+        assert f"kvreuse trace merge {tmp_path / 'rec'} --out" in err, command
+    assert not (tmp_path / "m.jsonl").exists()

@@ -122,6 +122,16 @@ def input_file(path_text: str, what: str) -> Path:
     return path
 
 
+def trace_file(path: Path, flag: str) -> Path:
+    """``path``, unless it is a directory: what ``kvreuse route --record`` writes, whose files
+    are one trace only once ``kvreuse trace merge`` has put them on one clock (the
+    :class:`ConfigError` says so)."""
+    if path.is_dir():
+        raise ConfigError(f"{flag} {path}: is a directory; make its recorded files one trace "
+                          f"first: kvreuse trace merge {path} --out trace.jsonl")
+    return path
+
+
 def read_bytes(path_text: str, what: str) -> bytes:
     """The bytes of :func:`input_file` ``path_text``; unreadable files raise
     :class:`ConfigError` naming ``what`` and the reason."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from kvreuse.capacity.model import GIB, KIB, cache_budget, dtype_bytes, kv_shape_from_config
@@ -26,6 +27,7 @@ from kvreuse.cli.args import (
     positive_float,
     positive_int,
     read_bytes,
+    trace_file,
 )
 from kvreuse.errors import ConfigError, InputFormatError
 from kvreuse.json_input import parse_json
@@ -156,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
         parts, described = parse_workload(_read_json(args.workload, "--workload"), args.workload)
         replicas = replicas or described
     elif args.trace:
-        path = input_file(args.trace, "--trace")
+        path = input_file(str(trace_file(Path(args.trace), "--trace")), "--trace")
         try:
             with path.open("rb") as lines:
                 hot = trace_hot_set(parse_trace_lines(lines, args.trace), args.window)

@@ -33,7 +33,13 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvreuse import __version__
-from kvreuse.cli.args import non_negative_float, positive_float, positive_int, speed_list
+from kvreuse.cli.args import (
+    non_negative_float,
+    positive_float,
+    positive_int,
+    speed_list,
+    trace_file,
+)
 from kvreuse.cli.plan_workers import PoolWorkers, RayWorkers, Traffic, WorkerInit, run_cells
 from kvreuse.cli.tables import make_console, print_table
 from kvreuse.errors import ConfigError, WorkerDiedError
@@ -266,7 +272,7 @@ def run(args: argparse.Namespace) -> int:
     speeds: tuple[float, ...] = args.prefill_speeds
     grid(policies, replicas, caches, knobs, speeds)  # refuses a bad value before reading
     try:
-        data = args.trace.read_bytes()
+        data = trace_file(args.trace, "--trace").read_bytes()
     except OSError as exc:
         raise ConfigError(f"cannot read --trace {args.trace}: {exc.strerror}") from None
     replica = ReplicaConfig(prefill_tokens_per_s=args.prefill_rate, overhead_s=args.overhead,

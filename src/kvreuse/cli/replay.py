@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvreuse.cli.args import positive_float, positive_int
+from kvreuse.cli.args import positive_float, positive_int, trace_file
 from kvreuse.cli.tables import make_console
 from kvreuse.errors import ConfigError
 from kvreuse.sim.summary import percentile
@@ -290,7 +290,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.target.startswith("http://"):
         raise ConfigError(f"--target must be an http:// URL, got {args.target!r}")
     try:
-        with args.trace.open("rb") as lines:
+        with trace_file(args.trace, "--trace").open("rb") as lines:
             records = parse_trace_lines(lines, str(args.trace), args.block_size)
     except OSError as exc:
         raise ConfigError(f"cannot read --trace {args.trace}: {exc.strerror}") from None

@@ -36,6 +36,7 @@ from kvreuse.cli.args import (
     speed_change,
     speed_list,
     split_policies,
+    trace_file,
 )
 from kvreuse.cli.tables import make_console, print_table
 from kvreuse.errors import ConfigError, require_at_least
@@ -325,7 +326,7 @@ def run(args: argparse.Namespace) -> int:
     cost: CostModel | None = None
     if args.trace is not None:
         try:
-            with args.trace.open("rb") as lines:
+            with trace_file(args.trace, "--trace").open("rb") as lines:
                 records = parse_trace_lines(lines, str(args.trace), args.trace_block_size)
         except OSError as exc:
             raise ConfigError(f"cannot read --trace {args.trace}: {exc.strerror}") from None

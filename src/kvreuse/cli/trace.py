@@ -5,6 +5,7 @@
     kvreuse trace stats TRACE.jsonl [--block-size 512] [--replicas 1,2,4,8]
                         [--cache-tokens 100000,200000,400000] [--window 60]
                         [--json FILE] [--report FILE.html]
+    kvreuse trace merge PATH... --out TRACE.jsonl [--block-size 512]
 
 ``import`` reads JSONL request logs, one request per line: ``timestamp`` (ms, or an ISO 8601
 time; one without an offset is UTC, so an import gives the same trace on every machine) and
@@ -14,16 +15,21 @@ without ``body`` is taken as the body itself); optional ``output_tokens``, ``ses
 template, else one token per 4 bytes; :func:`kvreuse.gateway.prompts.request_tokens`) and
 written with keyed block ids exactly as ``kvreuse route --record`` writes them
 (:mod:`kvreuse.trace.keyed`; the same secret gives the same ids), with no text. A bad line is
-an error naming file, line and field. ``stats`` prints :mod:`kvreuse.trace.stats`.
+an error naming file, line and field. ``stats`` prints :mod:`kvreuse.trace.stats`. ``merge``
+puts the recordings ``kvreuse route --record`` wrote (several gateways, restarts; files or
+directories of them) on one clock and in one arrival order (:mod:`kvreuse.trace.recording`).
+``import`` and ``merge`` read a line at a time, show their progress, and write beside ``--out``,
+renaming at the end.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -36,7 +42,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from kvreuse.cli.args import positive_float, positive_int
+from kvreuse.cli.args import positive_float, positive_int, trace_file
 from kvreuse.cli.tables import make_console
 from kvreuse.errors import ConfigError, InputFormatError
 from kvreuse.trace.format import (
@@ -45,14 +51,17 @@ from kvreuse.trace.format import (
     MAX_TEXT_FIELD,
     MAX_TIMESTAMP_MS,
     TraceRecord,
+    iter_trace_records,
     parse_trace_lines,
     record_json,
 )
+from kvreuse.trace.recording import RecordingFile
 from kvreuse.trace.stats import TraceStats, trace_stats
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser("trace", help="import request logs as a trace; trace stats")
+    parser = subparsers.add_parser(
+        "trace", help="import request logs as a trace; merge recordings; trace stats")
     commands = parser.add_subparsers(dest="trace_command", metavar="SUBCOMMAND", required=True)
 
     imp = commands.add_parser("import", help="JSONL request logs -> a trace without text")
@@ -81,6 +90,15 @@ def register(subparsers: Any) -> None:
     stats.add_argument("--json", type=Path, help="write the figures as JSON")
     stats.add_argument("--report", type=Path, help="write an HTML report with plots")
     stats.set_defaults(func=run_stats)
+
+    merge = commands.add_parser(
+        "merge", help="recordings of several gateways or restarts -> one trace on one clock")
+    merge.add_argument("paths", type=Path, nargs="+", metavar="PATH",
+                       help="recorded files, or directories of them (kvreuse route --record)")
+    merge.add_argument("--out", type=Path, required=True, help="the trace to write")
+    merge.add_argument("--block-size", type=positive_int, default=DEFAULT_BLOCK_TOKENS,
+                       help=f"tokens per hash id, as recorded ({DEFAULT_BLOCK_TOKENS})")
+    merge.set_defaults(func=run_merge)
 
 
 def _ints(text: str, flag: str) -> list[int]:
@@ -111,7 +129,7 @@ def run_stats(args: argparse.Namespace) -> int:
     if args.trace is None:
         raise ConfigError("name the trace: kvreuse trace stats TRACE")
     try:
-        with args.trace.open("rb") as lines:
+        with trace_file(args.trace, "the trace").open("rb") as lines:
             records = parse_trace_lines(lines, str(args.trace), args.block_size)
     except OSError as exc:
         raise ConfigError(f"cannot read {args.trace}: {exc.strerror}") from None
@@ -341,45 +359,132 @@ def run_import(args: argparse.Namespace) -> int:
         size = os.fstat(log.fileno()).st_size
     except OSError as exc:
         raise ConfigError(f"cannot read {args.log}: {exc.strerror}") from None
-    # Written beside --out and renamed at the end: a log that fails half-way (or Ctrl-C) leaves
-    # no half trace, and an earlier --out stays as it was.
-    partial = args.out.with_name(f".{args.out.name}.{os.getpid()}.partial")
-    written = 0
-    console = make_console()
-    try:
-        with log, Progress(
-            TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-            TimeElapsedColumn(), console=console, transient=True,
-        ) as progress:
-            task = progress.add_task("importing", total=size)
-
-            def read_lines() -> Iterator[bytes]:
-                done = 0
-                for number, raw in enumerate(log, start=1):
-                    done += len(raw)
-                    if number % 1024 == 0:
-                        progress.update(task, completed=done)
-                    yield raw
-
-            try:
-                sink = partial.open("w", encoding="utf-8")
-            except OSError as exc:
-                raise ConfigError(f"--out {args.out}: cannot write: {exc.strerror}") from None
-            with sink:
-                for line in import_records(read_lines(), str(args.log), tokenizer,
-                                           KeyedIds(secret, args.block_size)):
-                    try:
-                        sink.write(line + "\n")
-                    except OSError as exc:
-                        raise ConfigError(
-                            f"--out {args.out}: cannot write: {exc.strerror}") from None
-                    written += 1
-        try:
-            os.replace(partial, args.out)
-        except OSError as exc:
-            raise ConfigError(f"--out {args.out}: cannot write: {exc.strerror}") from None
-    finally:
-        partial.unlink(missing_ok=True)
+    with log, _byte_progress("importing", size) as progress:
+        written = _write_trace(args.out, import_records(
+            progress.count(log), str(args.log), tokenizer, KeyedIds(secret, args.block_size)))
     note = "" if shared else " (random secret: ids match no other trace's)"
     print(f"wrote {written:,} requests to {args.out}{note}")
+    return 0
+
+
+class _ByteProgress:
+    """A progress bar over the bytes of the lines read (:meth:`count`), redrawn every 1,024."""
+
+    def __init__(self, progress: Progress, task: Any) -> None:
+        self._progress, self._task, self._done = progress, task, 0
+
+    def count(self, lines: Iterable[bytes]) -> Iterator[bytes]:
+        for number, raw in enumerate(lines, start=1):
+            self._done += len(raw)
+            if number % 1024 == 0:
+                self._progress.update(self._task, completed=self._done)
+            yield raw
+
+
+@contextlib.contextmanager
+def _byte_progress(what: str, total: int) -> Iterator[_ByteProgress]:
+    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                  TimeElapsedColumn(), console=make_console(), transient=True) as progress:
+        yield _ByteProgress(progress, progress.add_task(what, total=total))
+
+
+def _write_trace(out: Path, lines: Iterable[str]) -> int:
+    """Write ``lines`` (each without its newline) to a file beside ``out``, renamed over it at
+    the end: input that fails half-way (or Ctrl-C) leaves no half trace, and an earlier ``out``
+    as it was. Returns the number of lines."""
+    partial = out.with_name(f".{out.name}.{os.getpid()}.partial")
+    written = 0
+    try:
+        try:
+            sink = partial.open("w", encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"--out {out}: cannot write: {exc.strerror}") from None
+        with sink:
+            for line in lines:
+                try:
+                    sink.write(line + "\n")
+                except OSError as exc:
+                    raise ConfigError(f"--out {out}: cannot write: {exc.strerror}") from None
+                written += 1
+        try:
+            os.replace(partial, out)
+        except OSError as exc:
+            raise ConfigError(f"--out {out}: cannot write: {exc.strerror}") from None
+    finally:
+        partial.unlink(missing_ok=True)
+    return written
+
+
+# ---------------------------------------------------------------------------------- merge
+
+
+def recorded_files(paths: Sequence[Path]) -> dict[tuple[int, int], list[tuple[RecordingFile,
+                                                                              Path]]]:
+    """The recorded files ``paths`` name (a directory: its ``trace-*.jsonl``), by recording
+    (start, process), each recording's parts in order. A file whose name
+    ``kvreuse route --record`` did not give is refused: its clock's zero is unknown."""
+    files: list[Path] = []
+    for path in paths:
+        if path.is_dir():
+            found = sorted(path.glob("trace-*.jsonl"))
+            if not found:
+                raise ConfigError(f"{path}: no recorded files (trace-*.jsonl) in this directory")
+            files += found
+        elif path.exists():
+            files.append(path)
+        else:
+            raise ConfigError(f"{path}: no such file or directory")
+    recordings: dict[tuple[int, int], list[tuple[RecordingFile, Path]]] = {}
+    for path in dict.fromkeys(files):
+        name = RecordingFile.parse(path.name)
+        if name is None:
+            raise ConfigError(
+                f"{path}: not a file `kvreuse route --record` wrote (trace-START-PID-PART.jsonl)"
+                f", so where its clock starts is unknown; merge recorded files only")
+        recordings.setdefault(name.recording, []).append((name, path))
+    for parts in recordings.values():
+        parts.sort()
+    return dict(sorted(recordings.items()))
+
+
+def run_merge(args: argparse.Namespace) -> int:
+    from kvreuse.trace.recording import merge_recordings
+
+    recordings = recorded_files(args.paths)
+    total = sum(path.stat().st_size for parts in recordings.values() for _, path in parts)
+    coarse = sum(1 for parts in recordings.values() if parts[0][0].to_the_second)
+    span = [0.0]
+    with contextlib.ExitStack() as stack:
+        progress = stack.enter_context(_byte_progress("merging", total))
+
+        def records(parts: list[tuple[RecordingFile, Path]]) -> Iterator[TraceRecord]:
+            after = 0.0  # the parts of one recording continue one clock
+            for _, path in parts:
+                try:
+                    handle = stack.enter_context(path.open("rb", buffering=1 << 20))
+                except OSError as exc:
+                    raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
+                for record in iter_trace_records(progress.count(handle), str(path),
+                                                 args.block_size, after):
+                    after = record.timestamp_ms
+                    yield record
+                handle.close()
+
+        def lines() -> Iterator[str]:
+            merged = 0
+            for record in merge_recordings([(start, records(parts))
+                                            for (start, _), parts in recordings.items()]):
+                span[0] = record.timestamp_ms
+                merged += 1
+                yield record_json(record)
+            if not merged:  # raised before the rename: an earlier --out stays
+                raise ConfigError("the recorded files hold no requests")
+
+        written = _write_trace(args.out, lines())
+    files = sum(len(parts) for parts in recordings.values())
+    print(f"merged {written:,} requests of {len(recordings):,} recordings ({files:,} files) "
+          f"into {args.out}, over {span[0] / 1000:,.1f} s")
+    if coarse:
+        print(f"note: {coarse:,} of the recordings name their start to the second only "
+              f"(recorded by an earlier kvreuse), so they are aligned within a second")
     return 0

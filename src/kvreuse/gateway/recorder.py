@@ -22,8 +22,9 @@ on is then late). Without that bound the queue's limit meant nothing (the writer
 every 0.25 s into the held set), and a flood of long prompts held every one of the last
 ``reorder_s`` seconds: 1,500 prompts of 100k tokens grew the gateway by 600 MB with a queue of
 100. Files rotate at ``max_bytes`` and every ``rotate_s``
-seconds: ``DIR/trace-<start>-<pid>-<n>.jsonl`` (``n`` zero-padded, so names sort in order),
-timestamps continuing across files.
+seconds: ``DIR/trace-<start>-<pid>-<n>.jsonl`` (:mod:`kvreuse.trace.recording`: ``<start>`` to
+the millisecond, so ``kvreuse trace merge`` can put several recordings on one clock; ``n``
+zero-padded, so names sort in order), timestamps continuing across files.
 
 A write that fails (a full disk, a quota) loses only what it must and leaves a readable trace:
 the lines handed to the file since its last successful flush are counted in :attr:`failed`
@@ -57,6 +58,7 @@ from kvreuse.gateway.telemetry import RequestRecord
 from kvreuse.tokens import TOKEN_BYTES
 from kvreuse.trace.format import DEFAULT_BLOCK_TOKENS, MAX_TEXT_FIELD, TraceRecord, record_json
 from kvreuse.trace.keyed import KeyedIds
+from kvreuse.trace.recording import recording_file_name
 
 log = logging.getLogger("kvreuse.gateway.recorder")
 
@@ -307,12 +309,10 @@ class TraceRecorder:
             self._file.close()  # an OSError here is the caller's failed write
             self._file = None
         if self._file is None:
-            stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(self.origin))
             # Made again if it went (an operator moved the traces away): recording goes on.
             self.settings.directory.mkdir(parents=True, exist_ok=True)
-            path = self.settings.directory / (
-                f"trace-{stamp}-{os.getpid()}-{len(self.files) + 1:05d}.jsonl"
-            )
+            path = self.settings.directory / recording_file_name(
+                self.origin, os.getpid(), len(self.files) + 1)
             self._file = path.open("w", encoding="utf-8")
             self._file_bytes = self._flushed_bytes = 0
             self._flushed_written = self.written

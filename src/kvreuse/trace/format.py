@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -230,6 +230,33 @@ def parse_record(
     )
 
 
+def iter_trace_records(
+    lines: Iterable[str | bytes],
+    source: str = "trace",
+    block: int = DEFAULT_BLOCK_TOKENS,
+    after_ms: float = 0.0,
+) -> Iterator[TraceRecord]:
+    """The requests of a trace one at a time, in file order (which is arrival order, none
+    before ``after_ms``: where an earlier file of the same recording ended). Errors name
+    ``source:line``. O(ids) per record."""
+    if block < 1:
+        raise InputFormatError(f"the trace block size must be >= 1, got {block}")
+    previous = after_ms
+    for number, line in enumerate(lines, start=1):
+        record = parse_record(line, number, source, block)
+        if record is None:
+            continue
+        if record.timestamp_ms < previous:
+            raise InputFormatError(
+                f"field 'timestamp' goes back in time: {record.timestamp_ms:g} ms after "
+                f"{previous:g} ms on an earlier line (a trace is in arrival order; sort it "
+                f"by timestamp)",
+                f"{source}:{number}",
+            )
+        previous = record.timestamp_ms
+        yield record
+
+
 def parse_trace_lines(
     lines: Iterable[str | bytes],
     source: str = "trace",
@@ -238,24 +265,8 @@ def parse_trace_lines(
     allow_empty: bool = False,
 ) -> list[TraceRecord]:
     """Every request of a trace, in file order (which is arrival order). O(total ids)."""
-    if block < 1:
-        raise InputFormatError(f"the trace block size must be >= 1, got {block}")
-    out: list[TraceRecord] = []
-    previous = 0.0
     with collector_paused():  # a million records, no cycles (kvreuse.bulk)
-        for number, line in enumerate(lines, start=1):
-            record = parse_record(line, number, source, block)
-            if record is None:
-                continue
-            if record.timestamp_ms < previous:
-                raise InputFormatError(
-                    f"field 'timestamp' goes back in time: {record.timestamp_ms:g} ms after "
-                    f"{previous:g} ms on an earlier line (a trace is in arrival order; sort it "
-                    f"by timestamp)",
-                    f"{source}:{number}",
-                )
-            previous = record.timestamp_ms
-            out.append(record)
+        out = list(iter_trace_records(lines, source, block))
     if not out and not allow_empty:
         raise InputFormatError("the trace holds no requests", source)
     return out
