@@ -316,3 +316,26 @@ def test_merge_refuses_files_of_unknown_clock_and_directories_elsewhere(
         err = capsys.readouterr().err
         assert f"kvreuse trace merge {tmp_path / 'rec'} --out" in err, command
     assert not (tmp_path / "m.jsonl").exists()
+
+
+def test_a_missing_part_is_noted_and_a_file_named_twice_counts_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Part 2 of a rotated recording deleted: the merge says which part is missing; the
+    directory and one of its files named again merge each request once."""
+    recorder = TraceRecorder(RecorderSettings(tmp_path / "rec", SECRET, block=4, max_bytes=1024,
+                                              reorder_s=0.0))
+    recorder.start()
+    for i in range(40):
+        recorder.submit(finished(list(range(i, i + 30))))
+    recorder.close()
+    assert len(recorder.files) >= 3
+    kept = len(read_trace(tmp_path / "rec")) - len(recorder.files[1].read_text().splitlines())
+    recorder.files[1].unlink()
+    out = tmp_path / "merged.jsonl"
+    again = tmp_path / "rec" / ".." / "rec" / recorder.files[0].name
+    assert main(["trace", "merge", str(tmp_path / "rec"), str(again), "--out", str(out),
+                 "--block-size", "4"]) == 0
+    printed = capsys.readouterr().out
+    assert "part 2 of the recording is missing" in printed
+    assert len(out.read_text().splitlines()) == kept

@@ -435,7 +435,7 @@ def recorded_files(paths: Sequence[Path]) -> dict[tuple[int, int], list[tuple[Re
         else:
             raise ConfigError(f"{path}: no such file or directory")
     recordings: dict[tuple[int, int], list[tuple[RecordingFile, Path]]] = {}
-    for path in dict.fromkeys(files):
+    for path in {path.resolve(): path for path in files}.values():  # a file named twice once
         name = RecordingFile.parse(path.name)
         if name is None:
             raise ConfigError(
@@ -487,4 +487,11 @@ def run_merge(args: argparse.Namespace) -> int:
     if coarse:
         print(f"note: {coarse:,} of the recordings name their start to the second only "
               f"(recorded by an earlier kvreuse), so they are aligned within a second")
+    for parts in recordings.values():
+        have = {name.part for name, _ in parts}
+        missing = sorted(set(range(1, max(have) + 1)) - have)
+        if missing:
+            print(f"note: {parts[0][1].name.rsplit('-', 1)[0]}: part "
+                  f"{', '.join(map(str, missing))} of the recording is missing (its requests "
+                  f"are not in the trace)")
     return 0
