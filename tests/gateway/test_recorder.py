@@ -69,14 +69,20 @@ def test_a_full_queue_drops_and_counts_never_blocks(tmp_path: Path) -> None:
     assert results == [True, True, False, False, False] and recorder.dropped == 3
 
 
-def test_files_rotate_by_size_and_timestamps_continue(tmp_path: Path) -> None:
-    """Past max_bytes a new file starts; together they parse as one monotonic trace."""
-    recorder = TraceRecorder(RecorderSettings(tmp_path, SECRET, block=4, max_bytes=1024,
+def record_rotated(directory: Path) -> TraceRecorder:
+    """40 requests of 30 tokens recorded into ``directory`` in files of at most 1,024 bytes."""
+    recorder = TraceRecorder(RecorderSettings(directory, SECRET, block=4, max_bytes=1024,
                                               reorder_s=0.0))
     recorder.start()
     for i in range(40):
         recorder.submit(finished(list(range(i, i + 30))))
     recorder.close()
+    return recorder
+
+
+def test_files_rotate_by_size_and_timestamps_continue(tmp_path: Path) -> None:
+    """Past max_bytes a new file starts; together they parse as one monotonic trace."""
+    recorder = record_rotated(tmp_path)
     assert len(recorder.files) > 1 and recorder.written == 40
     assert all(p.stat().st_size <= 1024 for p in recorder.files)
     assert len(parse_trace_lines(read_trace(tmp_path), block=4)) == 40
@@ -280,13 +286,7 @@ def test_two_gateways_recordings_merge_onto_one_clock(tmp_path: Path) -> None:
 
 def test_merging_one_recording_gives_its_files_joined(tmp_path: Path) -> None:
     """One recording rotated over several files merges into exactly its files end to end."""
-
-    recorder = TraceRecorder(RecorderSettings(tmp_path / "rec", SECRET, block=4, max_bytes=1024,
-                                              reorder_s=0.0))
-    recorder.start()
-    for i in range(40):
-        recorder.submit(finished(list(range(i, i + 30))))
-    recorder.close()
+    recorder = record_rotated(tmp_path / "rec")
     assert len(recorder.files) > 1
     out = tmp_path / "merged.jsonl"
     assert main(["trace", "merge", *map(str, reversed(recorder.files)), "--out", str(out),
@@ -323,12 +323,7 @@ def test_a_missing_part_is_noted_and_a_file_named_twice_counts_once(
 ) -> None:
     """Part 2 of a rotated recording deleted: the merge says which part is missing; the
     directory and one of its files named again merge each request once."""
-    recorder = TraceRecorder(RecorderSettings(tmp_path / "rec", SECRET, block=4, max_bytes=1024,
-                                              reorder_s=0.0))
-    recorder.start()
-    for i in range(40):
-        recorder.submit(finished(list(range(i, i + 30))))
-    recorder.close()
+    recorder = record_rotated(tmp_path / "rec")
     assert len(recorder.files) >= 3
     kept = len(read_trace(tmp_path / "rec")) - len(recorder.files[1].read_text().splitlines())
     recorder.files[1].unlink()
