@@ -334,3 +334,19 @@ def test_a_missing_part_is_noted_and_a_file_named_twice_counts_once(
     printed = capsys.readouterr().out
     assert "part 2 of the recording is missing" in printed
     assert len(out.read_text().splitlines()) == kept
+
+
+def test_a_line_still_being_written_is_left_out_with_a_note(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A recording whose gateway is mid-write ends in half a line: the merge leaves that line
+    out, says so, and keeps every whole one."""
+    recorder = record_rotated(tmp_path / "rec")
+    last = recorder.files[-1]
+    whole = last.read_text()
+    last.write_text(whole + whole.splitlines()[0][:25])
+    out = tmp_path / "merged.jsonl"
+    assert main(["trace", "merge", str(tmp_path / "rec"), "--out", str(out),
+                 "--block-size", "4"]) == 0
+    assert f"the last line of {last} is not finished" in capsys.readouterr().out
+    assert len(out.read_text().splitlines()) == 40

@@ -454,6 +454,17 @@ def run_merge(args: argparse.Namespace) -> int:
     total = sum(path.stat().st_size for parts in recordings.values() for _, path in parts)
     coarse = sum(1 for parts in recordings.values() if parts[0][0].to_the_second)
     span = [0.0]
+    unfinished: list[Path] = []
+
+    def whole_lines(lines: Iterable[bytes], path: Path) -> Iterator[bytes]:
+        # The recorder ends every line it writes; a last line without its newline is one a
+        # running gateway has not finished writing (its buffer flushes mid-line), left out.
+        for raw in lines:
+            if raw.endswith(b"\n"):
+                yield raw
+            else:
+                unfinished.append(path)
+
     with contextlib.ExitStack() as stack:
         progress = stack.enter_context(_byte_progress("merging", total))
 
@@ -464,8 +475,8 @@ def run_merge(args: argparse.Namespace) -> int:
                     handle = stack.enter_context(path.open("rb", buffering=1 << 20))
                 except OSError as exc:
                     raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
-                for record in iter_trace_records(progress.count(handle), str(path),
-                                                 args.block_size, after):
+                for record in iter_trace_records(whole_lines(progress.count(handle), path),
+                                                 str(path), args.block_size, after):
                     after = record.timestamp_ms
                     yield record
                 handle.close()
@@ -487,6 +498,9 @@ def run_merge(args: argparse.Namespace) -> int:
     if coarse:
         print(f"note: {coarse:,} of the recordings name their start to the second only "
               f"(recorded by an earlier kvreuse), so they are aligned within a second")
+    for path in unfinished:
+        print(f"note: the last line of {path} is not finished (is its gateway still "
+              f"recording?); left out")
     for parts in recordings.values():
         have = {name.part for name, _ in parts}
         missing = sorted(set(range(1, max(have) + 1)) - have)
