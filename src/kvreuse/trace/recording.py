@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import re
-import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -29,7 +28,7 @@ def recording_file_name(start_s: float, pid: int, part: int) -> str:
     """The name of part ``part`` (from 1) of the recording that process ``pid`` started at
     ``start_s`` (seconds since the epoch). :meth:`RecordingFile.parse` reads it back."""
     seconds, millis = divmod(int(start_s * 1000), 1000)
-    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(seconds))
+    stamp = datetime.fromtimestamp(seconds, UTC).strftime("%Y%m%dT%H%M%S")
     return f"trace-{stamp}.{millis:03d}Z-{pid}-{part:05d}.jsonl"
 
 
