@@ -23,6 +23,7 @@ from kvreuse.kv_event_codec import EventBatch
 from kvreuse.testing.servers import (
     ServerThread,
     calling_threads,
+    free_listen_port,
     free_port,
     probe_while_posting,
 )
@@ -89,7 +90,7 @@ def test_refusals_name_the_field(engine_url: str, body: dict[str, object], statu
 @pytest.mark.parametrize("shape", ["map", "array"])
 def test_kv_events_reach_a_subscriber(shape: str) -> None:
     """Stored blocks and a cache reset arrive in vLLM's wire format, either shape."""
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    endpoint = f"tcp://127.0.0.1:{free_listen_port()}"
     app = build_engine(EngineConfig(model="sim", **FAST), TextApproximation(),  # type: ignore[arg-type]
                        events_endpoint=endpoint, topic="kv", shape=shape)
     received: list[EventBatch] = []

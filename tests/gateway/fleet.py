@@ -11,7 +11,7 @@ from kvreuse.engine.server import EngineApp, build_engine
 from kvreuse.gateway.app import Gateway
 from kvreuse.gateway.config import UpstreamConfig
 from kvreuse.gateway.prompts import TextApproximation
-from kvreuse.testing.servers import ServerThread, free_port
+from kvreuse.testing.servers import ServerThread, free_listen_port
 
 
 @dataclass
@@ -30,8 +30,8 @@ def start_engine(name: str, *, model: str = "sim", events: bool = True, shape: s
                                    "prefill_tokens_per_s": 1e6, "overhead_s": 0.0,
                                    "time_per_output_token_s": 0.001}
     settings.update(overrides)
-    endpoint = f"tcp://127.0.0.1:{free_port()}" if events else None
-    replay_endpoint = f"tcp://127.0.0.1:{free_port()}" if events and replay else None
+    endpoint = f"tcp://127.0.0.1:{free_listen_port()}" if events else None
+    replay_endpoint = f"tcp://127.0.0.1:{free_listen_port()}" if events and replay else None
     engine = build_engine(EngineConfig(**settings), TextApproximation(),  # type: ignore[arg-type]
                           events_endpoint=endpoint, replay_endpoint=replay_endpoint,
                           topic="kv-events", shape=shape)

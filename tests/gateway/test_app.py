@@ -23,6 +23,7 @@ from kvreuse.routing import POLICIES
 from kvreuse.testing.servers import (
     ServerThread,
     calling_threads,
+    free_listen_port,
     free_port,
     probe_while_posting,
 )
@@ -190,7 +191,7 @@ def test_hf_tokenizer_mode_predicts_exactly(tokenizer_dir: Path, gateway_factory
     from kvreuse.engine.server import build_engine
     from kvreuse.gateway.prompts import HFPromptTokenizer as Hf
 
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    endpoint = f"tcp://127.0.0.1:{free_listen_port()}"
     app = build_engine(EngineConfig(model="sim", block_size=4), Hf(tokenizer_dir),
                        events_endpoint=endpoint)
     with ServerThread(app.app) as server:
