@@ -7,7 +7,7 @@ import io
 import pytest
 from rich.console import Console
 
-from kvreuse.cli.tables import PIPE_WIDTH, console_width, print_table
+from kvreuse.cli.tables import BYTES, COUNT, PIPE_WIDTH, console_width, print_table, progress_bar
 
 HEADERS = ("run", "token\nhit", "evicted\ntokens")
 ROWS = [["exact[spill_threshold_s=0.05] x4", "69.9%", "1,636,900"],
@@ -56,3 +56,31 @@ def test_columns_wins_and_pipes_read_wide(monkeypatch: pytest.MonkeyPatch) -> No
     assert console_width(io.StringIO()) == PIPE_WIDTH
     monkeypatch.setenv("COLUMNS", "wide")
     assert console_width(io.StringIO()) == PIPE_WIDTH
+
+
+def _drawn(counted: str, total: int, done: int) -> str:
+    out = io.StringIO()
+    console = Console(file=out, width=100, color_system=None, force_terminal=True)
+    with progress_bar(console, counted=counted) as progress:
+        task = progress.add_task("merging", total=total)
+        progress.update(task, completed=done)
+        progress.refresh()
+    return out.getvalue()
+
+
+def test_a_progress_bar_shows_what_it_does_and_how_far_in_units() -> None:
+    """COUNT: the description and ``done/total`` in whole units."""
+    text = _drawn(COUNT, 40, 12)
+    assert "merging" in text and "12/40" in text
+
+
+def test_a_progress_bar_over_bytes_shows_sizes() -> None:
+    """BYTES: ``done/total`` as sizes, not a count of bytes."""
+    text = _drawn(BYTES, 45_600_000, 12_300_000)
+    assert "12.3/45.6 MB" in text and "12300000" not in text
+
+
+def test_a_progress_bar_without_a_console_draws_nothing() -> None:
+    """No console (a replay driven by a library caller): the bar is disabled."""
+    with progress_bar(None) as progress:
+        assert progress.disable

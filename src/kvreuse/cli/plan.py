@@ -20,7 +20,6 @@ the plan (:mod:`kvreuse.cli.plan_workers`).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import json
 import os
@@ -30,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvreuse import __version__
 from kvreuse.cli.args import (
@@ -40,8 +38,9 @@ from kvreuse.cli.args import (
     speed_list,
     trace_file,
 )
+from kvreuse.cli.files import CannotWrite, written_beside
 from kvreuse.cli.plan_workers import PoolWorkers, RayWorkers, Traffic, WorkerInit, run_cells
-from kvreuse.cli.tables import make_console, print_table
+from kvreuse.cli.tables import make_console, print_table, progress_bar
 from kvreuse.errors import ConfigError, WorkerDiedError
 from kvreuse.routing import POLICIES
 from kvreuse.sim.config import ReplicaConfig, speeds_for
@@ -176,15 +175,14 @@ class CellCache:
         path = self._path(result.cell)
         if path is None or self.write_error is not None:
             return None
-        partial = path.with_suffix(f".{os.getpid()}.tmp")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            partial.write_text(json.dumps(result.as_dict()), encoding="utf-8")
-            partial.replace(path)  # atomic: a killed plan never leaves half a cell
-        except OSError as exc:
-            with contextlib.suppress(OSError):  # a torn partial file, where one was begun
-                partial.unlink(missing_ok=True)
-            self.write_error = f"{exc.strerror or type(exc).__name__} ({path.parent})"
+            with written_beside(path) as sink:  # a killed plan never leaves half a cell
+                sink.write(json.dumps(result.as_dict()))
+        except (OSError, CannotWrite) as exc:
+            reason = exc.reason if isinstance(exc, CannotWrite) else (
+                exc.strerror or type(exc).__name__)
+            self.write_error = f"{reason} ({path.parent})"
             return (f"cannot write the plan cache: {self.write_error}; the plan goes on, "
                     f"keeping no more cells ({self.stored} kept)")
         self.stored += 1
@@ -316,11 +314,7 @@ def run(args: argparse.Namespace) -> int:
                         args.seed)
     stopped_after = len(results)
     try:
-        with Progress(
-            TextColumn("{task.description}"), BarColumn(),
-            TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), console=console,
-            transient=True,
-        ) as progress:
+        with progress_bar(console) as progress:
             task = progress.add_task("cells", total=len(cells), completed=len(results))
 
             def warn(message: str) -> None:

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from kvreuse.cli.args import positive_float, positive_int, trace_file
-from kvreuse.cli.tables import make_console
+from kvreuse.cli.tables import make_console, progress_bar
 from kvreuse.errors import ConfigError
 from kvreuse.sim.summary import percentile
 from kvreuse.trace.format import DEFAULT_BLOCK_TOKENS, TraceRecord, parse_trace_lines
@@ -254,19 +254,13 @@ def replay(calls: ReplayCalls, target: str, engines: Sequence[str], timeout_s: f
     """Send ``calls`` at their times, reading engine counters before and after. Returns the
     summary, the tally and whether the run was interrupted (Ctrl-C: the requests in flight are
     cut off, and the figures are of those that finished)."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
     from kvreuse.testing.loadgen import fleet_hits, run_stream, scrape
 
     tally = ReplayTally(timeout_s)
     before = scrape(engines) if engines else {}
     started = time.perf_counter()
     interrupted = False
-    with Progress(
-        TextColumn("{task.description}"), BarColumn(),
-        TextColumn("{task.completed:,.0f}/{task.total:,.0f} s"), TimeElapsedColumn(),
-        console=console, transient=True, disable=console is None,
-    ) as progress:
+    with progress_bar(console, counted="{task.completed:,.0f}/{task.total:,.0f} s") as progress:
         task = progress.add_task("replaying", total=max(calls.span_s, 1e-9))
 
         def tick(elapsed: float) -> None:

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvreuse import defaults
 from kvreuse.cli.args import (
@@ -38,7 +37,7 @@ from kvreuse.cli.args import (
     split_policies,
     trace_file,
 )
-from kvreuse.cli.tables import make_console, print_table
+from kvreuse.cli.tables import make_console, print_table, progress_bar
 from kvreuse.errors import ConfigError, require_at_least
 from kvreuse.routing import POLICIES, policy_option_names
 from kvreuse.routing.base import CostModel
@@ -375,10 +374,7 @@ def run(args: argparse.Namespace) -> int:
             traffic[spec.variant] = scenario.requests(args.seed, spec.variant, args.scale)
     total = sum(len(traffic[s.variant]) for s in specs)
     rows: list[ScenarioRun] = []
-    with Progress(
-        TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-        TimeElapsedColumn(), console=console, transient=True, disable=total < 20_000,
-    ) as progress:
+    with progress_bar(console, disable=total < 20_000) as progress:
         task = progress.add_task("simulating", total=total)
         done_before = 0
         for spec in specs:

@@ -16,6 +16,14 @@ from typing import TextIO
 from rich import box
 from rich.console import Console, Group, RenderableType
 from rich.measure import Measurement
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    ProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from rich.table import Table
 from rich.text import Text
 
@@ -38,6 +46,23 @@ def make_console(*, stderr: bool = False) -> Console:
     """The console of a command: stdout (or stderr), width as :func:`console_width` says."""
     stream = sys.stderr if stderr else sys.stdout
     return Console(file=stream, width=console_width(stream), stderr=stderr)
+
+
+COUNT = "{task.completed}/{task.total}"
+"""How far a :func:`progress_bar` is, in whole units (cells, requests)."""
+
+BYTES = "bytes"
+"""A :func:`progress_bar` over bytes read: ``12.3/45.6 MB``."""
+
+
+def progress_bar(console: Console | None, *, counted: str = COUNT, disable: bool = False
+                 ) -> Progress:
+    """The progress bar of a long command: what it is doing, a bar, how far it is (``counted``:
+    :data:`COUNT`, :data:`BYTES`, or a rich format of ``task``) and the time taken. Transient:
+    it is gone once the command prints its results. ``console`` ``None`` draws nothing."""
+    amount: ProgressColumn = DownloadColumn() if counted == BYTES else TextColumn(counted)
+    return Progress(TextColumn("{task.description}"), BarColumn(), amount, TimeElapsedColumn(),
+                    console=console, transient=True, disable=disable or console is None)
 
 
 def print_table(

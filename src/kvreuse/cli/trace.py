@@ -34,16 +34,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-)
+from rich.progress import Progress
 
 from kvreuse.cli.args import positive_float, positive_int, trace_file
-from kvreuse.cli.tables import make_console
+from kvreuse.cli.files import CannotWrite, written_beside
+from kvreuse.cli.tables import BYTES, make_console, progress_bar
 from kvreuse.errors import ConfigError, InputFormatError
 from kvreuse.trace.format import (
     DEFAULT_BLOCK_TOKENS,
@@ -136,10 +131,7 @@ def run_stats(args: argparse.Namespace) -> int:
     replicas = _ints(args.replicas, "--replicas")
     cache_tokens = _ints(args.cache_tokens, "--cache-tokens")
     console = make_console()
-    with Progress(
-        TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-        TimeElapsedColumn(), console=console, transient=True,
-    ) as progress:
+    with progress_bar(console) as progress:
         task = progress.add_task("replaying the trace through each cache", total=None)
 
         def replayed(done: int, total: int) -> None:
@@ -383,8 +375,7 @@ class _ByteProgress:
 
 @contextlib.contextmanager
 def _byte_progress(what: str, total: int) -> Iterator[_ByteProgress]:
-    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-                  TimeElapsedColumn(), console=make_console(), transient=True) as progress:
+    with progress_bar(make_console(), counted=BYTES) as progress:
         yield _ByteProgress(progress, progress.add_task(what, total=total))
 
 
@@ -392,26 +383,14 @@ def _write_trace(out: Path, lines: Iterable[str]) -> int:
     """Write ``lines`` (each without its newline) to a file beside ``out``, renamed over it at
     the end: input that fails half-way (or Ctrl-C) leaves no half trace, and an earlier ``out``
     as it was. Returns the number of lines."""
-    partial = out.with_name(f".{out.name}.{os.getpid()}.partial")
     written = 0
     try:
-        try:
-            sink = partial.open("w", encoding="utf-8")
-        except OSError as exc:
-            raise ConfigError(f"--out {out}: cannot write: {exc.strerror}") from None
-        with sink:
+        with written_beside(out) as sink:
             for line in lines:
-                try:
-                    sink.write(line + "\n")
-                except OSError as exc:
-                    raise ConfigError(f"--out {out}: cannot write: {exc.strerror}") from None
+                sink.write(line + "\n")
                 written += 1
-        try:
-            os.replace(partial, out)
-        except OSError as exc:
-            raise ConfigError(f"--out {out}: cannot write: {exc.strerror}") from None
-    finally:
-        partial.unlink(missing_ok=True)
+    except CannotWrite as exc:
+        raise ConfigError(f"--out {out}: cannot write: {exc.reason}") from None
     return written
 
 

@@ -1,0 +1,76 @@
+"""kvreuse.cli.files: a file replaced whole or left as it was, and no partial file either way."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvreuse.cli.files import CannotWrite, written_beside
+
+
+def _others(directory: Path, target: Path) -> list[Path]:
+    return [path for path in directory.iterdir() if path != target]
+
+
+def test_a_finished_block_replaces_the_target(tmp_path: Path) -> None:
+    """The text written replaces the earlier file, and nothing is left beside it."""
+    target = tmp_path / "trace.jsonl"
+    target.write_text("old\n", encoding="utf-8")
+    with written_beside(target) as sink:
+        sink.write("new\n")
+        assert target.read_text(encoding="utf-8") == "old\n"  # not before the end
+    assert target.read_text(encoding="utf-8") == "new\n"
+    assert _others(tmp_path, target) == []
+
+
+def test_an_exception_in_the_block_leaves_the_target_as_it_was(tmp_path: Path) -> None:
+    """The caller's error (or Ctrl-C) propagates; the earlier file stays and the partial goes."""
+    target = tmp_path / "trace.jsonl"
+    target.write_text("old\n", encoding="utf-8")
+    with pytest.raises(KeyboardInterrupt), written_beside(target) as sink:
+        sink.write("half")
+        raise KeyboardInterrupt
+    assert target.read_text(encoding="utf-8") == "old\n"
+    assert _others(tmp_path, target) == []
+
+
+def test_a_directory_that_does_not_exist_is_cannot_write(tmp_path: Path) -> None:
+    """Opening the partial file fails: CannotWrite names the target and the system's reason."""
+    target = tmp_path / "missing" / "trace.jsonl"
+    with pytest.raises(CannotWrite) as caught, written_beside(target):
+        pass
+    assert caught.value.target == target
+    assert caught.value.reason == "No such file or directory"
+
+
+def test_a_rename_that_fails_is_cannot_write_and_leaves_no_partial(tmp_path: Path) -> None:
+    """A target that is a directory cannot be replaced by a file: CannotWrite, nothing left."""
+    target = tmp_path / "out"
+    target.mkdir()
+    with pytest.raises(CannotWrite) as caught, written_beside(target) as sink:
+        sink.write("x")
+    assert caught.value.reason == "Is a directory"
+    assert target.is_dir() and _others(tmp_path, target) == []
+
+
+@pytest.mark.parametrize("writes", [1, 100], ids=["at-the-close", "mid-stream"])
+def test_a_write_that_fails_is_cannot_write(tmp_path: Path, writes: int) -> None:
+    """A full disk (RLIMIT_FSIZE stands in for it) raises CannotWrite, not OSError, whether it
+    shows while writing or only when the buffer is flushed at the end."""
+    resource = pytest.importorskip("resource")
+    import signal
+
+    target = tmp_path / "big.jsonl"
+    previous_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, previous_limit[1]))
+    try:
+        with pytest.raises(CannotWrite) as caught, written_beside(target) as sink:
+            for _ in range(writes):
+                sink.write("x" * 5000)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, previous_limit)
+        signal.signal(signal.SIGXFSZ, previous_handler)
+    assert caught.value.reason == "File too large"
+    assert not target.exists() and _others(tmp_path, target) == []
