@@ -84,3 +84,11 @@ def test_a_progress_bar_without_a_console_draws_nothing() -> None:
     """No console (a replay driven by a library caller): the bar is disabled."""
     with progress_bar(None) as progress:
         assert progress.disable
+
+
+def test_a_progress_bar_into_a_pipe_writes_not_even_a_newline() -> None:
+    """A console that is not a terminal (a pipe, a log) gets no bar and no stray empty line."""
+    out = io.StringIO()
+    with progress_bar(Console(file=out, width=100)) as progress:
+        progress.update(progress.add_task("merging", total=3), advance=1)
+    assert out.getvalue() == ""

@@ -263,3 +263,15 @@ def test_sarif_report_lists_every_rule_and_each_finding() -> None:
     )
     assert to_json(findings, 2)["findings"][0]["rule"] == findings[0].rule_id
     assert "fix:" in to_text(findings, 2)
+
+
+def test_run_audit_announces_each_chosen_rule_before_it_runs() -> None:
+    """on_rule gets (rule id, index, count) once per chosen rule, in order, before its findings."""
+    bodies = [chat(f"Now: 2025-01-3{i} 09:15. {POLICY}", "Where is my order?") for i in (0, 1)]
+    prompts = tuple(build_prompt(body, tokenizer=TOKENIZER, template=QWEN, label=f"r{i}.json")
+                    for i, body in enumerate(bodies))
+    calls: list[tuple[str, int, int]] = []
+    findings = run_audit(AuditInput(prompts, TOKENIZER, QWEN, fixed_clocks()), ["KV108", "KV101"],
+                         lambda rule, index, count: calls.append((rule, index, count)))
+    assert calls == [("KV108", 0, 2), ("KV101", 1, 2)]
+    assert [f.rule_id for f in findings] == ["KV101"]

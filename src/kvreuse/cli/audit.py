@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from kvreuse.cli._prompts import add_prompt_arguments, load_prompts, setup_prompts, write_output
+from kvreuse.cli.tables import make_console, progress_bar
 
 FORMATS = ("text", "json", "sarif")
 RULES_HELP = (
@@ -42,7 +43,7 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvreuse.lint.audit import AuditInput, Severity, fixed_clocks, run_audit
+    from kvreuse.lint.audit import AUDIT_RULES, AuditInput, Severity, fixed_clocks, run_audit
     from kvreuse.lint.audit.report import to_json, to_sarif, to_text
 
     setup = setup_prompts(args)
@@ -56,7 +57,13 @@ def run(args: argparse.Namespace) -> int:
         template_label=setup.template_label,
     )
     chosen = None if args.rules is None else [r.strip() for r in args.rules.split(",") if r]
-    findings = run_audit(audit, chosen)
+    with progress_bar(make_console(stderr=True)) as progress:
+        task = progress.add_task("audit rules", total=len(chosen or AUDIT_RULES))
+
+        def on_rule(rule_id: str, index: int, count: int) -> None:
+            progress.update(task, completed=index, description=f"rule {rule_id}")
+
+        findings = run_audit(audit, chosen, on_rule)
     if args.format == "text":
         write_output(to_text(findings, len(prompts)), args.output)
     elif args.format == "json":

@@ -59,10 +59,13 @@ def progress_bar(console: Console | None, *, counted: str = COUNT, disable: bool
                  ) -> Progress:
     """The progress bar of a long command: what it is doing, a bar, how far it is (``counted``:
     :data:`COUNT`, :data:`BYTES`, or a rich format of ``task``) and the time taken. Transient:
-    it is gone once the command prints its results. ``console`` ``None`` draws nothing."""
+    it is gone once the command prints its results. It draws nothing without a ``console`` or
+    on one that is not a terminal: a pipe or a log cannot redraw a line, and rich would still
+    leave an empty line there when the bar stops."""
     amount: ProgressColumn = DownloadColumn() if counted == BYTES else TextColumn(counted)
+    quiet = disable or console is None or not console.is_terminal
     return Progress(TextColumn("{task.description}"), BarColumn(), amount, TimeElapsedColumn(),
-                    console=console, transient=True, disable=disable or console is None)
+                    console=console, transient=True, disable=quiet)
 
 
 def print_table(
