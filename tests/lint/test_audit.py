@@ -8,10 +8,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvreuse.errors import ConfigError
 from kvreuse.lint.audit import AUDIT_RULES, AuditInput, Severity, fixed_clocks, run_audit
+from kvreuse.lint.audit.base import TextEnds, stable_end_char
 from kvreuse.lint.audit.report import to_json, to_sarif, to_text
+from kvreuse.lint.paths import common_prefix_chars
 from kvreuse.lint.prompt import build_prompt
 from kvreuse.tokenizers import load_tokenizer
 from kvreuse.tokenizers.chat_template import ChatTemplate
@@ -275,3 +279,31 @@ def test_run_audit_announces_each_chosen_rule_before_it_runs() -> None:
                          lambda rule, index, count: calls.append((rule, index, count)))
     assert calls == [("KV108", 0, 2), ("KV101", 1, 2)]
     assert [f.rule_id for f in findings] == ["KV101"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(texts=st.lists(st.text(alphabet="ab\u00e9", max_size=6), min_size=1, max_size=8))
+def test_text_ends_give_the_prefix_every_other_text_shares(texts: list[str]) -> None:
+    """Differential: TextEnds' two comparisons equal the shortest common prefix with each of
+    the others, duplicates and a single prompt included."""
+    prompts = [build_prompt(text, tokenizer=TOKENIZER, template=None, label=f"t{i}")
+               for i, text in enumerate(texts)]
+    ends = TextEnds.of(prompts)
+    for prompt in prompts:
+        others = [other.text for other in prompts if other is not prompt]
+        expected = min((common_prefix_chars(prompt.text, other) for other in others),
+                       default=None)
+        assert ends.shared_by_all_others(prompt) == expected, (prompt.text, texts)
+
+
+def test_the_stable_part_of_raw_prompts_is_the_text_they_all_share() -> None:
+    """Raw prompts have no last user message: their stable part ends where the first of the
+    other prompts parts from them."""
+    bodies = [f"You are the support assistant. {POLICY}Question {i}: where is order {i}?"
+              for i in range(3)]
+    prompts = tuple(build_prompt(body, tokenizer=TOKENIZER, template=None, label=f"r{i}")
+                    for i, body in enumerate(bodies))
+    ends = AuditInput(prompts, TOKENIZER, None, fixed_clocks()).text_ends
+    for prompt in prompts:
+        assert stable_end_char(prompt, ends) == prompt.text.index("Question") + len("Question ")
+    assert stable_end_char(prompts[0]) == len(prompts[0].text)  # alone, all of it is stable

@@ -9,9 +9,10 @@ in the stable tokens it stops the cache from reusing.
 from __future__ import annotations
 
 import bisect
+import heapq
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from enum import IntEnum
 from typing import Any, Protocol
@@ -75,6 +76,40 @@ class Finding:
 
 
 @dataclass(frozen=True, slots=True)
+class TextEnds:
+    """The two lexicographically smallest and the two largest prompt texts, to find in O(1)
+    how much of a prompt's text every other prompt shares.
+
+    In sorted order the common prefix of two texts is the shortest of the common prefixes of
+    the adjacent pairs between them, so it can only shrink with distance: a text's shortest
+    common prefix with any other is the one with the smallest or the largest of the others.
+    Two of each, so that a prompt is never compared with itself. O(n) comparisons to build.
+    Asking every one of n others instead made an audit of raw prompts O(n^2): 231 s for 4,000.
+    """
+
+    smallest: tuple[Prompt, ...]
+    largest: tuple[Prompt, ...]
+
+    @classmethod
+    def of(cls, prompts: Sequence[Prompt]) -> TextEnds:
+        def text(prompt: Prompt) -> str:
+            return prompt.text
+
+        return cls(tuple(heapq.nsmallest(2, prompts, key=text)),
+                   tuple(heapq.nlargest(2, prompts, key=text)))
+
+    def shared_by_all_others(self, prompt: Prompt) -> int | None:
+        """Characters of ``prompt``'s text that every other prompt's text begins with;
+        ``None`` when there is no other prompt."""
+        low = next((other for other in self.smallest if other is not prompt), None)
+        high = next((other for other in self.largest if other is not prompt), None)
+        if low is None or high is None:
+            return None
+        return min(common_prefix_chars(prompt.text, low.text),
+                   common_prefix_chars(prompt.text, high.text))
+
+
+@dataclass(frozen=True, slots=True)
 class AuditInput:
     """Everything a rule may look at. ``clocks`` are two instants more than a day apart (with
     different hours, minutes and seconds) used to see whether rendering depends on the time."""
@@ -85,6 +120,10 @@ class AuditInput:
     clocks: tuple[DateClock, DateClock] | None = None
     block_size: int = 16
     template_label: str = "template"
+    text_ends: TextEnds = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "text_ends", TextEnds.of(self.prompts))
 
 
 class AuditRule(Protocol):
@@ -113,33 +152,34 @@ def token_at(prompt: Prompt, char_offset: int) -> int:
     return max(0, bisect.bisect_right(starts, char_offset) - 1)
 
 
-def stable_end_char(prompt: Prompt, others: Sequence[Prompt] = ()) -> int:
+def stable_end_char(prompt: Prompt, ends: TextEnds | None = None) -> int:
     """Where the variable tail begins, in characters.
 
     Chat prompts: the start of the last user message's content (located when the prompt was
-    built). Raw prompts: the text all samples share (the whole text with a single sample).
+    built). Raw prompts: the text all samples share (``ends``: those of every sample; the whole
+    text with a single sample or without ``ends``). O(prompt length).
     """
     if prompt.stable_end is not None:
         return prompt.stable_end
-    if prompt.request is None:
-        peers = [other for other in others if other is not prompt]
-        if peers:
-            return min(common_prefix_chars(prompt.text, other.text) for other in peers)
+    if prompt.request is None and ends is not None:
+        shared = ends.shared_by_all_others(prompt)
+        if shared is not None:
+            return shared
     return len(prompt.text)
 
 
-def stable_end_token(prompt: Prompt, others: Sequence[Prompt] = ()) -> int:
+def stable_end_token(prompt: Prompt, ends: TextEnds | None = None) -> int:
     """:func:`stable_end_char` as a token index (the token holding that character)."""
-    char = stable_end_char(prompt, others)
+    char = stable_end_char(prompt, ends)
     if char >= len(prompt.text):
         return len(prompt)
     return token_at(prompt, char)
 
 
-def cost_from(prompt: Prompt, token_index: int, others: Sequence[Prompt] = ()) -> int:
+def cost_from(prompt: Prompt, token_index: int, ends: TextEnds | None = None) -> int:
     """Stable tokens from ``token_index`` to the end of the stable part: what a volatile value
     at ``token_index`` stops every later request from reusing."""
-    return max(0, stable_end_token(prompt, others) - token_index)
+    return max(0, stable_end_token(prompt, ends) - token_index)
 
 
 def location(prompt: Prompt, field: str | None) -> str:

@@ -33,7 +33,7 @@ class TokenBoundaryRule:
         worst: Finding | None = None
         affected = 0
         for prompt in audit.prompts:
-            end = stable_end_char(prompt, audit.prompts)
+            end = stable_end_char(prompt, audit.text_ends)
             if end <= 0 or end >= len(prompt.text):
                 continue
             stable_ids = audit.tokenizer.encode(prompt.text[:end])

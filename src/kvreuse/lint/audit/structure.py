@@ -34,7 +34,7 @@ def _lost_stable_tokens(a: Prompt, b: Prompt, audit: AuditInput) -> tuple[int, i
     """(first divergent token, stable tokens of ``b`` after it); (shared, 0) when the prompts
     part only in their variable tails."""
     shared = shared_prefix(a, b)
-    end = min(stable_end_token(a, audit.prompts), stable_end_token(b, audit.prompts))
+    end = min(stable_end_token(a, audit.text_ends), stable_end_token(b, audit.text_ends))
     return shared, max(0, end - shared)
 
 
@@ -70,13 +70,13 @@ class PerUserFieldRule:
             if a.request is None or b.request is None or _is_continuation(a.request, b.request):
                 continue
             shared, _ = _lost_stable_tokens(a, b, audit)
-            end_a, end_b = stable_end_char(a, audit.prompts), stable_end_char(b, audit.prompts)
+            end_a, end_b = stable_end_char(a, audit.text_ends), stable_end_char(b, audit.text_ends)
             start_a, start_b = a.char_offset(shared), b.char_offset(shared)
             if start_a >= end_a or start_b >= end_b:
                 continue
             # Stable content *behind* the difference: the stable parts re-converge.
             suffix = _common_suffix(a.text[start_a:end_a], b.text[start_b:end_b])
-            cost = stable_end_token(a, audit.prompts) - token_at(a, end_a - suffix)
+            cost = stable_end_token(a, audit.text_ends) - token_at(a, end_a - suffix)
             if suffix == 0 or cost < audit.block_size:
                 continue
             field = attribute_field(audit.template, a.request, b.request, a.text)

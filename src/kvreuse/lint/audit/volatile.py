@@ -77,7 +77,7 @@ class VolatileValueRule:
     def _hits(self, audit: AuditInput) -> list[_Hit]:
         hits: list[_Hit] = []
         for prompt in audit.prompts:
-            stable = prompt.text[: stable_end_char(prompt, audit.prompts)]
+            stable = prompt.text[: stable_end_char(prompt, audit.text_ends)]
             taken: list[tuple[int, int]] = []
             for pattern in self.patterns:
                 for match in pattern.finditer(stable):
@@ -112,7 +112,7 @@ class VolatileValueRule:
             else:
                 severity, how = Severity.NOTE, f"identical in {len(samples)} samples"
             token = token_at(first.prompt, first.char_offset)
-            cost = cost_from(first.prompt, token, audit.prompts)
+            cost = cost_from(first.prompt, token, audit.text_ends)
             findings.append(
                 Finding(
                     rule_id=self.id,
@@ -157,7 +157,7 @@ class VolatileValueRule:
                 continue
             char = common_prefix_chars(early.text, late.text)
             token = token_at(early, char)
-            cost = cost_from(early, token, audit.prompts)
+            cost = cost_from(early, token, audit.text_ends)
             return [
                 Finding(
                     rule_id=self.id,
