@@ -191,7 +191,8 @@ def test_simulate_json_to_a_directory_names_the_flag(
     (tmp_path / "out").mkdir()
     done = run_main(capsys, monkeypatch, tmp_path, "simulate", "--scenario", "six-turn",
                     "--json", "out")
-    assert_clear_error(done, "--json out")
+    assert done.returncode == 2
+    assert_clear_error(done, "argument --json", "'out' is a directory")
 
 
 @pytest.mark.parametrize(
@@ -216,3 +217,73 @@ def test_flags_out_of_range_name_the_flag(
     done = run_main(capsys, monkeypatch, tmp_path, *args)
     assert done.returncode == 2
     assert_clear_error(done, f"argument {flag}")
+
+
+TRACE_ARGS = ["--trace", "t.jsonl"]
+
+
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (["simulate", "--scenario", "six-turn"], "--json"),
+        (["simulate", "--scenario", "six-turn"], "--report"),
+        (["plan", *TRACE_ARGS, "--slo", "ttft_p95=1"], "--json"),
+        (["plan", *TRACE_ARGS, "--slo", "ttft_p95=1"], "--report"),
+        (["replay", *TRACE_ARGS, "--target", "http://127.0.0.1:9"], "--json"),
+        (["replay", *TRACE_ARGS, "--target", "http://127.0.0.1:9"], "--report"),
+        (["trace", "stats", "t.jsonl"], "--json"),
+        (["trace", "stats", "t.jsonl"], "--report"),
+        (["trace", "merge", "recorded"], "--out"),
+        (["trace", "import", "log.jsonl"], "--out"),
+        (["audit", str(EXAMPLES / "prompts" / "stable-a.json"), *PROMPT], "--output"),
+    ],
+)
+def test_an_output_in_a_missing_directory_is_refused_before_any_work(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+    args: list[str], flag: str,
+) -> None:
+    """Every file a command writes is checked as its flag is read: a plan or a replay of an
+    hour must not fail at its last step on a directory that was never there."""
+    done = run_main(capsys, monkeypatch, tmp_path, *args, flag, "missing/out.file")
+    assert done.returncode == 2
+    assert_clear_error(done, f"argument {flag}", "the directory missing does not exist")
+
+
+def _on_a_full_disk(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """The command in a child process that may write files of 256 bytes at most: a full disk as
+    the write sees it (EFBIG, as ENOSPC; Python ignores SIGXFSZ)."""
+    import resource
+
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+    env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run(
+        [sys.executable, "-c", "import sys; from kvreuse.cli.main import main; sys.exit(main())",
+         *args],
+        capture_output=True, text=True, env=env, cwd=cwd, timeout=120, check=False,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (256, 256)),
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (["trace", "stats", "t.jsonl", "--replicas", "1", "--json"], "--json"),
+        (["simulate", "--scenario", "six-turn", "--json"], "--json"),
+        (["audit", str(EXAMPLES / "prompts" / "logged-requests.jsonl"), "--tokenizer",
+          "o200k_base", "--template", str(EXAMPLES / "prompts" / "qwen2.5-chat-template.jinja"),
+          "--format", "sarif", "--output"], "--output"),
+    ],
+)
+def test_a_full_disk_is_an_error_naming_the_flag_and_the_earlier_file_stays(
+    tmp_path: Path, args: list[str], flag: str
+) -> None:
+    """No traceback and no partial file beside the output; what it replaced is intact."""
+    from kvreuse.testing.mooncake import synthetic_mooncake
+
+    (tmp_path / "t.jsonl").write_text("\n".join(synthetic_mooncake(requests=30, documents=2))
+                                      + "\n")
+    (tmp_path / "out.json").write_text("earlier\n")
+    done = _on_a_full_disk(*args, "out.json", cwd=tmp_path)
+    assert_clear_error(done, f"{flag} out.json: cannot write: File too large")
+    assert (tmp_path / "out.json").read_text() == "earlier\n"
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from kvreuse.cli.files import CannotWrite, written_beside
+from kvreuse.cli.files import CannotWrite, write_whole, written_beside
+from kvreuse.errors import ConfigError
 
 
 def _others(directory: Path, target: Path) -> list[Path]:
@@ -74,3 +75,25 @@ def test_a_write_that_fails_is_cannot_write(tmp_path: Path, writes: int) -> None
         signal.signal(signal.SIGXFSZ, previous_handler)
     assert caught.value.reason == "File too large"
     assert not target.exists() and _others(tmp_path, target) == []
+
+
+def test_a_named_pipe_is_written_in_place(tmp_path: Path) -> None:
+    """A FIFO (or /dev/stdout) cannot be replaced: its reader gets the text, nothing is left."""
+    import os
+    import threading
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    received: list[str] = []
+    reader = threading.Thread(target=lambda: received.append(fifo.read_text(encoding="utf-8")))
+    reader.start()
+    write_whole(fifo, "report\n", "--json")
+    reader.join(timeout=10)
+    assert received == ["report\n"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["pipe"]
+
+
+def test_write_whole_names_the_flag_the_user_gave(tmp_path: Path) -> None:
+    """A failure is a ConfigError saying which flag's file could not be written, and why."""
+    with pytest.raises(ConfigError, match=r"^--report .*missing/r.html: cannot write: No such"):
+        write_whole(tmp_path / "missing" / "r.html", "<html>", "--report")

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvreuse.cli.args import positive_int, read_bytes
+from kvreuse.cli.files import write_whole
 from kvreuse.cli.tables import make_console, progress_bar
 from kvreuse.errors import ConfigError, InputFormatError
 from kvreuse.json_input import parse_json, utf8_text
@@ -190,4 +191,4 @@ def write_output(text: str, output: str | None) -> None:
     if output is None:
         print(text)
         return
-    Path(output).write_text(text + "\n", encoding="utf-8")
+    write_whole(Path(output), text + "\n", "--output")

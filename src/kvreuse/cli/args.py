@@ -122,6 +122,20 @@ def input_file(path_text: str, what: str) -> Path:
     return path
 
 
+def output_file(path_text: str) -> Path:
+    """An argparse type for a file a command will write (``--json``, ``--report``, ``--out``):
+    refused at once when its directory is missing or it names a directory, so that a plan or a
+    replay of an hour does not fail at its last step. Whether the disk has room is known only
+    when writing (:func:`kvreuse.cli.files.write_whole`)."""
+    path = Path(path_text)
+    if not path_text or path.is_dir():
+        raise argparse.ArgumentTypeError(f"{path_text!r} is a directory; give a file")
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{path_text}: the directory {path.parent} does not "
+                                         "exist")
+    return path
+
+
 def trace_file(path: Path, flag: str) -> Path:
     """``path``, unless it is a directory: what ``kvreuse route --record`` writes, whose files
     are one trace only once ``kvreuse trace merge`` has put them on one clock (the

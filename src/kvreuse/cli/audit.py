@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from kvreuse.cli._prompts import add_prompt_arguments, load_prompts, setup_prompts, write_output
+from kvreuse.cli.args import output_file
 from kvreuse.cli.tables import make_console, progress_bar
 
 FORMATS = ("text", "json", "sarif")
@@ -31,7 +32,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument("requests", nargs="+", help="request files (.json, .jsonl) or text files")
     add_prompt_arguments(parser)
     parser.add_argument("--format", choices=FORMATS, default="text")
-    parser.add_argument("--output", help="write the report to this file instead of stdout")
+    parser.add_argument("--output", type=output_file,
+                        help="write the report to this file instead of stdout")
     parser.add_argument(
         "--fail-on",
         default="error",

@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
 
+from kvreuse.errors import ConfigError
+
 
 class CannotWrite(Exception):
     """Opening, writing or renaming the file beside ``target`` failed; ``reason`` is the
@@ -23,6 +25,10 @@ class CannotWrite(Exception):
     def __init__(self, target: Path, reason: str) -> None:
         super().__init__(f"cannot write {target}: {reason}")
         self.target, self.reason = target, reason
+
+    def for_flag(self, flag: str) -> ConfigError:
+        """The error to show a user who named the file with ``flag``."""
+        return ConfigError(f"{flag} {self.target}: cannot write: {self.reason}")
 
 
 class _Sink:
@@ -47,8 +53,12 @@ def written_beside(target: Path) -> Iterator[_Sink]:
     """A text sink whose content replaces ``target`` when the block ends without an exception;
     on any exception (the caller's, Ctrl-C, :class:`CannotWrite`) the partial file is removed
     and ``target`` is left as it was. The partial file is ``.NAME.PID.partial`` beside it: a
-    directory listing shows whose it is, and two processes never share one."""
-    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+    directory listing shows whose it is, and two processes never share one.
+
+    A target that exists and is not a regular file (``/dev/stdout``, a named pipe) is written in
+    place: it cannot be replaced, and a reader may be waiting on it."""
+    in_place = target.exists() and not target.is_file()
+    partial = target if in_place else target.with_name(f".{target.name}.{os.getpid()}.partial")
     try:
         try:
             file = partial.open("w", encoding="utf-8")
@@ -58,12 +68,24 @@ def written_beside(target: Path) -> Iterator[_Sink]:
             yield _Sink(file, target)
             try:
                 file.close()  # a full disk often shows first here, flushing the buffer
-                os.replace(partial, target)
+                if not in_place:
+                    os.replace(partial, target)
             except OSError as exc:
                 raise CannotWrite(target, _reason(exc)) from None
         finally:
             with contextlib.suppress(OSError):
                 file.close()
     finally:
-        with contextlib.suppress(OSError):  # gone once renamed; a torn one where it failed
-            partial.unlink(missing_ok=True)
+        if not in_place:
+            with contextlib.suppress(OSError):  # gone once renamed; a torn one where it failed
+                partial.unlink(missing_ok=True)
+
+
+def write_whole(path: Path, text: str, flag: str) -> None:
+    """Write ``text`` to ``path`` through :func:`written_beside`; a failure is a
+    :class:`ConfigError` naming ``flag``, and an earlier ``path`` stays as it was."""
+    try:
+        with written_beside(path) as sink:
+            sink.write(text)
+    except CannotWrite as exc:
+        raise exc.for_flag(flag) from None

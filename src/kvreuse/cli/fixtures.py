@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvreuse.cli._prompts import add_prompt_arguments, load_prompts, setup_prompts
 from kvreuse.cli.args import bounded, positive_float, positive_int, read_bytes
+from kvreuse.cli.files import write_whole
 from kvreuse.errors import InputFormatError
 from kvreuse.json_input import parse_json
 from kvreuse.lint.fingerprint import DEFAULT_PREFIX_TOKENS, PrefixFingerprint, fingerprint
@@ -91,7 +92,7 @@ def run_record(args: argparse.Namespace) -> int:
     _, current, setup = _current(args)
     path = Path(args.golden)
     records = record_golden(_read_golden(path), current, setup.revisions)
-    path.write_text(json.dumps(dump_golden(records), indent=2) + "\n", encoding="utf-8")
+    write_whole(path, json.dumps(dump_golden(records), indent=2) + "\n", "--golden")
     print(f"recorded {len(current)} fixture(s) in {path} ({len(records)} revision record(s))")
     return 0
 

@@ -33,12 +33,13 @@ from rich.console import Console
 from kvreuse import __version__
 from kvreuse.cli.args import (
     non_negative_float,
+    output_file,
     positive_float,
     positive_int,
     speed_list,
     trace_file,
 )
-from kvreuse.cli.files import CannotWrite, written_beside
+from kvreuse.cli.files import CannotWrite, write_whole, written_beside
 from kvreuse.cli.plan_workers import PoolWorkers, RayWorkers, Traffic, WorkerInit, run_cells
 from kvreuse.cli.tables import make_console, print_table, progress_bar
 from kvreuse.errors import ConfigError, WorkerDiedError
@@ -117,8 +118,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--cache-dir", type=Path,
                         help="where finished cells are kept (default ~/.cache/kvreuse/plan)")
     parser.add_argument("--no-cache", action="store_true", help="neither read nor write cells")
-    parser.add_argument("--json", type=Path, help="write the cells, front and winner as JSON")
-    parser.add_argument("--report", type=Path, help="write an HTML report with plots here")
+    parser.add_argument("--json", type=output_file,
+                        help="write the cells, front and winner as JSON")
+    parser.add_argument("--report", type=output_file, help="write an HTML report with plots here")
     parser.set_defaults(func=run)
 
 
@@ -365,7 +367,7 @@ def run(args: argparse.Namespace) -> int:
             "command": command,
             "simulate_command": _simulate_command(args, winner.cell) if winner else None,
         }
-        args.json.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+        write_whole(args.json, json.dumps(payload, indent=2) + "\n", "--json")
         console.print(f"wrote {args.json}")
     if args.report is not None:
         from kvreuse.cli.planreport import write_plan_report

@@ -11,6 +11,7 @@ import html
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvreuse.cli.files import write_whole
 from kvreuse.cli.simreport import _png, _pyplot, figures_html, report_page
 from kvreuse.sim.plan import CellResult, Slo
 
@@ -105,4 +106,4 @@ def write_plan_report(
 {figures_html(images)}
 <h2>Every cell</h2><table>{head}{"".join(row(r) for r in results)}</table>
 """)
-    path.write_text(page, encoding="utf-8")
+    write_whole(path, page, "--report")

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvreuse.cli.args import positive_float, positive_int, trace_file
+from kvreuse.cli.args import output_file, positive_float, positive_int, trace_file
+from kvreuse.cli.files import write_whole
 from kvreuse.cli.tables import make_console, progress_bar
 from kvreuse.errors import ConfigError
 from kvreuse.sim.summary import percentile
@@ -75,8 +76,8 @@ def register(subparsers: Any) -> None:
                                                  "give the token hit rate")
     parser.add_argument("--timeout", type=positive_float, default=120.0,
                         help="seconds before a request counts as failed (120)")
-    parser.add_argument("--json", type=Path, help="write the figures as JSON")
-    parser.add_argument("--report", type=Path, help="write an HTML report")
+    parser.add_argument("--json", type=output_file, help="write the figures as JSON")
+    parser.add_argument("--report", type=output_file, help="write an HTML report")
     parser.set_defaults(func=run)
 
 
@@ -317,7 +318,7 @@ def run(args: argparse.Namespace) -> int:
         payload = {"trace": str(args.trace), "target": args.target, "speed": args.speed,
                    **summary.as_dict(), "interrupted": interrupted, "cut_off": tally.cut_off,
                    "errors_sample": tally.samples}
-        args.json.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+        write_whole(args.json, json.dumps(payload, indent=2) + "\n", "--json")
         console.print(f"wrote {args.json}")
     if args.report is not None:
         _report(args.report, str(args.trace), args.target, summary, tally)
@@ -384,4 +385,4 @@ def _report(path: Path, trace: str, target: str, summary: ReplaySummary,
     body = f"""<h1>{esc(trace)} to {esc(target)}</h1>
 <table>{rows}</table><h2>TTFT over time</h2>
 <img alt="TTFT over time" src="data:image/png;base64,{image}">"""
-    path.write_text(report_page(f"kvreuse replay: {trace}", body, cells="td"), encoding="utf-8")
+    write_whole(path, report_page(f"kvreuse replay: {trace}", body, cells="td"), "--report")

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvreuse import defaults
+from kvreuse.cli.files import write_whole
 from kvreuse.errors import ConfigError
 from kvreuse.sim.runner import ScenarioRun, check
 from kvreuse.sim.scenarios import Scenario
@@ -288,7 +289,4 @@ http://127.0.0.1:N/</code>).</p>
 <ul>{verdicts}</ul>{figures_html(images)}
 <h2>Parameters</h2><table><tr><th>name</th><th>value</th><th>source</th></tr>{params}</table>
 """)
-    try:
-        path.write_text(page, encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"--report {path}: cannot write: {exc.strerror}") from None
+    write_whole(path, page, "--report")

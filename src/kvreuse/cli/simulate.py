@@ -29,6 +29,7 @@ from kvreuse.cli.args import (
     bounded,
     key_value,
     non_negative_float,
+    output_file,
     policy_spec,
     positive_float,
     positive_int,
@@ -37,6 +38,7 @@ from kvreuse.cli.args import (
     split_policies,
     trace_file,
 )
+from kvreuse.cli.files import write_whole
 from kvreuse.cli.tables import make_console, print_table, progress_bar
 from kvreuse.errors import ConfigError, require_at_least
 from kvreuse.routing import POLICIES, policy_option_names
@@ -89,10 +91,10 @@ def register(subparsers: Any) -> None:
         help="leave out the no-cache baseline row of each policy and fleet size",
     )
     parser.add_argument(
-        "--json", type=Path, metavar="FILE",
+        "--json", type=output_file, metavar="FILE",
         help="write results as JSON to this file (- for stdout; the table goes to stderr)",
     )
-    parser.add_argument("--report", type=Path, help="write an HTML report with plots here")
+    parser.add_argument("--report", type=output_file, help="write an HTML report with plots here")
     parser.add_argument(
         "--lab-url", default=defaults.lab_base_url(), metavar="URL",
         help="where the report's 'open in lab' links point: the address `kvreuse lab` serves "
@@ -413,7 +415,7 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.write(text)
             sys.stdout.flush()
         else:
-            _write(args.json, text, "--json")
+            write_whole(args.json, text, "--json")
             console.print(f"wrote {args.json}")
     if args.report is not None:
         from kvreuse.cli.simreport import LabLinks, write_report
@@ -439,13 +441,6 @@ def run(args: argparse.Namespace) -> int:
         )
         console.print(f"report: {args.report}")
     return 0
-
-
-def _write(path: Path, text: str, flag: str) -> None:
-    try:
-        path.write_text(text, encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"{flag} {path}: cannot write: {exc.strerror}") from None
 
 
 def _sweep(

@@ -36,8 +36,8 @@ from typing import Any
 
 from rich.progress import Progress
 
-from kvreuse.cli.args import positive_float, positive_int, trace_file
-from kvreuse.cli.files import CannotWrite, written_beside
+from kvreuse.cli.args import output_file, positive_float, positive_int, trace_file
+from kvreuse.cli.files import CannotWrite, write_whole, written_beside
 from kvreuse.cli.tables import BYTES, make_console, progress_bar
 from kvreuse.errors import ConfigError, InputFormatError
 from kvreuse.trace.format import (
@@ -61,7 +61,7 @@ def register(subparsers: Any) -> None:
 
     imp = commands.add_parser("import", help="JSONL request logs -> a trace without text")
     imp.add_argument("log", type=Path, help="JSONL: timestamp + OpenAI request body per line")
-    imp.add_argument("--out", type=Path, required=True, help="the trace to write")
+    imp.add_argument("--out", type=output_file, required=True, help="the trace to write")
     imp.add_argument("--tokenizer", metavar="DIR", help="HF tokenizer dir (chat template)")
     imp.add_argument("--block-size", type=positive_int, default=DEFAULT_BLOCK_TOKENS,
                      help=f"tokens per hash id ({DEFAULT_BLOCK_TOKENS})")
@@ -82,15 +82,15 @@ def register(subparsers: Any) -> None:
                        help="KV pool sizes per replica for the pooled bound")
     stats.add_argument("--window", type=positive_float, default=60.0,
                        help="hot working set window, seconds (60)")
-    stats.add_argument("--json", type=Path, help="write the figures as JSON")
-    stats.add_argument("--report", type=Path, help="write an HTML report with plots")
+    stats.add_argument("--json", type=output_file, help="write the figures as JSON")
+    stats.add_argument("--report", type=output_file, help="write an HTML report with plots")
     stats.set_defaults(func=run_stats)
 
     merge = commands.add_parser(
         "merge", help="recordings of several gateways or restarts -> one trace on one clock")
     merge.add_argument("paths", type=Path, nargs="+", metavar="PATH",
                        help="recorded files, or directories of them (kvreuse route --record)")
-    merge.add_argument("--out", type=Path, required=True, help="the trace to write")
+    merge.add_argument("--out", type=output_file, required=True, help="the trace to write")
     merge.add_argument("--block-size", type=positive_int, default=DEFAULT_BLOCK_TOKENS,
                        help=f"tokens per hash id, as recorded ({DEFAULT_BLOCK_TOKENS})")
     merge.set_defaults(func=run_merge)
@@ -141,7 +141,7 @@ def run_stats(args: argparse.Namespace) -> int:
                             replayed)
     _print_stats(console, str(args.trace), stats)
     if args.json is not None:
-        args.json.write_text(json.dumps(stats.as_dict(), indent=2) + "\n", encoding="utf-8")
+        write_whole(args.json, json.dumps(stats.as_dict(), indent=2) + "\n", "--json")
         console.print(f"wrote {args.json}")
     if args.report is not None:
         _write_stats_report(args.report, str(args.trace), stats)
@@ -225,8 +225,7 @@ def _write_stats_report(path: Path, name: str, stats: TraceStats) -> None:
     rows = "".join(f"<tr><td>{esc(k)}</td><td>{esc(json.dumps(v))}</td></tr>"
                    for k, v in stats.as_dict().items() if k != "hot_over_time")
     body = f"<h1>{esc(name)}</h1>\n<table>{rows}</table>{figures_html(images)}"
-    path.write_text(report_page(f"kvreuse trace stats: {name}", body, cells="td"),
-                    encoding="utf-8")
+    write_whole(path, report_page(f"kvreuse trace stats: {name}", body, cells="td"), "--report")
 
 
 # ---------------------------------------------------------------------------------- import
@@ -390,7 +389,7 @@ def _write_trace(out: Path, lines: Iterable[str]) -> int:
                 sink.write(line + "\n")
                 written += 1
     except CannotWrite as exc:
-        raise ConfigError(f"--out {out}: cannot write: {exc.reason}") from None
+        raise exc.for_flag("--out") from None
     return written
 
 
