@@ -97,3 +97,16 @@ def test_write_whole_names_the_flag_the_user_gave(tmp_path: Path) -> None:
     """A failure is a ConfigError saying which flag's file could not be written, and why."""
     with pytest.raises(ConfigError, match=r"^--report .*missing/r.html: cannot write: No such"):
         write_whole(tmp_path / "missing" / "r.html", "<html>", "--report")
+
+
+def test_a_symbolic_link_stays_a_link_to_the_replaced_file(tmp_path: Path) -> None:
+    """The link still points where it did, and the file it names has the new text."""
+    (tmp_path / "real").mkdir()
+    real = tmp_path / "real" / "report.html"
+    real.write_text("old", encoding="utf-8")
+    link = tmp_path / "report.html"
+    link.symlink_to(real)
+    write_whole(link, "new", "--report")
+    assert link.is_symlink() and link.resolve() == real.resolve()
+    assert real.read_text(encoding="utf-8") == "new"
+    assert sorted(p.name for p in (tmp_path / "real").iterdir()) == ["report.html"]

@@ -56,9 +56,13 @@ def written_beside(target: Path) -> Iterator[_Sink]:
     directory listing shows whose it is, and two processes never share one.
 
     A target that exists and is not a regular file (``/dev/stdout``, a named pipe) is written in
-    place: it cannot be replaced, and a reader may be waiting on it."""
-    in_place = target.exists() and not target.is_file()
-    partial = target if in_place else target.with_name(f".{target.name}.{os.getpid()}.partial")
+    place: it cannot be replaced, and a reader may be waiting on it. A symbolic link stays a
+    link: the file it points to is replaced."""
+    # A symbolic link keeps pointing where it did: the file it names is the one replaced.
+    destination = target.resolve() if target.is_symlink() else target
+    in_place = destination.exists() and not destination.is_file()
+    partial = destination if in_place else destination.with_name(
+        f".{destination.name}.{os.getpid()}.partial")
     try:
         try:
             file = partial.open("w", encoding="utf-8")
@@ -69,7 +73,7 @@ def written_beside(target: Path) -> Iterator[_Sink]:
             try:
                 file.close()  # a full disk often shows first here, flushing the buffer
                 if not in_place:
-                    os.replace(partial, target)
+                    os.replace(partial, destination)
             except OSError as exc:
                 raise CannotWrite(target, _reason(exc)) from None
         finally:
