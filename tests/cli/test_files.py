@@ -110,3 +110,12 @@ def test_a_symbolic_link_stays_a_link_to_the_replaced_file(tmp_path: Path) -> No
     assert link.is_symlink() and link.resolve() == real.resolve()
     assert real.read_text(encoding="utf-8") == "new"
     assert sorted(p.name for p in (tmp_path / "real").iterdir()) == ["report.html"]
+
+
+def test_a_replaced_file_keeps_its_permission_bits(tmp_path: Path) -> None:
+    """A golden file made group-writable stays so after it is rewritten."""
+    golden = tmp_path / "golden.json"
+    golden.write_text("{}", encoding="utf-8")
+    golden.chmod(0o664)
+    write_whole(golden, '{"version": 1}', "--golden")
+    assert golden.stat().st_mode & 0o777 == 0o664

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
@@ -57,8 +58,7 @@ def written_beside(target: Path) -> Iterator[_Sink]:
 
     A target that exists and is not a regular file (``/dev/stdout``, a named pipe) is written in
     place: it cannot be replaced, and a reader may be waiting on it. A symbolic link stays a
-    link: the file it points to is replaced."""
-    # A symbolic link keeps pointing where it did: the file it names is the one replaced.
+    link: the file it points to is replaced, and keeps its permission bits."""
     destination = target.resolve() if target.is_symlink() else target
     in_place = destination.exists() and not destination.is_file()
     partial = destination if in_place else destination.with_name(
@@ -73,6 +73,8 @@ def written_beside(target: Path) -> Iterator[_Sink]:
             try:
                 file.close()  # a full disk often shows first here, flushing the buffer
                 if not in_place:
+                    if destination.is_file():
+                        os.chmod(partial, stat.S_IMODE(destination.stat().st_mode))
                     os.replace(partial, destination)
             except OSError as exc:
                 raise CannotWrite(target, _reason(exc)) from None
