@@ -246,7 +246,7 @@ class RelativeSpeeds:
         token_part = share * predicted_s
         rescaled = token_part * believed / math.exp(logs[replica])
         predicted_s += rescaled - token_part
-        if not predicted_s > 0:  # the rescaled tokens underflowed and there is no overhead
+        if not 0 < predicted_s < math.inf:  # the rescaled tokens under- or overflowed
             return
         share = rescaled / predicted_s
         step = min(max(math.log(predicted_s) - math.log(seconds), -MAX_LOG_STEP), MAX_LOG_STEP)
