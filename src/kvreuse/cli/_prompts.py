@@ -165,7 +165,7 @@ def read_requests(path_text: str) -> list[tuple[str, Mapping[str, Any] | str]]:
 
 def load_prompts(paths: list[str], setup: PromptSetup) -> list[Prompt]:
     """Every request of ``paths`` rendered and tokenized, in file order. A request log takes
-    about 2 ms a request, so the count so far is shown on stderr (stdout may be the report)."""
+    about 1 ms a request, so the count so far is shown on stderr (stdout may be the report)."""
     from kvreuse.lint.prompt import build_prompt
 
     requests = [item for path in paths for item in read_requests(path)]
