@@ -249,9 +249,11 @@ def test_an_output_in_a_missing_directory_is_refused_before_any_work(
     assert_clear_error(done, f"argument {flag}", "the directory missing does not exist")
 
 
-def _on_a_full_disk(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+def _on_a_full_disk(*args: str, cwd: Path, stdout: int | None = None
+                    ) -> subprocess.CompletedProcess[str]:
     """The command in a child process that may write files of 256 bytes at most: a full disk as
-    the write sees it (EFBIG, as ENOSPC; Python ignores SIGXFSZ)."""
+    the write sees it (EFBIG, as ENOSPC; Python ignores SIGXFSZ). Its stdout is ``stdout`` (a
+    file descriptor) or a pipe."""
     import resource
 
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
@@ -259,7 +261,8 @@ def _on_a_full_disk(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-c", "import sys; from kvreuse.cli.main import main; sys.exit(main())",
          *args],
-        capture_output=True, text=True, env=env, cwd=cwd, timeout=120, check=False,
+        stdout=subprocess.PIPE if stdout is None else stdout, stderr=subprocess.PIPE,
+        text=True, env=env, cwd=cwd, timeout=120, check=False,
         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (256, 256)),
     )
 
@@ -287,3 +290,66 @@ def test_a_full_disk_is_an_error_naming_the_flag_and_the_earlier_file_stays(
     assert_clear_error(done, f"{flag} out.json: cannot write: File too large")
     assert (tmp_path / "out.json").read_text() == "earlier\n"
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]
+
+
+STDOUT_COMMANDS = [
+    ["trace", "stats", "t.jsonl", "--replicas", "1"],
+    ["simulate", "--scenario", "six-turn"],
+    ["scenarios"],
+]
+
+
+def _small_trace(directory: Path) -> None:
+    from kvreuse.testing.mooncake import synthetic_mooncake
+
+    (directory / "t.jsonl").write_text(
+        "\n".join(synthetic_mooncake(requests=30, documents=2)) + "\n")
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="/dev/full is Linux's")
+@pytest.mark.parametrize("args", STDOUT_COMMANDS, ids=lambda args: args[0])
+def test_a_full_disk_under_stdout_is_one_line_naming_standard_output(
+    tmp_path: Path, args: list[str]
+) -> None:
+    """`kvreuse ... > out.txt` on a full disk (``/dev/full``: every write fails with ENOSPC):
+    exit 1 and one line, not rich's traceback."""
+    _small_trace(tmp_path)
+    with open("/dev/full", "w") as full:
+        done = _on_a_full_disk(*args, cwd=tmp_path, stdout=full.fileno())
+    assert done.returncode == 1
+    assert_clear_error(done, "cannot write standard output: No space left on device")
+    assert "Exception ignored" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("args", STDOUT_COMMANDS, ids=lambda args: args[0])
+def test_a_reader_gone_before_the_first_line_ends_the_command_quietly(
+    tmp_path: Path, args: list[str]
+) -> None:
+    """`kvreuse ... | head` with the reader gone: exit 1 and nothing on stderr (no traceback,
+    no "Exception ignored" as the interpreter exits)."""
+    _small_trace(tmp_path)
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = _on_a_full_disk(*args, cwd=tmp_path, stdout=write_end)
+    finally:
+        os.close(write_end)
+    assert done.returncode == 1
+    assert done.stderr == ""
+
+
+def test_an_error_with_stderr_lost_is_still_exit_1(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A command failing while stderr fails too returns its exit code instead of raising."""
+
+    class Lost:
+        def write(self, text: str) -> int:
+            raise OSError(28, "No space left on device")
+
+        def flush(self) -> None:
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(sys, "stderr", Lost())
+    monkeypatch.chdir(tmp_path)
+    assert main(["trace", "stats", "missing.jsonl"]) == 1

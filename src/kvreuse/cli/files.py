@@ -1,4 +1,4 @@
-"""Files a command writes whole or not at all.
+"""Files a command writes whole or not at all, and standard streams whose failures are said.
 
 A command killed, interrupted or failing half-way must leave no half a file where a reader (the
 next ``simulate``, a resumed ``plan``) would take it for a whole one, nor lose the file it was
@@ -11,9 +11,10 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
+import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TextIO
+from typing import TextIO, cast
 
 from kvreuse.errors import ConfigError
 
@@ -95,3 +96,65 @@ def write_whole(path: Path, text: str, flag: str) -> None:
             sink.write(text)
     except CannotWrite as exc:
         raise exc.for_flag(flag) from None
+
+
+class StreamLost(Exception):
+    """Standard output or standard error could not be written: a full disk under a redirect, a
+    terminal gone. Neither an ``OSError`` nor a :class:`~kvreuse.errors.KvreuseError`, so no
+    command's own handler for its input's failures takes it for one: it reaches ``main``."""
+
+    def __init__(self, name: str, reason: str) -> None:
+        super().__init__(f"cannot write {name}: {reason}")
+        self.name = name
+
+
+class _ReportingStream:
+    """A standard stream whose failed writes raise :class:`StreamLost` naming it. A closed pipe
+    (``BrokenPipeError``) passes through unchanged: rich and ``main`` end quietly on it, as
+    ``head`` expects. Everything else (``isatty``, ``fileno``, ``encoding``) is the stream's."""
+
+    def __init__(self, stream: TextIO, name: str) -> None:
+        self._stream, self._name = stream, name
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise StreamLost(self._name, _reason(exc)) from None
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise StreamLost(self._name, _reason(exc)) from None
+
+    def __getattr__(self, attribute: str) -> object:
+        return getattr(self._stream, attribute)
+
+
+@contextlib.contextmanager
+def standard_streams_reported() -> Iterator[None]:
+    """Within the block, a failed write to ``sys.stdout`` or ``sys.stderr`` raises
+    :class:`StreamLost`, and the block ends by flushing stdout, so that a full disk under
+    ``> out.txt`` is seen here and not as a traceback when the interpreter exits."""
+    stdout, stderr = sys.stdout, sys.stderr
+    sys.stdout = cast(TextIO, _ReportingStream(stdout, "standard output"))
+    sys.stderr = cast(TextIO, _ReportingStream(stderr, "standard error"))
+    try:
+        yield
+        sys.stdout.flush()
+    finally:
+        sys.stdout, sys.stderr = stdout, stderr
+
+
+def discard_standard_output() -> None:
+    """Point file descriptor 1 at ``/dev/null``: what stdout still buffers after it failed is
+    dropped at exit instead of failing again there ("Exception ignored", exit 120)."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+        os.close(null)

@@ -8,11 +8,13 @@ Adding a command is one line here and one module; nothing is dispatched with if/
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import sys
 from collections.abc import Sequence
 
 from kvreuse import __version__
+from kvreuse.cli.files import StreamLost, discard_standard_output, standard_streams_reported
 from kvreuse.errors import KvreuseError
 
 COMMAND_MODULES: tuple[str, ...] = (
@@ -57,14 +59,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        code: int = func(args)
+        with standard_streams_reported():
+            code: int = func(args)
     except KvreuseError as exc:
-        print(f"kvreuse {args.command}: error: {exc}", file=sys.stderr)
+        _tell(f"kvreuse {args.command}: error: {exc}")
         return 1
     except KeyboardInterrupt:  # Ctrl-C: said in one line, not a traceback; 128 + SIGINT
-        print(f"kvreuse {args.command}: interrupted", file=sys.stderr)
+        _tell(f"kvreuse {args.command}: interrupted")
         return 130
+    except BrokenPipeError:  # the reader left (`| head`): nothing to say, and no one to say it to
+        discard_standard_output()
+        return 1
+    except StreamLost as exc:
+        discard_standard_output()
+        _tell(f"kvreuse {args.command}: error: {exc}")
+        return 1
     return code
+
+
+def _tell(line: str) -> None:
+    """One line on stderr, unless stderr is itself what failed: the exit code still says it."""
+    with contextlib.suppress(OSError):
+        print(line, file=sys.stderr)
 
 
 if __name__ == "__main__":
