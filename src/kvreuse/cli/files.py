@@ -51,7 +51,7 @@ def _reason(exc: OSError) -> str:
 
 
 @contextlib.contextmanager
-def written_beside(target: Path) -> Iterator[_Sink]:
+def written_beside(target: Path, *, make_parents: bool = False) -> Iterator[_Sink]:
     """A text sink whose content replaces ``target`` when the block ends without an exception;
     on any exception (the caller's, Ctrl-C, :class:`CannotWrite`) the partial file is removed
     and ``target`` is left as it was. The partial file is ``.NAME.PID.partial`` beside it: a
@@ -59,9 +59,15 @@ def written_beside(target: Path) -> Iterator[_Sink]:
 
     A target that exists and is not a regular file (``/dev/stdout``, a named pipe) is written in
     place: it cannot be replaced, and a reader may be waiting on it. A symbolic link stays a
-    link: the file it points to is replaced, and keeps its permission bits."""
-    destination = target.resolve() if target.is_symlink() else target
-    in_place = destination.exists() and not destination.is_file()
+    link: the file it points to is replaced, and keeps its permission bits. ``make_parents``
+    creates the directories above ``target`` first; failing that is a :class:`CannotWrite`."""
+    try:  # a directory we may not search fails these with EACCES
+        if make_parents:
+            target.parent.mkdir(parents=True, exist_ok=True)
+        destination = target.resolve() if target.is_symlink() else target
+        in_place = destination.exists() and not destination.is_file()
+    except OSError as exc:
+        raise CannotWrite(target, _reason(exc)) from None
     partial = destination if in_place else destination.with_name(
         f".{destination.name}.{os.getpid()}.partial")
     try:

@@ -178,13 +178,10 @@ class CellCache:
         if path is None or self.write_error is not None:
             return None
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with written_beside(path) as sink:  # a killed plan never leaves half a cell
+            with written_beside(path, make_parents=True) as sink:  # never half a cell, if killed
                 sink.write(json.dumps(result.as_dict()))
-        except (OSError, CannotWrite) as exc:
-            reason = exc.reason if isinstance(exc, CannotWrite) else (
-                exc.strerror or type(exc).__name__)
-            self.write_error = f"{reason} ({path.parent})"
+        except CannotWrite as exc:
+            self.write_error = f"{exc.reason} ({path.parent})"
             return (f"cannot write the plan cache: {self.write_error}; the plan goes on, "
                     f"keeping no more cells ({self.stored} kept)")
         self.stored += 1
