@@ -195,6 +195,17 @@ def test_simulate_json_to_a_directory_names_the_flag(
     assert_clear_error(done, "argument --json", "'out' is a directory")
 
 
+
+def test_an_empty_output_path_is_refused_as_empty(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``--json ""`` (an unset shell variable) says the path is empty, not that it is a
+    directory."""
+    done = run_main(capsys, monkeypatch, tmp_path, "simulate", "--scenario", "six-turn",
+                    "--json", "")
+    assert done.returncode == 2
+    assert_clear_error(done, "argument --json", "an empty path; give a file")
+
 @pytest.mark.parametrize(
     ("args", "flag"),
     [

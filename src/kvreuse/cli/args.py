@@ -128,7 +128,9 @@ def output_file(path_text: str) -> Path:
     replay of an hour does not fail at its last step. Whether the disk has room is known only
     when writing (:func:`kvreuse.cli.files.write_whole`)."""
     path = Path(path_text)
-    if not path_text or path.is_dir():
+    if not path_text:
+        raise argparse.ArgumentTypeError("an empty path; give a file")
+    if path.is_dir():
         raise argparse.ArgumentTypeError(f"{path_text!r} is a directory; give a file")
     if not path.parent.is_dir():
         raise argparse.ArgumentTypeError(f"{path_text}: the directory {path.parent} does not "
