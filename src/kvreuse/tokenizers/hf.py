@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvreuse.errors import ConfigError, InputFormatError
+from kvreuse.json_input import parse_json
 from kvreuse.tokenizers.contract import Encoded
 
 SPECIAL_TOKEN_ATTRIBUTES = (
@@ -85,11 +86,10 @@ def _token_content(value: object) -> str | None:
 def read_json_object(path: Path) -> dict[str, Any]:
     """A JSON file that must hold an object; errors name the file."""
     try:
-        loaded = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as exc:
+        data = path.read_bytes()
+    except OSError as exc:
         raise InputFormatError(f"cannot read: {exc}", where=str(path)) from None
-    except json.JSONDecodeError as exc:
-        raise InputFormatError(f"not valid JSON: {exc}", where=str(path)) from None
+    loaded = parse_json(data, str(path), allow_non_finite=True)  # as json.loads read them
     if not isinstance(loaded, dict):
         raise InputFormatError("expected a JSON object", where=str(path))
     return loaded
