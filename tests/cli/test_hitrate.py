@@ -92,6 +92,18 @@ def test_a_fingerprint_file_not_in_utf8_reads_as_no_fingerprint(tmp_path: Path) 
     assert read_fingerprint(fingerprint_file) is None
 
 
+@pytest.mark.parametrize("line", ["[" * 5000 + "]" * 5000, '{"fingerprint": 1' + "0" * 5000 + "}"],
+                         ids=["deep", "long-integer"])
+def test_a_fingerprint_line_json_cannot_hold_counts_as_a_bare_fingerprint(
+    tmp_path: Path, line: str
+) -> None:
+    """A line nested too deeply or with an integer too long for Python's json is kept as the
+    line itself (as any other non-JSON line), not a RecursionError or ValueError."""
+    fingerprint_file = tmp_path / "deployed.jsonl"
+    fingerprint_file.write_text(json.dumps({"fingerprint": "aaa"}) + "\n" + line + "\n")
+    assert read_fingerprint(fingerprint_file) == ",".join(sorted(["aaa", line]))
+
+
 def test_unreachable_and_foreign_pages_are_reported_not_fatal(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

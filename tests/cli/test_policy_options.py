@@ -24,6 +24,13 @@ def test_values_read_as_json_or_as_labels_print_them(text: str, value: object) -
     assert option_value(text) == value
 
 
+@pytest.mark.parametrize("text", ["[" * 5000 + "]" * 5000, "1" * 5000])
+def test_a_value_json_cannot_hold_is_kept_as_text(text: str) -> None:
+    """Nesting too deep or an integer too long for Python's json is the text itself (the
+    policy then says the option is wrong), not a RecursionError or ValueError."""
+    assert option_value(text) == text
+
+
 def test_route_and_simulate_agree() -> None:
     """The gateway's options from --policy-option equal simulate's from brackets."""
     args = build_parser().parse_args([

@@ -58,7 +58,7 @@ def option_value(text: str) -> Any:
         return _WORDS[stripped.lower()]
     try:
         return json.loads(stripped)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, an integer too long, nesting too deep
         return stripped
 
 

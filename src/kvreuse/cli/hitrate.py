@@ -36,6 +36,7 @@ from kvreuse.hitrate.window import (
     StepDetector,
     WindowedHitRate,
 )
+from kvreuse.json_input import parse_json
 
 
 def register(subparsers: Any) -> None:
@@ -92,8 +93,8 @@ def read_fingerprint(path: Path) -> str | None:
         if not line:
             continue
         try:
-            value = json.loads(line)
-        except json.JSONDecodeError:
+            value = parse_json(line)
+        except InputFormatError:  # not JSON (a bare fingerprint), or JSON too deep or too long
             prints.append(line)
             continue
         if isinstance(value, dict) and isinstance(value.get("fingerprint"), str):

@@ -167,7 +167,7 @@ class CellCache:
             return None
         try:
             result = CellResult.from_dict(json.loads(path.read_text(encoding="utf-8")))
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, RecursionError):
             return None  # a torn or foreign file: the cell is simply run again
         return result if result.cell == cell else None
 
