@@ -175,6 +175,19 @@ def test_mooncake_hot_set_counts_blocks_reused_within_a_window() -> None:
     assert hot.distinct_tokens == 7 * 512
 
 
+@pytest.mark.parametrize("window", [1e-320, 0.0009, 0.0, -1.0, float("nan")])
+def test_a_window_under_a_millisecond_is_refused_naming_the_flag(window: float) -> None:
+    """Windows finer than the trace's milliseconds are an error naming --window (1e-320 s made
+    a window index of infinity, an OverflowError)."""
+    with pytest.raises(InputFormatError, match="--window.*at least 0.001 s"):
+        trace_hot_set(parse_trace_lines(trace_lines()), window_seconds=window)
+
+
+def test_a_one_millisecond_window_works() -> None:
+    """The smallest window allowed puts each distinct timestamp in its own window."""
+    assert trace_hot_set(parse_trace_lines(trace_lines()), window_seconds=0.001).windows == 5
+
+
 def test_mooncake_errors_name_the_line() -> None:
     """A trace line without hash_ids names its line."""
     with pytest.raises(InputFormatError, match="trace:2"):

@@ -48,8 +48,9 @@ def trace_hot_set(
     block_tokens: int = DEFAULT_BLOCK_TOKENS,
 ) -> TraceHotSet:
     """O(total hash ids)."""
-    if window_seconds <= 0:
-        raise InputFormatError(f"window must be positive, got {window_seconds}", where="--window")
+    if not window_seconds >= 0.001:  # a window under the timestamps' millisecond means nothing
+        raise InputFormatError(f"window must be at least 0.001 s (traces count milliseconds), "
+                               f"got {window_seconds}", where="--window")
     ordered = sorted(requests, key=lambda r: r.timestamp_ms)
     start = ordered[0].timestamp_ms
     window_ms = window_seconds * 1000.0
