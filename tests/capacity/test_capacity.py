@@ -179,7 +179,7 @@ def test_mooncake_hot_set_counts_blocks_reused_within_a_window() -> None:
 def test_a_window_under_a_millisecond_is_refused_naming_the_flag(window: float) -> None:
     """Windows finer than the trace's milliseconds are an error naming --window (1e-320 s made
     a window index of infinity, an OverflowError)."""
-    with pytest.raises(InputFormatError, match="--window.*at least 0.001 s"):
+    with pytest.raises(InputFormatError, match=r"--window.*at least 0\.001 s"):
         trace_hot_set(parse_trace_lines(trace_lines()), window_seconds=window)
 
 
