@@ -1,12 +1,21 @@
-"""kvreuse.cli.files: a file replaced whole or left as it was, and no partial file either way."""
+"""kvreuse.cli.files: a file replaced whole or left as it was, and no partial file either way;
+standard streams whose failed writes are named."""
 
 from __future__ import annotations
 
+import logging
+import sys
 from pathlib import Path
 
 import pytest
 
-from kvreuse.cli.files import CannotWrite, write_whole, written_beside
+from kvreuse.cli.files import (
+    CannotWrite,
+    StreamLost,
+    standard_streams_reported,
+    write_whole,
+    written_beside,
+)
 from kvreuse.errors import ConfigError
 
 
@@ -119,3 +128,38 @@ def test_a_replaced_file_keeps_its_permission_bits(tmp_path: Path) -> None:
     golden.chmod(0o664)
     write_whole(golden, '{"version": 1}', "--golden")
     assert golden.stat().st_mode & 0o777 == 0o664
+
+
+class _FullDisk:
+    """A stream every write of which fails as on a full disk."""
+
+    def write(self, text: str) -> int:
+        raise OSError(28, "No space left on device")
+
+    def flush(self) -> None:
+        raise OSError(28, "No space left on device")
+
+
+def test_a_failed_write_to_stdout_names_the_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """print() to a stdout on a full disk raises StreamLost saying which stream and why."""
+    monkeypatch.setattr(sys, "stdout", _FullDisk())
+    with pytest.raises(StreamLost, match="cannot write standard output: No space left"), \
+            standard_streams_reported():
+        print("figures")
+
+
+def test_a_log_record_stderr_cannot_take_is_dropped_not_raised(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A server logging to a stderr gone bad goes on: logging's guard for OSError still takes
+    the failure (a StreamLost that were not an OSError would reach the request)."""
+    monkeypatch.setattr(sys, "stderr", _FullDisk())
+    monkeypatch.setattr(logging, "raiseExceptions", True)
+    with standard_streams_reported():
+        handler = logging.StreamHandler(sys.stderr)
+        logger = logging.getLogger("kvreuse.test.files")
+        logger.addHandler(handler)
+        try:
+            logger.error("upstream gone")
+        finally:
+            logger.removeHandler(handler)

@@ -104,14 +104,18 @@ def write_whole(path: Path, text: str, flag: str) -> None:
         raise exc.for_flag(flag) from None
 
 
-class StreamLost(Exception):
+class StreamLost(OSError):
     """Standard output or standard error could not be written: a full disk under a redirect, a
-    terminal gone. Neither an ``OSError`` nor a :class:`~kvreuse.errors.KvreuseError`, so no
-    command's own handler for its input's failures takes it for one: it reaches ``main``."""
+    terminal gone. ``main`` says so in one line. Still an ``OSError``, so that the guards
+    written for a stream's own failures keep working: ``logging`` drops a record it cannot
+    write instead of raising into a server's request."""
 
-    def __init__(self, name: str, reason: str) -> None:
-        super().__init__(f"cannot write {name}: {reason}")
+    def __init__(self, name: str, error: OSError) -> None:
+        super().__init__(error.errno, _reason(error))
         self.name = name
+
+    def __str__(self) -> str:
+        return f"cannot write {self.name}: {self.strerror}"
 
 
 class _ReportingStream:
@@ -128,7 +132,7 @@ class _ReportingStream:
         except BrokenPipeError:
             raise
         except OSError as exc:
-            raise StreamLost(self._name, _reason(exc)) from None
+            raise StreamLost(self._name, exc) from None
 
     def flush(self) -> None:
         try:
@@ -136,7 +140,7 @@ class _ReportingStream:
         except BrokenPipeError:
             raise
         except OSError as exc:
-            raise StreamLost(self._name, _reason(exc)) from None
+            raise StreamLost(self._name, exc) from None
 
     def __getattr__(self, attribute: str) -> object:
         return getattr(self._stream, attribute)
