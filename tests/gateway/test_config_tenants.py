@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -115,6 +116,19 @@ def test_a_config_file_not_in_utf8_is_refused_by_name(tmp_path: Path) -> None:
     path.write_bytes(b"\xff\xfe[gateway]\n")
     with pytest.raises(ConfigError, match=r"gw\.toml: not valid UTF-8 \(byte 0\)"):
         load_config_file(path)
+
+
+@pytest.mark.parametrize("load", [load_config_file, load_tenants],
+                         ids=["config", "tenants"])
+def test_a_toml_file_nested_too_deeply_is_refused_by_name(
+    tmp_path: Path, load: Callable[[Path], object]
+) -> None:
+    """5,000 nested arrays (tomllib recurses once per level) are a ConfigError naming the
+    file, not a RecursionError: at start, and at a SIGHUP's re-read of --config."""
+    path = tmp_path / "deep.toml"
+    path.write_text("a = " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(ConfigError, match=r"deep\.toml: not valid TOML: nested too deeply"):
+        load(path)
 
 
 def test_endpoints_the_gateway_binds_may_use_any_interface() -> None:

@@ -565,16 +565,25 @@ def parse_upstream_flag(text: str) -> UpstreamConfig:
     return upstream_from_table(raw, f"--upstream {text!r}")
 
 
-def load_config_file(path: Path) -> GatewayConfig:
-    """Read a TOML gateway file (see the module docstring)."""
+def read_toml_file(path: Path, what: str = "") -> dict[str, Any]:
+    """The tables of a TOML file; a :class:`ConfigError` naming it (``what``: the kind of file,
+    for the message) when it cannot be read, is not UTF-8 or not TOML, or nests too deeply for
+    ``tomllib``, which recurses once per level."""
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        return tomllib.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:
-        raise ConfigError(f"cannot read {path}: {exc}") from None
+        raise ConfigError(f"cannot read {what}{path}: {exc}") from None
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not valid UTF-8 (byte {exc.start})") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: not valid TOML: nested too deeply") from None
+
+
+def load_config_file(path: Path) -> GatewayConfig:
+    """Read a TOML gateway file (see the module docstring)."""
+    data = read_toml_file(path)
     unknown = sorted(set(data) - {"gateway", "upstreams", "discover"})
     if unknown:
         raise ConfigError(f"{path}: unknown table(s) {', '.join(unknown)}")

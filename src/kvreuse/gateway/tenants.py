@@ -30,12 +30,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvreuse.errors import ConfigError
+from kvreuse.gateway.config import read_toml_file
 
 DISCOVERED_PREFIX = "discover:"
 """A pin of this prefix names a DNS discovery's source: every upstream it keeps."""
@@ -103,14 +103,7 @@ MAX_TENANT_CHARS = 256
 def load_tenants(path: Path, environ: Mapping[str, str] | None = None) -> Tenants:
     """Read a tenants file; errors name the key to fix."""
     env = os.environ if environ is None else environ
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ConfigError(f"cannot read tenants file {path}: {exc}") from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: not valid UTF-8 (byte {exc.start})") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    data = read_toml_file(path, "tenants file ")
     unknown = sorted(set(data) - {"secret", "secret_env", "caller_salt", "keys", "tenants"})
     if unknown:
         raise ConfigError(f"{path}: unknown key(s) {', '.join(unknown)}")
