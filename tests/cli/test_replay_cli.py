@@ -113,6 +113,24 @@ def test_speed_and_duration_shape_the_schedule(tmp_path: Path) -> None:
     assert cut == normal[: len(cut)]
 
 
+@pytest.mark.parametrize("speed", ["1e-320", "1e-300", "1e-8"])
+def test_a_speed_that_makes_the_replay_last_over_a_month_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], speed: str
+) -> None:
+    """A mistaken --speed (1e-320 made every send time infinite, and the replay waited
+    forever) is refused naming the first request past a month, before anything is sent; a
+    --duration that keeps the replay short lets it through."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(synthetic_mooncake(requests=5, requests_per_second=5.0)) + "\n")
+    args = ["replay", "--trace", str(trace), "--target", "http://127.0.0.1:9", "--model", "m",
+            "--timeout", "1", "--speed", speed]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert "--speed" in err and "t.jsonl:" in err and "over 30 days" in err, err
+    main([*args, "--duration", "1"])
+    assert "over 30 days" not in capsys.readouterr().err
+
+
 def test_replay_refuses_prompts_over_the_limit(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

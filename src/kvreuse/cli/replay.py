@@ -104,6 +104,11 @@ class ReplayCalls:
             yield self.make_call(at_s, record)
 
 
+MAX_REPLAY_S = 30 * 86_400.0
+"""The longest replay `replay` starts: a month of a trace's requests at ``--speed``. Longer is
+a mistaken ``--speed``, and past about 1e308 s the schedule is not even a number."""
+
+
 def build_calls(records: Sequence[TraceRecord], args: argparse.Namespace,
                 default_model: Callable[[], str] = lambda: "") -> ReplayCalls:
     """The records due within ``--duration``, each a loadgen :class:`Call` when iterated; a
@@ -124,6 +129,12 @@ def build_calls(records: Sequence[TraceRecord], args: argparse.Namespace,
         at_s = (record.timestamp_ms - origin) / 1000.0 / args.speed
         if args.duration is not None and at_s > args.duration:
             break
+        if at_s > MAX_REPLAY_S:  # a speed such as 1e-300 (a typo): a replay never to end
+            raise ConfigError(
+                f"at --speed {args.speed:g} the request on {args.trace}:{record.line} would be "
+                f"sent {at_s:.3g} s after the first, over {MAX_REPLAY_S / 86_400:g} days; give "
+                f"a larger --speed, or --duration"
+            )
         schedule.append((at_s, record))
     fallback = ""
     if not args.model and any(not record.model for _, record in schedule):
