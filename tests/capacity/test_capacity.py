@@ -155,6 +155,33 @@ def test_workload_errors_name_the_field() -> None:
         parse_workload({"prefix_groups": [{"count": 3}]})
 
 
+@pytest.mark.parametrize("replicas", [True, 10**30, 0, 2.0, "8"])
+def test_a_replica_count_that_is_no_fleet_is_refused(replicas: object) -> None:
+    """``true`` (a JSON bool is a Python int) and 1e30 were taken as fleet sizes and printed
+    as "the fleet of True"; they, zero, a float and a string are refused naming the key."""
+    group = {"count": 6, "tokens": 1500}
+    with pytest.raises(InputFormatError, match="'replicas' must be a whole number from 1"):
+        parse_workload({"prefix_groups": [group], "replicas": replicas})
+
+
+@pytest.mark.parametrize(("share", "needle"), [
+    (2, "at most 1; got 2"), (-0.5, "non-negative"), ("80%", "non-negative"), (True, "non-neg"),
+])
+def test_a_hot_share_that_is_no_share_is_refused(share: object, needle: str) -> None:
+    """'hot_share' is a share of the traffic: 2 printed "(200% of traffic)", and a string
+    was left out without a word; each is now refused naming the group."""
+    group = {"count": 6, "tokens": 1500, "hot_share": share}
+    with pytest.raises(InputFormatError, match=needle) as refused:
+        parse_workload({"prefix_groups": [group]})
+    assert "prefix_groups[0]" in str(refused.value)
+
+
+def test_a_hot_share_of_one_is_all_the_traffic() -> None:
+    """The largest share is printed as 100%."""
+    parts, _ = parse_workload({"prefix_groups": [{"count": 6, "tokens": 1500, "hot_share": 1}]})
+    assert "(100% of traffic)" in parts[0].detail
+
+
 def trace_lines() -> list[str]:
     rows = [
         {"timestamp": 0, "input_length": 1536, "output_length": 10, "hash_ids": [1, 2, 3]},

@@ -45,6 +45,11 @@ MAX_QUANTITY = 1e15
 """Larger counts, token lengths or rates describe no real workload (and overflow the sizing)."""
 
 
+MAX_REPLICAS = 1_000_000
+"""More replicas than any fleet has: ``true`` (a JSON bool is a Python int) or 1e30 was taken
+as a fleet size and printed as one."""
+
+
 def _number(data: Mapping[str, Any], key: str, where: str, default: float | None = None) -> float:
     value = data.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
@@ -90,9 +95,12 @@ def parse_workload(data: object, where: str = "workload") -> tuple[list[HotPart]
             )
         tail = int(_number(group, "tail_tokens", at, default=0))
         entry = int(_number(group, "tokens", at)) + tail
-        share = group.get("hot_share")
         detail = f"{hot:,} hot of {count:,} x {entry:,} tokens"
-        if isinstance(share, int | float):
+        if "hot_share" in group:
+            share = _number(group, "hot_share", at)
+            if share > 1:
+                raise InputFormatError(f"'hot_share' is a share of the traffic, at most 1; got "
+                                       f"{share:g}", where=at)
             detail += f" ({share:.0%} of traffic)"
         name = str(group.get("name", f"prefix group {index}"))
         parts.append(HotPart(name, hot * entry, hot * entry, detail, entry, hot, tail))
@@ -117,8 +125,10 @@ def parse_workload(data: object, where: str = "workload") -> tuple[list[HotPart]
             )
         )
     replicas = data.get("replicas")
-    if replicas is not None and (not isinstance(replicas, int) or replicas <= 0):
-        raise InputFormatError("'replicas' must be a positive integer", where=where)
+    if replicas is not None and (isinstance(replicas, bool) or not isinstance(replicas, int)
+                                 or not 0 < replicas <= MAX_REPLICAS):
+        raise InputFormatError(f"'replicas' must be a whole number from 1 to {MAX_REPLICAS:,}",
+                               where=where)
     if not parts:
         raise InputFormatError("describe 'prefix_groups' and/or 'conversations'", where=where)
     return parts, replicas
