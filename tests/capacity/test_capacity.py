@@ -79,12 +79,24 @@ def test_missing_layer_count_names_the_key() -> None:
      ({"num_hidden_layers": 10**30}, "at most 1,048,576"),
      ({"head_dim": 0}, "'head_dim'"),
      ({"hidden_size": 16}, "smaller than 'num_attention_heads'"),
-     ({"kv_lora_rank": 512, "qk_rope_head_dim": "64"}, "'qk_rope_head_dim'")],
+     ({"kv_lora_rank": 512, "qk_rope_head_dim": "64"}, "'qk_rope_head_dim'"),
+     ({"torch_dtype": 0}, "'torch_dtype' must be a dtype name"),
+     ({"torch_dtype": []}, "'torch_dtype' must be a dtype name"),
+     ({"torch_dtype": None, "dtype": ""}, "'dtype' must be a dtype name")],
 )
 def test_malformed_shapes_are_refused_not_guessed(change: dict[str, object], needle: str) -> None:
     """A zero, boolean or absurd size is an error naming the key, never a silent fallback."""
     with pytest.raises(InputFormatError, match=needle):
         kv_shape_from_config({**LLAMA_8B, **change})
+
+
+def test_a_dtype_unset_or_null_is_bfloat16_and_dtype_stands_in_for_torch_dtype() -> None:
+    """No dtype key, or null, is bfloat16 (2 bytes); newer configs' 'dtype' is read when
+    'torch_dtype' is absent."""
+    plain = {k: v for k, v in LLAMA_8B.items() if k != "torch_dtype"}
+    assert kv_shape_from_config(plain) == kv_shape_from_config({**plain, "torch_dtype": None})
+    assert kv_shape_from_config({**plain, "dtype": "float32"}).bytes_per_token == (
+        2 * kv_shape_from_config(plain).bytes_per_token)
 
 
 def test_null_kv_heads_and_head_dim_take_hf_defaults() -> None:
