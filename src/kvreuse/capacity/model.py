@@ -97,16 +97,18 @@ def kv_shape_from_config(
         merged = {**config, **text_config}
         config = merged
     layers = _int(config, "num_hidden_layers", where)
-    # The first of the keys that is set; null is unset, but 0, "" or [] is a malformed file,
-    # not a reason to assume bfloat16.
-    dtype_key = next((key for key in ("torch_dtype", "dtype") if config.get(key) is not None),
-                     None)
-    dtype_name = kv_cache_dtype or (config[dtype_key] if dtype_key else "bfloat16")
-    if not isinstance(dtype_name, str) or not dtype_name:
-        raise InputFormatError(f"'{dtype_key}' must be a dtype name such as \"bfloat16\", got "
-                               f"{dtype_name!r}", where=where)
-    element = dtype_bytes(dtype_name, "--kv-cache-dtype" if kv_cache_dtype else
-                          dtype_key or "torch_dtype")
+    if kv_cache_dtype:
+        element = dtype_bytes(kv_cache_dtype, "--kv-cache-dtype")
+    else:
+        # The first of the keys that is set; null is unset, but 0, "" or [] is a malformed
+        # file, not a reason to assume bfloat16.
+        dtype_key = next((key for key in ("torch_dtype", "dtype")
+                          if config.get(key) is not None), None)
+        dtype_name = "bfloat16" if dtype_key is None else config[dtype_key]
+        if not isinstance(dtype_name, str) or not dtype_name:
+            raise InputFormatError(f"'{dtype_key}' must be a dtype name such as \"bfloat16\", "
+                                   f"got {dtype_name!r}", where=where)
+        element = dtype_bytes(dtype_name, dtype_key or "torch_dtype")
     if config.get("kv_lora_rank") is not None:
         rope = 0 if config.get("qk_rope_head_dim") is None else _int(
             config, "qk_rope_head_dim", where, minimum=0)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvreuse.errors import ConfigError
+from kvreuse.errors import ConfigError, InputFormatError
+from kvreuse.json_input import parse_json
 
 
 def _whole_number(text: str, minimum: int) -> int:
@@ -57,8 +57,8 @@ def option_value(text: str) -> Any:
     if stripped.lower() in _WORDS:
         return _WORDS[stripped.lower()]
     try:
-        return json.loads(stripped)
-    except (ValueError, RecursionError):  # not JSON, an integer too long, nesting too deep
+        return parse_json(stripped, allow_non_finite=True)
+    except InputFormatError:  # not JSON, or JSON too deep or with too long an integer
         return stripped
 
 

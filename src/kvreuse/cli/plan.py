@@ -42,7 +42,8 @@ from kvreuse.cli.args import (
 from kvreuse.cli.files import CannotWrite, write_whole, written_beside
 from kvreuse.cli.plan_workers import PoolWorkers, RayWorkers, Traffic, WorkerInit, run_cells
 from kvreuse.cli.tables import make_console, print_table, progress_bar
-from kvreuse.errors import ConfigError, WorkerDiedError
+from kvreuse.errors import ConfigError, InputFormatError, WorkerDiedError
+from kvreuse.json_input import parse_json
 from kvreuse.routing import POLICIES
 from kvreuse.sim.config import ReplicaConfig, speeds_for
 from kvreuse.sim.plan import (
@@ -166,8 +167,8 @@ class CellCache:
         if path is None or not path.is_file():
             return None
         try:
-            result = CellResult.from_dict(json.loads(path.read_text(encoding="utf-8")))
-        except (OSError, ValueError, KeyError, TypeError, RecursionError):
+            result = CellResult.from_dict(parse_json(path.read_bytes(), allow_non_finite=True))
+        except (OSError, InputFormatError, ValueError, KeyError, TypeError):
             return None  # a torn or foreign file: the cell is simply run again
         return result if result.cell == cell else None
 

